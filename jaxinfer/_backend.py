@@ -1,0 +1,30 @@
+"""Which way the Pallas kernels run: compiled for the GPU, or in Pallas interpret mode.
+
+Default ("auto"): compiled when JAX's default backend is a GPU, interpret mode
+otherwise (CPU). Force either with backend="interpret" / backend="gpu" on any
+entry point, or with the environment variable JAXINFER_BACKEND. Interpret mode
+runs the same kernel code (never a jnp stand-in), so CPU tests test the kernels.
+"""
+import os
+
+import jax
+
+BACKENDS = ("auto", "interpret", "gpu")
+
+
+def use_interpret(backend=None):
+    choice = backend or os.environ.get("JAXINFER_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return jax.default_backend() != "gpu"
+    return choice == "interpret"
+
+
+def num_sms(default=132):
+    """Streaming multiprocessors of the first GPU (used to size the grid); `default` without one."""
+    try:
+        dev = jax.devices()[0]
+        return int(getattr(dev, "core_count", None) or default)
+    except RuntimeError:
+        return default

@@ -1,0 +1,145 @@
+"""Batch decode over a paged KV cache: plan() on the host, run() compiled once."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import _backend
+from jaxinfer.formats import AttentionState, PagedKVCache, check_layout, default_sm_scale
+from pallas_kernels import decode as decode_kernels
+from pallas_kernels import merge as merge_kernels
+from planner import decode as decode_planner
+
+
+@jax.tree_util.register_pytree_node_class
+class DecodePlan:
+    """A decode plan: one packed int32 buffer on the device plus its static layout.
+
+    Pass it to run() inside or outside jit; plans with the same capacities share
+    one compiled program. kv_lens_at(step) gives the live lengths of step
+    `step` of a horizon plan (see BatchDecodeWithPagedKVCache.plan).
+    """
+
+    def __init__(self, buffer, layout, horizon=1, info=None):
+        self.buffer, self.layout, self.horizon, self.info = buffer, layout, horizon, info or {}
+
+    def sections(self):
+        return self.layout.unpack(self.buffer)
+
+    @property
+    def kv_lens(self):
+        """int32[B]: the lengths the plan was made for (the horizon's last step)."""
+        return self.sections()["kv_lens"]
+
+    def kv_lens_at(self, step):
+        """int32[B]: live lengths at step `step` (0-based, may be traced) of the horizon."""
+        return jnp.maximum(self.kv_lens - (self.horizon - 1 - step), 0)
+
+    def tree_flatten(self):
+        return (self.buffer,), (self.layout, self.horizon)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+
+def run_decode_sections(q, k_rows, v_rows, sec, kv_lens, layout, *, page_size, num_kv_heads,
+                        cache_layout, sm_scale, interpret, **kernel_options):
+    """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [B,Hq,D], lse [B,Hq])."""
+    batch, hq, d = q.shape
+    o, lse, o_part, lse_part = decode_kernels.paged_decode(
+        q, k_rows, v_rows, sec["kv_indices"], kv_lens, sec["items"], sec["cell_indptr"],
+        num_parts=layout.part_cap, page_size=page_size, num_kv_heads=num_kv_heads,
+        layout=cache_layout, sm_scale=sm_scale, interpret=interpret, **kernel_options)
+    return merge_kernels.merge_varlen(
+        o_part.reshape(layout.part_cap, hq, d), lse_part.reshape(layout.part_cap, hq),
+        sec["merge_indptr"], sec["merge_dest"], out=(o.reshape(batch, hq, d), lse.reshape(batch, hq)),
+        interpret=interpret)
+
+
+class BatchDecodeWithPagedKVCache:
+    """Batch decode (one query token per request) over a PagedKVCache.
+
+        dec = BatchDecodeWithPagedKVCache(32, 8, 128, 16)
+        plan = dec.plan(kv_indptr, kv_indices, kv_last_page_len)   # host NumPy, once per step
+        o = dec.run(q, kv_cache, plan)                             # pure; jit it; every layer
+
+    max_batch_size / max_num_pages fix the plan's shapes (q then has
+    max_batch_size rows; rows past the batch give o = 0), so one compiled run()
+    serves every step. num_ctas (default 2 x SM count) sets the grid: cells =
+    ceil(num_ctas / num_kv_heads). fixed_split_pages makes outputs batch-invariant.
+    kernel_options (block_kv, num_warps, num_stages) tune the kernel.
+    """
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, layout="NHD",
+                 max_batch_size=None, max_num_pages=None, sm_scale=None, num_ctas=None,
+                 fixed_split_pages=None, backend=None, **kernel_options):
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size, self.layout = page_size, check_layout(layout)
+        self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
+        self.sm_scale = default_sm_scale(head_dim, sm_scale)
+        ctas = num_ctas or 2 * _backend.num_sms()
+        self.num_cells = max(1, math.ceil(ctas / num_kv_heads))
+        self.fixed_split_pages = fixed_split_pages
+        self.interpret = _backend.use_interpret(backend)
+        self.kernel_options = kernel_options
+
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, horizon=1):
+        """Plans one decode step from a host CSR page table (int32 NumPy arrays).
+
+        num_pages: the cache's page count; page ids outside [0, num_pages) are rejected.
+        horizon=K: the page table describes the lengths at the last of K steps
+        (pages allocated ahead); run() at step s takes kv_lens=plan.kv_lens_at(s),
+        so a lax.scan over K steps needs this one plan.
+        """
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        layout, buf, info = decode_planner.plan_decode(
+            kv_indptr, kv_indices, kv_last_page_len, page_size=self.page_size,
+            num_cells=self.num_cells, num_pages=num_pages, max_batch_size=self.max_batch_size,
+            max_num_pages=self.max_num_pages, fixed_split_pages=self.fixed_split_pages)
+        return DecodePlan(jax.device_put(buf), layout, int(horizon), info)
+
+    def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False):
+        """q [B, Hq, D] -> o [B, Hq, D], or AttentionState(o, lse [B, Hq]) with return_lse.
+
+        kv_lens (int32[B], optional, may be traced): live lengths, each at most
+        the planned length; defaults to the plan's lengths.
+        """
+        self._check(q, kv_cache, plan)
+        sec = plan.sections()
+        lens = sec["kv_lens"] if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
+        if lens.shape != (plan.layout.batch,):
+            raise ValueError(f"kv_lens must have shape [{plan.layout.batch}], got {lens.shape}")
+        k_rows, v_rows = kv_cache.rows()
+        o, lse = run_decode_sections(
+            q, k_rows, v_rows, sec, lens, plan.layout, page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads, cache_layout=self.layout, sm_scale=self.sm_scale,
+            interpret=self.interpret, **self.kernel_options)
+        return AttentionState(o, lse) if return_lse else o
+
+    def _check(self, q, kv_cache, plan):
+        if not isinstance(plan, DecodePlan):
+            raise ValueError("plan must be a DecodePlan from plan()")
+        if not isinstance(kv_cache, PagedKVCache):
+            raise ValueError("kv_cache must be a PagedKVCache")
+        expect_q = (plan.layout.batch, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != expect_q:
+            raise ValueError(f"q must have shape {expect_q}, got {q.shape}")
+        got = (kv_cache.page_size, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.layout)
+        want = (self.page_size, self.num_kv_heads, self.head_dim, self.layout)
+        if got != want:
+            raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
+        if q.dtype != kv_cache.dtype:
+            raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
+
+
+def single_request_table(kv_len):
+    """A one-request page table with page_size 1 over contiguous K/V rows (host arrays)."""
+    return (np.array([0, kv_len], np.int32), np.arange(max(kv_len, 1), dtype=np.int32),
+            np.array([1], np.int32))

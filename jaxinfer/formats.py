@@ -1,0 +1,181 @@
+"""KV-cache and sparse formats, all registered pytrees usable as jit arguments."""
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from planner import validate
+
+LAYOUTS = ("NHD", "HND")
+
+
+class AttentionState(NamedTuple):
+    """Attention over a subset of keys: o [..., H, D] and lse [..., H] float32.
+
+    lse is the NATURAL-log log-sum-exp of the scaled logits (as
+    jax.nn.logsumexp). FlashInfer returns log2; convert with lse / ln(2).
+    A row that sees no key has o = 0 and lse = -inf.
+    """
+    o: jax.Array
+    lse: jax.Array
+
+
+def check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+@jax.tree_util.register_pytree_node_class
+class PagedKVCache:
+    """Paged K and V caches.
+
+    NHD: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim]
+    HND: k_pages, v_pages [num_pages, num_kv_heads, page_size, head_dim]
+    """
+
+    def __init__(self, k_pages, v_pages, layout="NHD"):
+        check_layout(layout)
+        if k_pages.shape != v_pages.shape:
+            raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have one shape")
+        if k_pages.ndim != 4:
+            raise ValueError(f"k_pages must be 4-D, got shape {k_pages.shape}")
+        if k_pages.dtype != v_pages.dtype:
+            raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} must have one dtype")
+        self.k_pages, self.v_pages, self.layout = k_pages, v_pages, layout
+
+    @property
+    def num_pages(self):
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self):
+        return self.k_pages.shape[1 if self.layout == "NHD" else 2]
+
+    @property
+    def num_kv_heads(self):
+        return self.k_pages.shape[2 if self.layout == "NHD" else 1]
+
+    @property
+    def head_dim(self):
+        return self.k_pages.shape[3]
+
+    @property
+    def dtype(self):
+        return self.k_pages.dtype
+
+    def rows(self):
+        """K and V viewed as [num_pages * page_size * num_kv_heads, head_dim] (a free reshape)."""
+        return (self.k_pages.reshape(-1, self.head_dim), self.v_pages.reshape(-1, self.head_dim))
+
+    def tree_flatten(self):
+        return (self.k_pages, self.v_pages), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        obj = object.__new__(cls)
+        obj.k_pages, obj.v_pages = children
+        obj.layout = layout
+        return obj
+
+    def __repr__(self):
+        return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, layout={self.layout!r})")
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockSparseMatrix:
+    """Block-sparse row (BSR) matrix of shape (M, N) with blocks (R, C).
+
+    Row block i holds the column blocks indices[indptr[i]:indptr[i+1]]; block
+    (i, j) covers rows [i*R, (i+1)*R) and columns [j*C, (j+1)*C). An optional
+    block_mask [nnz, R, C] (bool) marks the visible entries inside each block.
+    This is the paper's unified format: a page table is a BSR with C = page_size.
+    """
+
+    def __init__(self, indptr, indices, block_shape, shape, block_mask=None):
+        R, C = (int(b) for b in block_shape)
+        M, N = (int(s) for s in shape)
+        if R < 1 or C < 1:
+            raise ValueError(f"block_shape must be positive, got {block_shape}")
+        if M % R or N % C:
+            raise ValueError(f"shape {shape} must be a multiple of block_shape {block_shape}")
+        if not isinstance(indptr, jax.core.Tracer):
+            indptr_np = validate.check_indptr("indptr", indptr)
+            if indptr_np.shape[0] != M // R + 1:
+                raise ValueError(f"indptr must have shape [{M // R + 1}], got {indptr_np.shape}")
+            indices_np = validate.as_int32("indices", indices)
+            used = indices_np[: indptr_np[-1]]
+            if used.size and (used.min() < 0 or used.max() >= N // C):
+                raise ValueError(f"indices holds column blocks outside [0, {N // C})")
+            if block_mask is not None and tuple(np.shape(block_mask)) != (indices_np.shape[0], R, C):
+                raise ValueError(f"block_mask must have shape [{indices_np.shape[0]}, {R}, {C}], "
+                                 f"got {np.shape(block_mask)}")
+        self.indptr, self.indices, self.block_mask = indptr, indices, block_mask
+        self.block_shape, self.shape = (R, C), (M, N)
+
+    @classmethod
+    def from_page_table(cls, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages):
+        """Decode view of a page table: row i is request i (R = 1), C = page_size.
+
+        Slots past kv_last_page_len in a request's last page are masked out.
+        """
+        kv_indptr, kv_indices, kv_last_page_len, _ = validate.check_page_table(
+            kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
+        nnz = int(kv_indptr[-1])
+        mask = np.ones((nnz, 1, page_size), bool)
+        for b in range(kv_indptr.shape[0] - 1):
+            if kv_indptr[b + 1] > kv_indptr[b]:
+                mask[kv_indptr[b + 1] - 1, 0, kv_last_page_len[b]:] = False
+        batch = kv_indptr.shape[0] - 1
+        return cls(kv_indptr, kv_indices[:nnz], (1, page_size), (batch, num_pages * page_size), mask)
+
+    def to_dense_mask(self):
+        """Dense boolean [M, N] visibility (host NumPy; for tests and the reference)."""
+        R, C = self.block_shape
+        M, N = self.shape
+        indptr, indices = np.asarray(self.indptr), np.asarray(self.indices)
+        dense = np.zeros((M, N), bool)
+        for i in range(M // R):
+            for e in range(indptr[i], indptr[i + 1]):
+                j = indices[e]
+                blk = True if self.block_mask is None else np.asarray(self.block_mask[e])
+                dense[i * R:(i + 1) * R, j * C:(j + 1) * C] |= blk
+        return dense
+
+    def tree_flatten(self):
+        return (self.indptr, self.indices, self.block_mask), (self.block_shape, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.indptr, obj.indices, obj.block_mask = children
+        obj.block_shape, obj.shape = aux
+        return obj
+
+    def __repr__(self):
+        return f"BlockSparseMatrix(shape={self.shape}, block_shape={self.block_shape}, nnz_blocks={np.shape(self.indices)[0]})"
+
+
+def ragged_lengths(indptr):
+    """Per-request lengths from an indptr (host or device array)."""
+    return indptr[1:] - indptr[:-1]
+
+
+def check_qkv(q, k, name_q="q", name_k="k"):
+    """Common shape checks: last dims match and Hq is a multiple of Hkv."""
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head_dim mismatch: {name_q} has {q.shape[-1]}, {name_k} has {k.shape[-1]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+
+
+def default_sm_scale(head_dim, sm_scale):
+    return float(1.0 / np.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+
+
+def is_concrete(*xs):
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+

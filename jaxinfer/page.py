@@ -1,0 +1,81 @@
+"""Writing new K/V rows into a paged cache."""
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.formats import PagedKVCache, is_concrete
+
+
+def _check_int32(name, x):
+    if jnp.asarray(x).dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {jnp.asarray(x).dtype}")
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz):
+    """For the nnz appended rows, the request of each and its absolute position.
+
+    Request b appends rows append_indptr[b]:append_indptr[b+1] at the end of
+    its sequence of (new) length seq_lens[b]: seq_len 5 with 2 appended gives
+    positions [3, 4]. Rows past append_indptr[-1] get batch index and position -1.
+    Returns (batch_indices int32[nnz], positions int32[nnz]); jit-able.
+    """
+    _check_int32("append_indptr", append_indptr)
+    _check_int32("seq_lens", seq_lens)
+    append_indptr, seq_lens = jnp.asarray(append_indptr), jnp.asarray(seq_lens)
+    if seq_lens.shape[0] != append_indptr.shape[0] - 1:
+        raise ValueError(f"seq_lens must have shape [{append_indptr.shape[0] - 1}], got {seq_lens.shape}")
+    row = jnp.arange(nnz, dtype=jnp.int32)
+    batch = (jnp.searchsorted(append_indptr, row, side="right") - 1).astype(jnp.int32)
+    live = row < append_indptr[-1]
+    b = jnp.clip(batch, 0, seq_lens.shape[0] - 1)
+    pos = seq_lens[b] - (append_indptr[b + 1] - row)
+    return jnp.where(live, batch, -1), jnp.where(live, pos, -1).astype(jnp.int32)
+
+
+def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions, kv_indices, kv_indptr):
+    """Writes append_k/append_v [nnz, Hkv, D] into the cache; returns the new PagedKVCache.
+
+    Position p of request b lands in page kv_indices[kv_indptr[b] + p // page_size]
+    at slot p % page_size. Rows with batch index < 0 are skipped. Under jax.jit
+    with the cache donated (donate_argnums), XLA updates the pages in place.
+    """
+    if not isinstance(kv_cache, PagedKVCache):
+        raise ValueError("kv_cache must be a PagedKVCache")
+    expect = (kv_cache.num_kv_heads, kv_cache.head_dim)
+    for name, x in (("append_k", append_k), ("append_v", append_v)):
+        if x.ndim != 3 or tuple(x.shape[1:]) != expect:
+            raise ValueError(f"{name} must be [nnz, {expect[0]}, {expect[1]}], got {x.shape}")
+    if append_k.shape != append_v.shape:
+        raise ValueError(f"append_k {append_k.shape} and append_v {append_v.shape} must have one shape")
+    nnz = append_k.shape[0]
+    for name, x in (("batch_indices", batch_indices), ("positions", positions)):
+        _check_int32(name, x)
+        if jnp.shape(x) != (nnz,):
+            raise ValueError(f"{name} must have shape [{nnz}], got {jnp.shape(x)}")
+    _check_int32("kv_indices", kv_indices)
+    _check_int32("kv_indptr", kv_indptr)
+    p = kv_cache.page_size
+    if is_concrete(batch_indices, positions, kv_indices, kv_indptr):
+        bi, pos = np.asarray(batch_indices), np.asarray(positions)
+        ip, idx = np.asarray(kv_indptr), np.asarray(kv_indices)
+        live = bi >= 0
+        if np.any(bi[live] >= ip.shape[0] - 1):
+            raise ValueError("batch_indices holds requests outside the page table")
+        if np.any(pos[live] < 0):
+            raise ValueError("positions must be >= 0")
+        if np.any(pos[live] // p >= (ip[1:] - ip[:-1])[bi[live]]):
+            raise ValueError("positions lie past the pages listed for their request in kv_indices")
+        pages = idx[ip[bi[live]] + pos[live] // p]
+        if pages.size and (pages.min() < 0 or pages.max() >= kv_cache.num_pages):
+            raise ValueError(f"kv_indices holds page ids outside [0, {kv_cache.num_pages})")
+    b = jnp.maximum(batch_indices, 0)
+    page = jnp.asarray(kv_indices)[jnp.asarray(kv_indptr)[b] + positions // p]
+    page = jnp.where(batch_indices >= 0, page, kv_cache.num_pages)  # out of range: dropped
+    slot = positions % p
+    k_new, v_new = append_k.astype(kv_cache.dtype), append_v.astype(kv_cache.dtype)
+    if kv_cache.layout == "NHD":
+        k = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
+        v = kv_cache.v_pages.at[page, slot].set(v_new, mode="drop")
+    else:
+        k = kv_cache.k_pages.at[page, :, slot].set(k_new, mode="drop")
+        v = kv_cache.v_pages.at[page, :, slot].set(v_new, mode="drop")
+    return PagedKVCache(k, v, kv_cache.layout)

@@ -1,0 +1,132 @@
+"""Reference semantics in pure jnp (float32 math). Every kernel is tested against this.
+
+Conventions:
+- GQA: query head h reads kv head h // (Hq // Hkv).
+- sm_scale defaults to 1 / sqrt(head_dim).
+- causal is bottom-right aligned: query i of a request with (qo_len, kv_len)
+  sees keys j <= i + kv_len - qo_len.
+- A query row with no visible key gives o = 0 and lse = -inf (natural log).
+Index arrays (indptr, indices) are host arrays: the reference loops over
+requests in Python and is meant for tests, not speed.
+"""
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.formats import AttentionState, default_sm_scale
+
+
+def attention(q, k, v, *, causal=False, sm_scale=None, mask=None):
+    """One request. q [qo_len, Hq, D], k/v [kv_len, Hkv, D], mask [qo_len, kv_len] bool.
+
+    Returns AttentionState(o [qo_len, Hq, D] in q.dtype, lse [qo_len, Hq] float32).
+    """
+    qo_len, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    group = hq // hkv
+    scale = default_sm_scale(d, sm_scale)
+    qf = q.astype(jnp.float32).reshape(qo_len, hkv, group, d)
+    logits = jnp.einsum("qhgd,khd->hgqk", qf, k.astype(jnp.float32),
+                        precision="highest") * scale  # [Hkv, G, qo, kv]
+    visible = jnp.ones((qo_len, kv_len), bool)
+    if causal:
+        visible &= (jnp.arange(kv_len)[None, :] <= jnp.arange(qo_len)[:, None] + kv_len - qo_len)
+    if mask is not None:
+        visible &= jnp.asarray(mask, bool)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m_safe)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("hgqk,khd->qhgd", p / jnp.where(denom > 0, denom, 1.0),
+                   v.astype(jnp.float32), precision="highest")
+    lse = jnp.where(denom[..., 0] > 0, jnp.log(denom[..., 0]) + m_safe[..., 0], -jnp.inf)  # [Hkv, G, qo]
+    return AttentionState(o.reshape(qo_len, hq, d).astype(q.dtype),
+                          jnp.transpose(lse, (2, 0, 1)).reshape(qo_len, hq))
+
+
+def _concat_states(states, hq, d, dtype):
+    if not states:
+        return AttentionState(jnp.zeros((0, hq, d), dtype), jnp.zeros((0, hq), jnp.float32))
+    return AttentionState(jnp.concatenate([s.o for s in states]), jnp.concatenate([s.lse for s in states]))
+
+
+def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None, custom_mask=None):
+    """Ragged queries and ragged KV. q [nnz_q, Hq, D], k/v [nnz_kv, Hkv, D].
+
+    custom_mask: each request's qo_len x kv_len boolean mask flattened row-major
+    and concatenated (FlashInfer's layout), combined with causal if both given.
+    """
+    qo_indptr, kv_indptr = np.asarray(qo_indptr), np.asarray(kv_indptr)
+    states, mask_off = [], 0
+    for b in range(len(qo_indptr) - 1):
+        qs, qe, ks, ke = qo_indptr[b], qo_indptr[b + 1], kv_indptr[b], kv_indptr[b + 1]
+        mask = None
+        if custom_mask is not None:
+            n = (qe - qs) * (ke - ks)
+            mask = jnp.asarray(custom_mask[mask_off:mask_off + n]).reshape(qe - qs, ke - ks)
+            mask_off += n
+        states.append(attention(q[qs:qe], k[ks:ke], v[ks:ke], causal=causal, sm_scale=sm_scale, mask=mask))
+    return _concat_states(states, q.shape[1], q.shape[2], q.dtype)
+
+
+def gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len):
+    """Paged cache -> ragged K, V [nnz_kv, Hkv, D] and kv_indptr over tokens (host arrays)."""
+    kv_indptr, kv_indices = np.asarray(kv_indptr), np.asarray(kv_indices)
+    kv_last_page_len = np.asarray(kv_last_page_len)
+    p = kv_cache.page_size
+    ks, vs, lens = [], [], []
+    for b in range(len(kv_indptr) - 1):
+        pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+        n = 0 if len(pages) == 0 else (len(pages) - 1) * p + int(kv_last_page_len[b])
+        kp, vp = kv_cache.k_pages[pages], kv_cache.v_pages[pages]
+        if kv_cache.layout == "HND":  # [n, H, P, D] -> [n, P, H, D]
+            kp, vp = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
+        ks.append(kp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim)[:n])
+        vs.append(vp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim)[:n])
+        lens.append(n)
+    tok_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return jnp.concatenate(ks), jnp.concatenate(vs), tok_indptr
+
+
+def paged_attention(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
+                    causal=False, sm_scale=None, custom_mask=None):
+    """Ragged queries q [nnz_q, Hq, D] over a PagedKVCache with a CSR page table."""
+    k, v, tok_indptr = gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len)
+    return ragged_attention(q, k, v, qo_indptr, tok_indptr, causal=causal, sm_scale=sm_scale,
+                            custom_mask=custom_mask)
+
+
+def decode(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None, kv_lens=None):
+    """Batch decode: q [B, Hq, D], one query per request. kv_lens (optional) truncates each request."""
+    k, v, tok_indptr = gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len)
+    if kv_lens is not None:
+        keep = np.concatenate([np.arange(tok_indptr[b], tok_indptr[b] + int(kv_lens[b]))
+                               for b in range(len(tok_indptr) - 1)] + [np.zeros(0, np.int64)])
+        k, v = k[keep], v[keep]
+        tok_indptr = np.concatenate([[0], np.cumsum(np.asarray(kv_lens))]).astype(np.int32)
+    qo_indptr = np.arange(q.shape[0] + 1, dtype=np.int32)
+    return ragged_attention(q, k, v, qo_indptr, tok_indptr, sm_scale=sm_scale)
+
+
+def block_sparse_attention(q, k, v, bsr, *, sm_scale=None):
+    """q [M, Hq, D], k/v [N, Hkv, D]; query row i sees key j where the BSR (with its block_mask) is set."""
+    mask = bsr.to_dense_mask()
+    return attention(q, k, v, sm_scale=sm_scale, mask=mask)
+
+
+def merge_state(a, b):
+    """The exact merge operator on AttentionStates (paper eq. for ⊕), in float32."""
+    return merge_states(AttentionState(jnp.stack([a.o, b.o], -3), jnp.stack([a.lse, b.lse], -2)))
+
+
+def merge_states(states):
+    """Merges n states along axis -3 of o [..., n, H, D] (lse [..., n, H])."""
+    lse = states.lse.astype(jnp.float32)
+    m = jnp.max(lse, axis=-2, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m_safe)  # [..., n, H]
+    total = jnp.sum(w, axis=-2)
+    o = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * states.o.astype(jnp.float32), 0.0), axis=-3)
+    o = o / jnp.where(total > 0, total, 1.0)[..., None]
+    lse_out = jnp.where(total > 0, jnp.log(total) + m_safe[..., 0, :], -jnp.inf)
+    return AttentionState(o.astype(states.o.dtype), lse_out)

@@ -1,0 +1,66 @@
+"""Single-request attention: one query (decode) or many (prefill) over contiguous K/V."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import _backend
+from jaxinfer.decode import run_decode_sections, single_request_table
+from jaxinfer.formats import AttentionState, check_qkv, default_sm_scale
+from pallas_kernels import prefill as prefill_kernels
+from planner import decode as decode_planner
+
+
+def _check_kv(q, k, v, q_ndim):
+    if q.ndim != q_ndim or k.ndim != 3:
+        raise ValueError(f"q must be {q_ndim}-D and k [kv_len, Hkv, D], got {q.shape} and {k.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have one shape")
+    check_qkv(q, k)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def single_decode_with_kv_cache(q, k, v, *, sm_scale=None, return_lse=False, backend=None,
+                                num_ctas=None, **kernel_options):
+    """q [Hq, D], k/v [kv_len, Hkv, D] -> o [Hq, D] (or AttentionState with lse [Hq]).
+
+    Runs the paged decode kernel over the rows of k/v viewed as pages of one
+    token (no copy), split across the GPU by the decode planner.
+    """
+    _check_kv(q, k, v, 2)
+    kv_len, hkv, d = k.shape
+    cells = max(1, math.ceil((num_ctas or 2 * _backend.num_sms()) / hkv))
+    layout, buf, _ = decode_planner.plan_decode(*single_request_table(kv_len), page_size=1,
+                                                num_cells=cells)
+    sec = layout.unpack(jnp.asarray(buf))
+    o, lse = run_decode_sections(
+        q[None], k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d), sec, sec["kv_lens"], layout,
+        page_size=1, num_kv_heads=hkv, cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale),
+        interpret=_backend.use_interpret(backend), **kernel_options)
+    return AttentionState(o[0], lse[0]) if return_lse else o[0]
+
+
+def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return_lse=False,
+                                 backend=None, block_q=64, block_kv=64, **kernel_options):
+    """q [qo_len, Hq, D], k/v [kv_len, Hkv, D] -> o [qo_len, Hq, D] (or AttentionState).
+
+    causal is bottom-right aligned (query i sees keys j <= i + kv_len - qo_len);
+    rows that see no key give o = 0 and lse = -inf.
+    """
+    _check_kv(q, k, v, 3)
+    qo_len, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    rows = prefill_kernels.tile_rows(hq // hkv, block_q)
+    tokens_per_tile = rows // (hq // hkv)
+    tiles = np.arange(0, max(qo_len, 1), tokens_per_tile, dtype=np.int32)
+    items = np.stack([np.zeros_like(tiles), tiles, np.full_like(tiles, qo_len), np.zeros_like(tiles),
+                      np.full_like(tiles, kv_len)], axis=1)
+    cell_indptr = np.arange(tiles.shape[0] + 1, dtype=np.int32)
+    o, lse = prefill_kernels.prefill(
+        q, k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d),
+        jnp.arange(max(kv_len, 1), dtype=jnp.int32), jnp.asarray(items), jnp.asarray(cell_indptr),
+        page_size=1, num_kv_heads=hkv, layout="NHD", sm_scale=default_sm_scale(d, sm_scale),
+        causal=causal, rows=rows, block_kv=block_kv, interpret=_backend.use_interpret(backend),
+        **kernel_options)
+    return AttentionState(o, lse) if return_lse else o

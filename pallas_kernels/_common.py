@@ -1,0 +1,59 @@
+"""Helpers shared by the kernel modules."""
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def head_block(num_heads, cap=16):
+    """Largest power of two that divides num_heads, at most cap (Triton tiles are powers of two)."""
+    hb = 1
+    while hb * 2 <= cap and num_heads % (hb * 2) == 0:
+        hb *= 2
+    return hb
+
+
+def next_pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_precision(dtype):
+    """Full float32 products for float32 inputs (Triton would use tf32 otherwise)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def compiler_params(num_warps, num_stages):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dispatch(implementations, impl, name):
+    if impl not in implementations:
+        raise ValueError(f"{name}: unknown impl {impl!r}; available: {sorted(implementations)}")
+    return implementations[impl]
+
+
+def kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout):
+    """Row index into K/V viewed as [num_pages * page_size * Hkv, D] for tokens at
+    slot tok % page_size of pages page_ids, kv head `head`."""
+    slot = tok % page_size
+    if layout == "NHD":  # [pages, P, Hkv, D]
+        return (page_ids * page_size + slot) * num_kv_heads + head
+    return (page_ids * num_kv_heads + head) * page_size + slot  # HND: [pages, Hkv, P, D]
+
+
+def store_rows(ref, rows, val, row_mask):
+    """Scatters val [M, D] (or [M]) to rows `rows` [M] of ref [R, D] (or [R]) where row_mask [M].
+
+    Masked-off rows are pointed past the end: the GPU store skips them and
+    interpret mode drops them, so duplicate (clamped) row ids never overwrite.
+    """
+    rows = jnp.where(row_mask, rows, ref.shape[0])
+    if val.ndim == 1:
+        plgpu.store(ref.at[rows], val, mask=row_mask)
+    else:
+        cols = jnp.arange(val.shape[1])
+        plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=row_mask[:, None])

@@ -1,0 +1,128 @@
+"""Attention-state merge kernels: the exact ⊕ operator on (o, lse) pairs.
+
+(o_a, lse_a) ⊕ (o_b, lse_b) = ((e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b),
+                               log(e^lse_a + e^lse_b)),
+computed with a running max so nothing overflows. lse is the natural log.
+An empty state (lse = -inf) has weight 0 and its o is never read into the sum,
+so two empty states give o = 0, lse = -inf.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common
+
+
+def _accumulate(acc, m, s, o_i, lse_i):
+    """One online step of ⊕. acc [Hb, D] f32, m/s/lse_i [Hb] f32 (m is the running max)."""
+    m_new = jnp.maximum(m, lse_i)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    scale_old = jnp.exp(m - m_safe)
+    w = jnp.exp(lse_i - m_safe)
+    contrib = jnp.where(w[:, None] > 0, w[:, None] * o_i.astype(jnp.float32), 0.0)
+    return acc * scale_old[:, None] + contrib, m_new, s * scale_old + w
+
+
+def _finish(acc, m, s):
+    o = acc / jnp.where(s > 0, s, 1.0)[:, None]
+    lse = jnp.where(s > 0, m + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def _empty(hb, d):
+    return (jnp.zeros((hb, d), jnp.float32), jnp.full((hb,), -jnp.inf, jnp.float32),
+            jnp.zeros((hb,), jnp.float32))
+
+
+def _pair_kernel(oa_ref, la_ref, ob_ref, lb_ref, mask_ref, o_ref, lse_ref, *, hb):
+    n, j = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(j * hb, hb)
+    oa, la = oa_ref[n, heads, :], la_ref[n, heads]
+    acc, m, s = _accumulate(*_empty(hb, oa.shape[-1]), oa, la)
+    acc, m, s = _accumulate(acc, m, s, ob_ref[n, heads, :], lb_ref[n, heads])
+    o, lse = _finish(acc, m, s)
+    keep_a = mask_ref[n] == 0
+    o_ref[n, heads, :] = jnp.where(keep_a, oa.astype(jnp.float32), o).astype(o_ref.dtype)
+    lse_ref[n, heads] = jnp.where(keep_a, la, lse)
+
+
+def _merge_pair_triton(o_a, lse_a, o_b, lse_b, mask, *, interpret, num_warps=4):
+    n, h, d = o_a.shape
+    hb = _common.head_block(h)
+    return pl.pallas_call(
+        functools.partial(_pair_kernel, hb=hb),
+        grid=(n, h // hb),
+        out_shape=(jax.ShapeDtypeStruct((n, h, d), o_a.dtype), jax.ShapeDtypeStruct((n, h), jnp.float32)),
+        compiler_params=_common.compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="jaxinfer_merge_pair",
+    )(o_a, lse_a, o_b, lse_b, mask)
+
+
+def merge_pair(o_a, lse_a, o_b, lse_b, mask, *, interpret, impl="triton"):
+    """(o_a, lse_a) ⊕ (o_b, lse_b) row-wise. o [N, H, D], lse [N, H] f32, mask int32 [N]:
+    rows with mask 0 keep (o_a, lse_a) unchanged."""
+    fn = _common.dispatch({"triton": _merge_pair_triton}, impl, "merge_pair")
+    return fn(o_a, lse_a, o_b, lse_b, mask, interpret=interpret)
+
+
+def _varlen_kernel(indptr_ref, dest_ref, op_ref, lp_ref, *refs, hb):
+    o_ref, lse_ref = refs[-2:]  # refs may start with aliased copies of the outputs
+    n, j = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(j * hb, hb)
+    d = op_ref.shape[-1]
+
+    def body(p, carry):
+        return _accumulate(*carry, op_ref[p, heads, :], lp_ref[p, heads])
+
+    acc, m, s = jax.lax.fori_loop(indptr_ref[n], indptr_ref[n + 1], body, _empty(hb, d))
+    o, lse = _finish(acc, m, s)
+    row = dest_ref[n]
+
+    @pl.when(row >= 0)
+    def _():
+        o_ref[row, heads, :] = o.astype(o_ref.dtype)
+        lse_ref[row, heads] = lse
+
+
+def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, *, interpret, num_warps=4):
+    num_groups = indptr.shape[0] - 1
+    _, h, d = o_parts.shape
+    hb = _common.head_block(h)
+    kernel = functools.partial(_varlen_kernel, hb=hb)
+    args = (indptr, dest, o_parts, lse_parts)
+    aliases = {}
+    if out is None:
+        out_shape = (jax.ShapeDtypeStruct((num_groups, h, d), o_parts.dtype),
+                     jax.ShapeDtypeStruct((num_groups, h), jnp.float32))
+    else:
+        out_shape = (jax.ShapeDtypeStruct(out[0].shape, out[0].dtype),
+                     jax.ShapeDtypeStruct(out[1].shape, jnp.float32))
+        args += tuple(out)
+        aliases = {4: 0, 5: 1}
+    return pl.pallas_call(
+        kernel,
+        grid=(num_groups, h // hb),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=_common.compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="jaxinfer_merge_varlen",
+    )(*args)
+
+
+def merge_varlen(o_parts, lse_parts, indptr, dest=None, out=None, *, interpret, impl="triton"):
+    """Merges groups of partial states: group n is rows indptr[n]:indptr[n+1] of
+    o_parts [P, H, D] / lse_parts [P, H], merged in row order (deterministic).
+
+    Without `out`, returns new (o [G, H, D], lse [G, H]). With out = (o, lse)
+    (donated, updated in place), group n is written to row dest[n] of out and
+    groups with dest < 0 are skipped; rows no group names keep their values.
+    """
+    num_groups = indptr.shape[0] - 1
+    if dest is None:
+        dest = jnp.arange(num_groups, dtype=jnp.int32)
+    fn = _common.dispatch({"triton": _merge_varlen_triton}, impl, "merge_varlen")
+    return fn(o_parts, lse_parts, indptr, dest, out, interpret=interpret)

@@ -1,0 +1,1 @@
+"""Host-side scheduler (NumPy only, never jax): page-table checks, Algorithm 1, plan buffers."""

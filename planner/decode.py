@@ -1,0 +1,129 @@
+"""Decode plan: split-KV work items, Algorithm 1 cell assignment, reduction map, one packed buffer.
+
+Every array has a shape fixed by the capacities (max_batch_size,
+max_num_pages, num_cells), so the jitted run() compiles once; what changes
+from step to step (lengths, chunk size, work lists, page ids) is data.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner import scheduler, validate
+
+ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Static sizes of the packed plan buffer; hashable, part of the jit cache key."""
+    batch: int       # B: rows of q and o
+    index_cap: int   # entries of kv_indices
+    num_cells: int   # persistent grid cells (grid = (num_cells, Hkv))
+
+    @property
+    def item_cap(self):  # each request has <= 1 + pages/L chunks, and sum(pages)/L <= num_cells
+        return self.batch + self.num_cells
+
+    @property
+    def part_cap(self):  # split requests have pages > L: <= 2 * pages / L chunks in all
+        return 2 * self.num_cells
+
+    @property
+    def merge_cap(self):  # at most sum(pages) / L requests are split
+        return self.num_cells
+
+    def sections(self):
+        """(name, size) of each int32 section, in buffer order."""
+        return (("kv_indices", self.index_cap), ("kv_lens", self.batch),
+                ("items", self.item_cap * ITEM_FIELDS), ("cell_indptr", self.num_cells + 1),
+                ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap))
+
+    @property
+    def size(self):
+        return sum(n for _, n in self.sections())
+
+    def unpack(self, buf):
+        """Splits the packed buffer (NumPy or jax array) into its named sections."""
+        out, off = {}, 0
+        for name, n in self.sections():
+            out[name] = buf[off:off + n]
+            off += n
+        out["items"] = out["items"].reshape(self.item_cap, ITEM_FIELDS)
+        return out
+
+
+def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells,
+                num_pages=None, max_batch_size=None, max_num_pages=None,
+                fixed_split_pages=None, min_split_tokens=256, item_cost=32.0):
+    """Builds the decode work list. Returns (layout, buffer int32[layout.size], info dict).
+
+    fixed_split_pages: chunk size in pages independent of the batch, which makes
+    each request's output independent of the other requests (batch invariance).
+    item_cost: the per-item cost alpha in tokens (Algorithm 1: alpha*l_q + beta*l_kv, beta = 1).
+    """
+    kv_indptr, kv_indices, kv_last_page_len, kv_lens = validate.check_page_table(
+        kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
+    batch = kv_indptr.shape[0] - 1
+    num_listed = int(kv_indptr[-1])
+    bcap = batch if max_batch_size is None else int(max_batch_size)
+    icap = max(num_listed, 1) if max_num_pages is None else int(max_num_pages)
+    if batch > bcap:
+        raise ValueError(f"kv_indptr describes {batch} requests, over max_batch_size={bcap}")
+    if num_listed > icap:
+        raise ValueError(f"kv_indices lists {num_listed} pages, over max_num_pages={icap}")
+    layout = DecodeLayout(bcap, icap, int(num_cells))
+
+    pages = np.diff(kv_indptr).astype(np.int64)
+    if fixed_split_pages is not None:
+        chunk = int(fixed_split_pages)
+        if chunk < 1:
+            raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
+    else:
+        chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
+    nchunks = np.maximum(-(-pages // chunk), 1)  # empty requests get one (empty) item
+    if int(nchunks.sum()) + (bcap - batch) > layout.item_cap:
+        raise ValueError(f"fixed_split_pages={chunk} makes more work items than the plan holds "
+                         f"({layout.item_cap}); use a larger split")
+    split = nchunks > 1
+    nparts = int(nchunks[split].sum())
+    if nparts > layout.part_cap or int(split.sum()) > layout.merge_cap:
+        raise ValueError(f"fixed_split_pages={chunk} splits into more partial states than the plan "
+                         f"holds ({layout.part_cap}); use a larger split")
+
+    # Work items, request by request, chunk by chunk.
+    req = np.repeat(np.arange(batch), nchunks)
+    first_item = np.concatenate([[0], np.cumsum(nchunks)[:-1]])
+    chunk_idx = np.arange(req.shape[0]) - first_item[req]
+    tok_start = chunk_idx * chunk * page_size
+    last = chunk_idx == nchunks[req] - 1
+    tok_end = np.where(last, kv_lens[req], tok_start + chunk * page_size)
+    part_first = np.cumsum(np.where(split, nchunks, 0)) - np.where(split, nchunks, 0)
+    part_slot = np.where(split[req], part_first[req] + chunk_idx, -1)
+    items = np.stack([req, kv_indptr[req], tok_start, tok_end, part_slot], axis=1)
+    # Padding rows (capacity beyond the batch) get empty items so o = 0, lse = -inf there.
+    pad = np.arange(batch, bcap)
+    pad_items = np.stack([pad, np.zeros_like(pad), np.zeros_like(pad), np.zeros_like(pad),
+                          np.full_like(pad, -1)], axis=1)
+    items = np.concatenate([items, pad_items]).astype(np.int64)
+
+    costs = item_cost + (items[:, 3] - items[:, 2])
+    order, cell_indptr = scheduler.assign_cells(costs, layout.num_cells)
+
+    split_reqs = np.nonzero(split)[0]
+    merge_indptr = np.zeros(layout.merge_cap + 1, np.int64)
+    merge_indptr[1:split_reqs.size + 1] = np.cumsum(nchunks[split_reqs])
+    merge_indptr[split_reqs.size + 1:] = merge_indptr[split_reqs.size]
+    merge_dest = np.full(layout.merge_cap, -1, np.int64)
+    merge_dest[:split_reqs.size] = split_reqs
+
+    buf = np.zeros(layout.size, np.int32)
+    sec = layout.unpack(buf)
+    sec["kv_indices"][:num_listed] = kv_indices[:num_listed]
+    sec["kv_lens"][:batch] = kv_lens
+    sec["items"][:items.shape[0]] = items[order]
+    sec["cell_indptr"][:] = cell_indptr
+    sec["merge_indptr"][:] = merge_indptr
+    sec["merge_dest"][:] = merge_dest
+    info = dict(chunk_pages=chunk, num_items=int(items.shape[0]), num_split=int(split.sum()),
+                num_parts=nparts)
+    return layout, buf, info
