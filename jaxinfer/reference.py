@@ -24,6 +24,8 @@ def attention(q, k, v, *, causal=False, sm_scale=None, mask=None):
     kv_len, hkv, _ = k.shape
     group = hq // hkv
     scale = default_sm_scale(d, sm_scale)
+    if kv_len == 0:
+        return AttentionState(jnp.zeros(q.shape, q.dtype), jnp.full((qo_len, hq), -jnp.inf, jnp.float32))
     qf = q.astype(jnp.float32).reshape(qo_len, hkv, group, d)
     logits = jnp.einsum("qhgd,khd->hgqk", qf, k.astype(jnp.float32),
                         precision="highest") * scale  # [Hkv, G, qo, kv]

@@ -19,18 +19,17 @@ class DecodeLayout:
     batch: int       # B: rows of q and o
     index_cap: int   # entries of kv_indices
     num_cells: int   # persistent grid cells (grid = (num_cells, Hkv))
+    item_cap: int    # work items
+    part_cap: int    # partial states of split requests
+    merge_cap: int   # split requests
 
-    @property
-    def item_cap(self):  # each request has <= 1 + pages/L chunks, and sum(pages)/L <= num_cells
-        return self.batch + self.num_cells
-
-    @property
-    def part_cap(self):  # split requests have pages > L: <= 2 * pages / L chunks in all
-        return 2 * self.num_cells
-
-    @property
-    def merge_cap(self):  # at most sum(pages) / L requests are split
-        return self.num_cells
+    @classmethod
+    def for_capacities(cls, batch, index_cap, num_cells, fixed_split_pages=None):
+        """Bounds from Algorithm 1: with chunk L >= sum(pages) / n, a request has at most
+        1 + pages / L items; split requests (pages > L) number under n and have
+        at most 2 * pages / L chunks. Without a fixed split, n = num_cells."""
+        n = num_cells if fixed_split_pages is None else -(-index_cap // fixed_split_pages)
+        return cls(batch, index_cap, num_cells, batch + n, 2 * n, max(1, min(batch, n)))
 
     def sections(self):
         """(name, size) of each int32 section, in buffer order."""
@@ -71,7 +70,7 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
         raise ValueError(f"kv_indptr describes {batch} requests, over max_batch_size={bcap}")
     if num_listed > icap:
         raise ValueError(f"kv_indices lists {num_listed} pages, over max_num_pages={icap}")
-    layout = DecodeLayout(bcap, icap, int(num_cells))
+    layout = DecodeLayout.for_capacities(bcap, icap, int(num_cells), fixed_split_pages)
 
     pages = np.diff(kv_indptr).astype(np.int64)
     if fixed_split_pages is not None:
@@ -81,14 +80,10 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     else:
         chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
     nchunks = np.maximum(-(-pages // chunk), 1)  # empty requests get one (empty) item
-    if int(nchunks.sum()) + (bcap - batch) > layout.item_cap:
-        raise ValueError(f"fixed_split_pages={chunk} makes more work items than the plan holds "
-                         f"({layout.item_cap}); use a larger split")
     split = nchunks > 1
     nparts = int(nchunks[split].sum())
-    if nparts > layout.part_cap or int(split.sum()) > layout.merge_cap:
-        raise ValueError(f"fixed_split_pages={chunk} splits into more partial states than the plan "
-                         f"holds ({layout.part_cap}); use a larger split")
+    assert int(nchunks.sum()) + (bcap - batch) <= layout.item_cap, "work-item bound violated"
+    assert nparts <= layout.part_cap and int(split.sum()) <= layout.merge_cap, "partial bound violated"
 
     # Work items, request by request, chunk by chunk.
     req = np.repeat(np.arange(batch), nchunks)

@@ -1,0 +1,59 @@
+"""Shared helpers for the GPU benchmarks: timing, random paged caches, result records."""
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxinfer as ji
+
+RESULTS = []
+
+
+def record(name, **kw):
+    kw["name"] = name
+    RESULTS.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def save(stage):
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, f"jaxinfer_{stage}.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+def bench(f, *args, iters=20, reps=7):
+    """Median seconds per call over `reps` timed loops of `iters` calls (after warm-up)."""
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts))
+
+
+def random_paged_cache(rng, kv_lens, page_size, num_kv_heads, head_dim, dtype, layout="NHD", extra_pages=0):
+    """A cache with random values and random page order; returns (cache, indptr, indices, last)."""
+    kv_lens = np.asarray(kv_lens)
+    npages = -(-kv_lens // page_size)
+    num_pages = int(npages.sum()) + extra_pages
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+    last = np.where(npages > 0, kv_lens - (npages - 1) * page_size, 1).astype(np.int32)
+    shape = ((num_pages, page_size, num_kv_heads, head_dim) if layout == "NHD"
+             else (num_pages, num_kv_heads, page_size, head_dim))
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    k1, k2 = jax.random.split(key)
+    cache = ji.PagedKVCache(jax.random.normal(k1, shape, dtype), jax.random.normal(k2, shape, dtype), layout)
+    return cache, indptr, indices, last
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
