@@ -11,6 +11,7 @@ import numpy as np
 import jaxinfer as ji
 from benchmarks.common import bench, random_paged_cache, record, rel_err, save
 from jaxinfer import reference as ref
+from pallas_kernels import decode as decode_kernels
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -30,6 +31,16 @@ def configs(rng):
     ]
 
 
+def _kernel_only(dec, q, cache, plan):
+    """The decode kernel alone, without the split-KV merge."""
+    sec = plan.sections()
+    k_rows, v_rows = cache.rows()
+    return decode_kernels.paged_decode(
+        q, k_rows, v_rows, sec["kv_indices"], sec["kv_lens"], sec["items"], sec["cell_indptr"],
+        num_parts=plan.layout.part_cap, page_size=PAGE, num_kv_heads=HKV, layout="NHD",
+        sm_scale=dec.sm_scale, interpret=False, **dec.kernel_options)
+
+
 def run_config(rng, name, kv_lens, variants, check=True):
     cache, indptr, indices, last = random_paged_cache(rng, kv_lens, PAGE, HKV, D, jnp.bfloat16)
     q = jax.random.normal(jax.random.key(1), (len(kv_lens), HQ, D), jnp.bfloat16)
@@ -44,21 +55,30 @@ def run_config(rng, name, kv_lens, variants, check=True):
             want = ref.decode(q, cache, indptr, indices, last).o
             err = rel_err(o, want)
         t = bench(run, q, cache, plan)
+        t_kernel = bench(jax.jit(lambda q, c, p: _kernel_only(dec, q, c, p)), q, cache, plan)
         record("jaxinfer_decode", config=name, opts=opts, us=t * 1e6, GBps=kv_bytes / t / 1e9,
-               rel_err=err, chunk_pages=plan.info["chunk_pages"], items=plan.info["num_items"])
+               kernel_us=t_kernel * 1e6, rel_err=err, chunk_pages=plan.info["chunk_pages"], items=plan.info["num_items"])
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true", help="sweep kernel options on the fixed rows")
+    ap.add_argument("--sweep", action="store_true",
+                    help="vary one kernel option at a time on B64 kv4096, B16 kv1024, B1 kv32768")
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
-    default = [{}]
-    sweep = [dict(block_kv=bk, num_warps=w, num_stages=s, num_ctas=c)
-             for bk in (64, 128) for w in (4, 8) for s in (2, 3) for c in (132, 264, 528)]
-    for i, (name, lens) in enumerate(configs(rng)):
-        run_config(rng, name, lens, sweep if (args.variants and i < 4) else default)
+    if args.sweep:
+        sweep = [{}, dict(masked_loads=True), dict(block_kv=32), dict(block_kv=128), dict(num_warps=8),
+                 dict(num_stages=1), dict(num_stages=3), dict(num_stages=4), dict(num_ctas=132),
+                 dict(num_ctas=528), dict(num_ctas=1056),
+                 dict(masked_loads=True, block_kv=128, num_stages=3)]
+        for name, lens in configs(rng):
+            if name in ("B64 kv4096", "B16 kv1024", "B1 kv32768"):
+                run_config(rng, name, lens, sweep, check=False)
+        save("decode_sweep")
+        return
+    for name, lens in configs(rng):
+        run_config(rng, name, lens, [{}])
     save("decode")
 
 

@@ -7,7 +7,8 @@ from pallas_kernels import _common
 
 
 def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *, page_size,
-           num_kv_heads, layout, block_kv, scale_log2, q_pos=None, causal_offset=0):
+           num_kv_heads, layout, block_kv, scale_log2, q_pos=None, causal_offset=0,
+           masked_loads=False):
     """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
@@ -25,10 +26,16 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         offs = j * block_kv + jnp.arange(block_kv)  # [BK]
         valid = offs < n_tok
         tok = tok_start + jnp.minimum(offs, n_tok - 1)
-        page_ids = kv_indices_ref[page_base + tok // page_size]
-        rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-        k = k_ref[rows]  # [BK, D]
-        v = v_ref[rows]
+        if masked_loads:
+            page_ids = _common.load_rows(kv_indices_ref, page_base + tok // page_size, valid)
+            rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
+            k = _common.load_rows(k_ref, rows, valid)  # [BK, D]
+            v = _common.load_rows(v_ref, rows, valid)
+        else:
+            page_ids = kv_indices_ref[page_base + tok // page_size]
+            rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
+            k = k_ref[rows]  # [BK, D]
+            v = jnp.where(valid[:, None], v_ref[rows], jnp.zeros((), v_ref.dtype))
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale_log2  # [M, BK]
         visible = valid[None, :]
@@ -39,7 +46,6 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 

@@ -57,3 +57,13 @@ def store_rows(ref, rows, val, row_mask):
     else:
         cols = jnp.arange(val.shape[1])
         plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=row_mask[:, None])
+
+
+def load_rows(ref, rows, row_mask):
+    """Gathers rows `rows` [M] of ref [R, D] (or [R]) where row_mask [M]; other rows read as 0.
+
+    Masked-off rows access no memory on the GPU."""
+    if len(ref.shape) == 1:
+        return plgpu.load(ref.at[rows], mask=row_mask, other=0)
+    cols = jnp.arange(ref.shape[1])
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=row_mask[:, None], other=0)

@@ -66,7 +66,7 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
 def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                          page_size, num_kv_heads, layout, sm_scale, block_kv, interpret,
-                         num_warps=4, num_stages=2):
+                         num_warps=4, num_stages=2, masked_loads=False):
     batch, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
@@ -74,7 +74,7 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         group_pad=group_pad, page_size=page_size, layout=layout, block_kv=block_kv,
-        scale_log2=sm_scale * _common.LOG2E)
+        scale_log2=sm_scale * _common.LOG2E, masked_loads=masked_loads)
     return pl.pallas_call(
         kernel,
         grid=(num_cells, num_kv_heads),
