@@ -4,7 +4,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer as ji

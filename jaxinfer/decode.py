@@ -3,7 +3,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer import _backend
 from jaxinfer.formats import AttentionState, PagedKVCache, check_layout, default_sm_scale
@@ -138,8 +137,3 @@ class BatchDecodeWithPagedKVCache:
         if q.dtype != kv_cache.dtype:
             raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
 
-
-def single_request_table(kv_len):
-    """A one-request page table with page_size 1 over contiguous K/V rows (host arrays)."""
-    return (np.array([0, kv_len], np.int32), np.arange(max(kv_len, 1), dtype=np.int32),
-            np.array([1], np.int32))

@@ -176,6 +176,13 @@ def default_sm_scale(head_dim, sm_scale):
     return float(1.0 / np.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
 
 
+def check_int32(name, x):
+    """Index arrays must be int32 (NumPy or jax); raises ValueError naming the argument."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if dtype != np.int32:
+        raise ValueError(f"{name} must be int32, got {dtype}")
+
+
 def is_concrete(*xs):
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 

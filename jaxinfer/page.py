@@ -2,12 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.formats import PagedKVCache, is_concrete
-
-
-def _check_int32(name, x):
-    if jnp.asarray(x).dtype != jnp.int32:
-        raise ValueError(f"{name} must be int32, got {jnp.asarray(x).dtype}")
+from jaxinfer.formats import PagedKVCache, check_int32, is_concrete
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz):
@@ -18,8 +13,8 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
     positions [3, 4]. Rows past append_indptr[-1] get batch index and position -1.
     Returns (batch_indices int32[nnz], positions int32[nnz]); jit-able.
     """
-    _check_int32("append_indptr", append_indptr)
-    _check_int32("seq_lens", seq_lens)
+    check_int32("append_indptr", append_indptr)
+    check_int32("seq_lens", seq_lens)
     append_indptr, seq_lens = jnp.asarray(append_indptr), jnp.asarray(seq_lens)
     if seq_lens.shape[0] != append_indptr.shape[0] - 1:
         raise ValueError(f"seq_lens must have shape [{append_indptr.shape[0] - 1}], got {seq_lens.shape}")
@@ -48,11 +43,11 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
         raise ValueError(f"append_k {append_k.shape} and append_v {append_v.shape} must have one shape")
     nnz = append_k.shape[0]
     for name, x in (("batch_indices", batch_indices), ("positions", positions)):
-        _check_int32(name, x)
+        check_int32(name, x)
         if jnp.shape(x) != (nnz,):
             raise ValueError(f"{name} must have shape [{nnz}], got {jnp.shape(x)}")
-    _check_int32("kv_indices", kv_indices)
-    _check_int32("kv_indptr", kv_indptr)
+    check_int32("kv_indices", kv_indices)
+    check_int32("kv_indptr", kv_indptr)
     p = kv_cache.page_size
     if is_concrete(batch_indices, positions, kv_indices, kv_indptr):
         bi, pos = np.asarray(batch_indices), np.asarray(positions)

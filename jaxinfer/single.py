@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend
-from jaxinfer.decode import run_decode_sections, single_request_table
+from jaxinfer.decode import run_decode_sections
 from jaxinfer.formats import AttentionState, check_qkv, default_sm_scale
 from pallas_kernels import prefill as prefill_kernels
 from planner import decode as decode_planner
@@ -21,6 +21,12 @@ def _check_kv(q, k, v, q_ndim):
         raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+def _no_keys(q, return_lse):
+    """kv_len == 0: every row sees no key (o = 0, lse = -inf); no kernel is needed."""
+    state = AttentionState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
+    return state if return_lse else state.o
+
+
 def single_decode_with_kv_cache(q, k, v, *, sm_scale=None, return_lse=False, backend=None,
                                 num_ctas=None, **kernel_options):
     """q [Hq, D], k/v [kv_len, Hkv, D] -> o [Hq, D] (or AttentionState with lse [Hq]).
@@ -30,9 +36,12 @@ def single_decode_with_kv_cache(q, k, v, *, sm_scale=None, return_lse=False, bac
     """
     _check_kv(q, k, v, 2)
     kv_len, hkv, d = k.shape
+    if kv_len == 0:
+        return _no_keys(q, return_lse)
     cells = max(1, math.ceil((num_ctas or 2 * _backend.num_sms()) / hkv))
-    layout, buf, _ = decode_planner.plan_decode(*single_request_table(kv_len), page_size=1,
-                                                num_cells=cells)
+    layout, buf, _ = decode_planner.plan_decode(  # one request, pages of one token: the rows of k/v
+        np.array([0, kv_len], np.int32), np.arange(kv_len, dtype=np.int32), np.array([1], np.int32),
+        page_size=1, num_cells=cells)
     sec = layout.unpack(jnp.asarray(buf))
     o, lse = run_decode_sections(
         q[None], k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d), sec, sec["kv_lens"], layout,
@@ -51,6 +60,8 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
     _check_kv(q, k, v, 3)
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
+    if kv_len == 0:
+        return _no_keys(q, return_lse)
     rows = prefill_kernels.tile_rows(hq // hkv, block_q)
     tokens_per_tile = rows // (hq // hkv)
     tiles = np.arange(0, max(qo_len, 1), tokens_per_tile, dtype=np.int32)
@@ -59,7 +70,7 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
     cell_indptr = np.arange(tiles.shape[0] + 1, dtype=np.int32)
     o, lse = prefill_kernels.prefill(
         q, k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d),
-        jnp.arange(max(kv_len, 1), dtype=jnp.int32), jnp.asarray(items), jnp.asarray(cell_indptr),
+        jnp.arange(kv_len, dtype=jnp.int32), jnp.asarray(items), jnp.asarray(cell_indptr),
         page_size=1, num_kv_heads=hkv, layout="NHD", sm_scale=default_sm_scale(d, sm_scale),
         causal=causal, rows=rows, block_kv=block_kv, interpret=_backend.use_interpret(backend),
         **kernel_options)

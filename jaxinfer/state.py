@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend
-from jaxinfer.formats import AttentionState, is_concrete
+from jaxinfer.formats import AttentionState, check_int32, is_concrete
 from pallas_kernels import merge as merge_kernels
 
 
@@ -61,8 +61,7 @@ def merge_state_varlen(states, indptr, *, backend=None):
     o, lse = _check_state("states", states)
     if o.ndim != 3:
         raise ValueError(f"states.o must be [P, H, D], got {o.shape}")
-    if jnp.asarray(indptr).dtype != jnp.int32:
-        raise ValueError(f"indptr must be int32, got {jnp.asarray(indptr).dtype}")
+    check_int32("indptr", indptr)
     if is_concrete(indptr):
         ip = np.asarray(indptr)
         if ip.ndim != 1 or ip.size < 1 or ip[0] != 0 or np.any(np.diff(ip) < 0) or ip[-1] > o.shape[0]:

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common
 
@@ -68,30 +69,46 @@ def merge_pair(o_a, lse_a, o_b, lse_b, mask, *, interpret, impl="triton"):
     return fn(o_a, lse_a, o_b, lse_b, mask, interpret=interpret)
 
 
-def _varlen_kernel(indptr_ref, dest_ref, op_ref, lp_ref, *refs, hb):
+def _varlen_kernel(indptr_ref, dest_ref, op_ref, lp_ref, *refs, hb, parts_per_step):
     o_ref, lse_ref = refs[-2:]  # refs may start with aliased copies of the outputs
     n, j = pl.program_id(0), pl.program_id(1)
-    heads = pl.ds(j * hb, hb)
     d = op_ref.shape[-1]
+    first, last = indptr_ref[n], indptr_ref[n + 1]
+    heads = j * hb + jnp.arange(hb)
+    cols = jnp.arange(d)
 
-    def body(p, carry):
-        return _accumulate(*carry, op_ref[p, heads, :], lp_ref[p, heads])
+    def body(step, carry):
+        acc, m, s = carry
+        parts = first + step * parts_per_step + jnp.arange(parts_per_step)  # [PB]
+        ok = parts < last
+        lse_i = plgpu.load(lp_ref.at[parts[:, None], heads[None, :]], mask=ok[:, None],
+                           other=-jnp.inf)  # [PB, Hb]
+        o_i = plgpu.load(op_ref.at[parts[:, None, None], heads[None, :, None], cols[None, None, :]],
+                         mask=ok[:, None, None], other=0)  # [PB, Hb, D]
+        m_new = jnp.maximum(m, jnp.max(lse_i, axis=0))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        scale_old = jnp.exp(m - m_safe)
+        w = jnp.exp(lse_i - m_safe[None, :])  # [PB, Hb]
+        contrib = jnp.where(w[:, :, None] > 0, w[:, :, None] * o_i.astype(jnp.float32), 0.0)
+        return (acc * scale_old[:, None] + jnp.sum(contrib, axis=0), m_new,
+                s * scale_old + jnp.sum(w, axis=0))
 
-    acc, m, s = jax.lax.fori_loop(indptr_ref[n], indptr_ref[n + 1], body, _empty(hb, d))
+    acc, m, s = jax.lax.fori_loop(0, pl.cdiv(last - first, parts_per_step), body, _empty(hb, d))
     o, lse = _finish(acc, m, s)
     row = dest_ref[n]
 
     @pl.when(row >= 0)
     def _():
-        o_ref[row, heads, :] = o.astype(o_ref.dtype)
-        lse_ref[row, heads] = lse
+        o_ref[row, pl.ds(j * hb, hb), :] = o.astype(o_ref.dtype)
+        lse_ref[row, pl.ds(j * hb, hb)] = lse
 
 
-def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, *, interpret, num_warps=4):
+def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, *, interpret, num_warps=4,
+                         parts_per_step=8):
     num_groups = indptr.shape[0] - 1
     _, h, d = o_parts.shape
-    hb = _common.head_block(h)
-    kernel = functools.partial(_varlen_kernel, hb=hb)
+    hb = _common.head_block(h, cap=4)
+    kernel = functools.partial(_varlen_kernel, hb=hb, parts_per_step=parts_per_step)
     args = (indptr, dest, o_parts, lse_parts)
     aliases = {}
     if out is None:

@@ -79,37 +79,20 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
             raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
     else:
         chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
-    nchunks = np.maximum(-(-pages // chunk), 1)  # empty requests get one (empty) item
-    split = nchunks > 1
-    nparts = int(nchunks[split].sum())
-    assert int(nchunks.sum()) + (bcap - batch) <= layout.item_cap, "work-item bound violated"
-    assert nparts <= layout.part_cap and int(split.sum()) <= layout.merge_cap, "partial bound violated"
+    nchunks = np.maximum(-(-pages // chunk), 1)  # an empty request gets one (empty) item
+    items = np.zeros((int(nchunks.sum()) + bcap - batch, ITEM_FIELDS), np.int64)
+    if int(nchunks.max(initial=1)) == 1:  # no request is split: one item per row, all writethrough
+        split_reqs = np.zeros(0, np.int64)
+        items[:, 0] = np.arange(bcap)
+        items[:batch, 1] = kv_indptr[:-1]
+        items[:batch, 3] = kv_lens
+        items[:, 4] = -1
+    else:
+        split_reqs = np.flatnonzero(nchunks > 1)
+        _split_items(items, nchunks, kv_indptr, kv_lens, chunk * page_size, batch, bcap)
+    assert items.shape[0] <= layout.item_cap and split_reqs.size <= layout.merge_cap
 
-    # Work items, request by request, chunk by chunk.
-    req = np.repeat(np.arange(batch), nchunks)
-    first_item = np.concatenate([[0], np.cumsum(nchunks)[:-1]])
-    chunk_idx = np.arange(req.shape[0]) - first_item[req]
-    tok_start = chunk_idx * chunk * page_size
-    last = chunk_idx == nchunks[req] - 1
-    tok_end = np.where(last, kv_lens[req], tok_start + chunk * page_size)
-    part_first = np.cumsum(np.where(split, nchunks, 0)) - np.where(split, nchunks, 0)
-    part_slot = np.where(split[req], part_first[req] + chunk_idx, -1)
-    items = np.stack([req, kv_indptr[req], tok_start, tok_end, part_slot], axis=1)
-    # Padding rows (capacity beyond the batch) get empty items so o = 0, lse = -inf there.
-    pad = np.arange(batch, bcap)
-    pad_items = np.stack([pad, np.zeros_like(pad), np.zeros_like(pad), np.zeros_like(pad),
-                          np.full_like(pad, -1)], axis=1)
-    items = np.concatenate([items, pad_items]).astype(np.int64)
-
-    costs = item_cost + (items[:, 3] - items[:, 2])
-    order, cell_indptr = scheduler.assign_cells(costs, layout.num_cells)
-
-    split_reqs = np.nonzero(split)[0]
-    merge_indptr = np.zeros(layout.merge_cap + 1, np.int64)
-    merge_indptr[1:split_reqs.size + 1] = np.cumsum(nchunks[split_reqs])
-    merge_indptr[split_reqs.size + 1:] = merge_indptr[split_reqs.size]
-    merge_dest = np.full(layout.merge_cap, -1, np.int64)
-    merge_dest[:split_reqs.size] = split_reqs
+    order, cell_indptr = scheduler.assign_cells(item_cost + items[:, 3] - items[:, 2], layout.num_cells)
 
     buf = np.zeros(layout.size, np.int32)
     sec = layout.unpack(buf)
@@ -117,8 +100,28 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     sec["kv_lens"][:batch] = kv_lens
     sec["items"][:items.shape[0]] = items[order]
     sec["cell_indptr"][:] = cell_indptr
-    sec["merge_indptr"][:] = merge_indptr
-    sec["merge_dest"][:] = merge_dest
-    info = dict(chunk_pages=chunk, num_items=int(items.shape[0]), num_split=int(split.sum()),
-                num_parts=nparts)
+    sec["merge_indptr"][1:split_reqs.size + 1] = np.cumsum(nchunks[split_reqs])
+    sec["merge_indptr"][split_reqs.size + 1:] = sec["merge_indptr"][split_reqs.size]
+    sec["merge_dest"][:] = -1
+    sec["merge_dest"][:split_reqs.size] = split_reqs
+    info = dict(chunk_pages=chunk, num_items=int(items.shape[0]), num_split=int(split_reqs.size),
+                num_parts=int(sec["merge_indptr"][-1]))
     return layout, buf, info
+
+
+def _split_items(items, nchunks, kv_indptr, kv_lens, chunk_tokens, batch, bcap):
+    """Fills items with request b's chunks in order; split requests get consecutive partial
+    slots, the rest write through; padding rows (batch..bcap) get empty items."""
+    n_items = items.shape[0] - (bcap - batch)
+    split = nchunks > 1
+    req = np.repeat(np.arange(batch), nchunks)
+    chunk_idx = np.arange(n_items) - (np.cumsum(nchunks) - nchunks)[req]
+    tok_start = chunk_idx * chunk_tokens
+    part_first = np.cumsum(np.where(split, nchunks, 0)) - np.where(split, nchunks, 0)
+    items[:n_items, 0] = req
+    items[:n_items, 1] = kv_indptr[:-1][req]
+    items[:n_items, 2] = tok_start
+    items[:n_items, 3] = np.minimum(tok_start + chunk_tokens, kv_lens[req])
+    items[:n_items, 4] = np.where(split[req], part_first[req] + chunk_idx, -1)
+    items[n_items:, 0] = np.arange(batch, bcap)
+    items[n_items:, 4] = -1

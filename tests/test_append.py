@@ -1,0 +1,75 @@
+"""KV append: exact equality with a NumPy scatter; other pages untouched; jit with donation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from helpers import randn, random_cache
+
+
+def test_batch_indices_positions():
+    bi, pos = ji.get_batch_indices_positions(np.array([0, 2, 3, 3], np.int32), np.array([5, 9, 4], np.int32), 5)
+    np.testing.assert_array_equal(bi, [0, 0, 1, -1, -1])
+    np.testing.assert_array_equal(pos, [3, 4, 8, -1, -1])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_append_matches_numpy_scatter(rng, layout):
+    page, hkv, d = 4, 2, 8
+    cache = random_cache(rng, 12, page, hkv, d, jnp.float32, layout)
+    kv_indptr = np.array([0, 3, 5, 6], np.int32)
+    kv_indices = np.array([9, 2, 7, 0, 11, 4], np.int32)  # non-contiguous pages
+    seq_lens = np.array([10, 6, 2], np.int32)  # after appending
+    append_indptr = np.array([0, 3, 4, 6], np.int32)
+    bi, pos = ji.get_batch_indices_positions(append_indptr, seq_lens, 6)
+    k_new, v_new = randn(rng, (6, hkv, d), jnp.float32), randn(rng, (6, hkv, d), jnp.float32)
+    out = ji.append_paged_kv_cache(cache, k_new, v_new, bi, pos, kv_indices, kv_indptr)
+    want_k, want_v = np.array(cache.k_pages), np.array(cache.v_pages)
+    for r, (b, p) in enumerate(zip(np.asarray(bi), np.asarray(pos))):
+        pg, slot = kv_indices[kv_indptr[b] + p // page], p % page
+        if layout == "NHD":
+            want_k[pg, slot], want_v[pg, slot] = k_new[r], v_new[r]
+        else:
+            want_k[pg, :, slot], want_v[pg, :, slot] = k_new[r], v_new[r]
+    np.testing.assert_array_equal(out.k_pages, want_k)
+    np.testing.assert_array_equal(out.v_pages, want_v)
+    untouched = np.setdiff1d(np.arange(12), kv_indices)
+    np.testing.assert_array_equal(out.k_pages[untouched], cache.k_pages[untouched])
+
+
+def test_append_under_jit_with_donation(rng):
+    cache = random_cache(rng, 6, 4, 1, 8, jnp.float32)
+    kv_indptr, kv_indices = np.array([0, 2], np.int32), np.array([5, 1], np.int32)
+    bi, pos = np.array([0, 0], np.int32), np.array([4, 5], np.int32)
+    k_new = randn(rng, (2, 1, 8), jnp.float32)
+    expect = np.array(cache.k_pages)
+    expect[1, 0:2] = k_new
+    step = jax.jit(ji.append_paged_kv_cache, donate_argnums=0)
+    out = step(cache, k_new, k_new, bi, pos, kv_indices, kv_indptr)
+    np.testing.assert_array_equal(out.k_pages, expect)
+
+
+def test_append_skips_padding_rows(rng):
+    cache = random_cache(rng, 3, 2, 1, 4, jnp.float32)
+    out = ji.append_paged_kv_cache(cache, randn(rng, (2, 1, 4), jnp.float32), randn(rng, (2, 1, 4), jnp.float32),
+                                   np.array([-1, -1], np.int32), np.array([-1, -1], np.int32),
+                                   np.array([0], np.int32), np.array([0, 1], np.int32))
+    np.testing.assert_array_equal(out.k_pages, cache.k_pages)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(bi=np.array([0, 3], np.int32)), "batch_indices"),
+    (dict(pos=np.array([0, 8], np.int32)), "positions lie past"),
+    (dict(pos=np.array([0, 1], np.int64)), "positions must be int32"),
+    (dict(kv_indices=np.array([0, 9], np.int32)), "page ids outside"),
+    (dict(k=np.ones((2, 2, 8), np.float32)), "append_k"),
+])
+def test_append_rejects_bad_input(rng, bad, match):
+    cache = random_cache(rng, 4, 4, 1, 8, jnp.float32)
+    args = dict(k=np.ones((2, 1, 8), np.float32), bi=np.array([0, 0], np.int32), pos=np.array([0, 5], np.int32),
+                kv_indices=np.array([0, 3], np.int32))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        ji.append_paged_kv_cache(cache, jnp.asarray(args["k"]), jnp.asarray(args["k"]), args["bi"], args["pos"],
+                                 args["kv_indices"], np.array([0, 2], np.int32))

@@ -1,0 +1,116 @@
+"""The ⊕ merge kernels (interpret mode) against the reference and attention over whole KV sets."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jaxinfer as ji
+from helpers import np64_attention, randn, rel_err
+from jaxinfer import reference as ref
+
+
+def _random_state(rng, lead, h=4, d=16, empty_frac=0.0):
+    lse = rng.standard_normal(lead + (h,)) * 4
+    lse[rng.random(lse.shape) < empty_frac] = -np.inf
+    return ji.AttentionState(randn(rng, lead + (h, d), jnp.float32), jnp.asarray(lse, jnp.float32))
+
+
+def _states_of_split(q, k, v, cuts):
+    """Reference states of q over consecutive KV segments split at `cuts`."""
+    bounds = [0, *cuts, k.shape[0]]
+    return [ref.attention(q, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def test_merge_state_matches_reference(rng):
+    a, b = _random_state(rng, (6,), empty_frac=0.2), _random_state(rng, (6,), empty_frac=0.2)
+    out = ji.merge_state(a, b)
+    want = ref.merge_state(a, b)
+    assert rel_err(out.o, want.o) < 1e-6
+    np.testing.assert_allclose(out.lse, want.lse, rtol=1e-6)
+
+
+def test_merge_with_empty_is_identity_and_two_empties_are_empty(rng):
+    a = _random_state(rng, (3,))
+    empty = ji.AttentionState(randn(rng, (3, 4, 16), jnp.float32), jnp.full((3, 4), -jnp.inf))
+    for out in (ji.merge_state(a, empty), ji.merge_state(empty, a)):
+        np.testing.assert_allclose(out.o, a.o, rtol=1e-6)
+        np.testing.assert_array_equal(out.lse, a.lse)
+    both = ji.merge_state(empty, empty)
+    assert np.all(np.asarray(both.o) == 0) and np.all(np.isneginf(both.lse))
+
+
+def test_masked_merge_keeps_first_state(rng):
+    a, b = _random_state(rng, (5,)), _random_state(rng, (5,))
+    mask = np.array([True, False, True, False, False])
+    out = ji.merge_state(a, b, mask)
+    full = ref.merge_state(a, b)
+    np.testing.assert_allclose(out.o[mask], full.o[mask], rtol=1e-6)
+    np.testing.assert_array_equal(out.o[~mask], a.o[~mask])
+    np.testing.assert_array_equal(out.lse[~mask], a.lse[~mask])
+    with pytest.raises(ValueError, match="mask"):
+        ji.merge_state(a, b, mask[:3])
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffled"])
+def test_any_split_merged_in_any_order_equals_whole(rng, order):
+    q, k, v = randn(rng, (3, 4, 16), jnp.float32), randn(rng, (40, 2, 16), jnp.float32), randn(rng, (40, 2, 16), jnp.float32)
+    parts = _states_of_split(q, k, v, sorted(rng.choice(np.arange(1, 40), 4, replace=False)))
+    idx = {"forward": range(5), "reverse": range(4, -1, -1), "shuffled": rng.permutation(5)}[order]
+    parts = [parts[i] for i in idx]
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = ji.merge_state(acc, p)
+    o64, lse64 = np64_attention(q, k, v)
+    assert rel_err(acc.o, o64) < 1e-5
+    np.testing.assert_allclose(acc.lse, lse64, rtol=1e-5)
+    stacked = ji.AttentionState(jnp.stack([p.o for p in parts], 1), jnp.stack([p.lse for p in parts], 1))
+    multi = ji.merge_states(stacked)
+    assert rel_err(multi.o, o64) < 1e-5
+    np.testing.assert_allclose(multi.lse, lse64, rtol=1e-5)
+
+
+def test_extreme_logits_do_not_overflow():
+    q = jnp.full((1, 2, 16), 64.0)
+    k = jnp.concatenate([jnp.full((3, 1, 16), -64.0), jnp.full((3, 1, 16), 64.0)])
+    v = jnp.asarray(np.random.default_rng(0).standard_normal((6, 1, 16)), jnp.float32)
+    a = ji.single_prefill_with_kv_cache(q, k[:3], v[:3], return_lse=True)
+    b = ji.single_prefill_with_kv_cache(q, k[3:], v[3:], return_lse=True)
+    merged = ji.merge_state(a, b)
+    o64, lse64 = np64_attention(q, k, v)
+    assert np.all(np.isfinite(np.asarray(merged.o))) and np.all(np.isfinite(np.asarray(merged.lse)))
+    assert rel_err(merged.o, o64) < 1e-5
+    np.testing.assert_allclose(merged.lse, lse64, rtol=1e-6)
+
+
+def test_varlen_merge_groups_and_empty_groups(rng):
+    states = _random_state(rng, (9,), empty_frac=0.3)
+    indptr = np.array([0, 3, 3, 4, 9], np.int32)
+    out = ji.merge_state_varlen(states, indptr)
+    for g in range(4):
+        lo, hi = indptr[g], indptr[g + 1]
+        if lo == hi:
+            assert np.all(np.asarray(out.o[g]) == 0) and np.all(np.isneginf(out.lse[g]))
+            continue
+        want = ref.merge_states(ji.AttentionState(states.o[lo:hi][None], states.lse[lo:hi][None]))
+        np.testing.assert_allclose(out.o[g], want.o[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out.lse[g], want.lse[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="indptr"):
+        ji.merge_state_varlen(states, np.array([0, 3, 2], np.int32))
+    with pytest.raises(ValueError, match="indptr must be int32"):
+        ji.merge_state_varlen(states, np.array([0, 3], np.int64))
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(2, 30), st.integers(1, 4), st.data())
+def test_property_random_ragged_splits(kv_len, n_parts, data):
+    rng = np.random.default_rng(kv_len * 7 + n_parts)
+    q, k, v = randn(rng, (2, 2, 16), jnp.float32), randn(rng, (kv_len, 1, 16), jnp.float32), randn(rng, (kv_len, 1, 16), jnp.float32)
+    cuts = sorted(data.draw(st.lists(st.integers(0, kv_len), min_size=n_parts - 1, max_size=n_parts - 1)))
+    parts = _states_of_split(q, k, v, cuts)  # segments may be empty
+    n = len(parts)  # rows ordered (query row, part): group r holds query r's n partial states
+    o = jnp.stack([p.o for p in parts], 1).reshape(2 * n, 2, 16)
+    lse = jnp.stack([p.lse for p in parts], 1).reshape(2 * n, 2)
+    out = ji.merge_state_varlen(ji.AttentionState(o, lse), np.array([0, n, 2 * n], np.int32))
+    o64, lse64 = np64_attention(q, k, v)
+    assert rel_err(out.o, o64) < 1e-5
+    np.testing.assert_allclose(out.lse, lse64, rtol=1e-5)
