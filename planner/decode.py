@@ -60,6 +60,8 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     each request's output independent of the other requests (batch invariance).
     item_cost: the per-item cost alpha in tokens (Algorithm 1: alpha*l_q + beta*l_kv, beta = 1).
     """
+    if fixed_split_pages is not None and fixed_split_pages < 1:
+        raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
     kv_indptr, kv_indices, kv_last_page_len, kv_lens = validate.check_page_table(
         kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
     batch = kv_indptr.shape[0] - 1
@@ -75,8 +77,6 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     pages = np.diff(kv_indptr).astype(np.int64)
     if fixed_split_pages is not None:
         chunk = int(fixed_split_pages)
-        if chunk < 1:
-            raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
     else:
         chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
     nchunks = np.maximum(-(-pages // chunk), 1)  # an empty request gets one (empty) item

@@ -1,0 +1,187 @@
+"""BatchDecodeWithPagedKVCache (Pallas kernel in interpret mode) against the reference."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from helpers import TOL, assert_lse_close, np64_attention, page_table, randn, random_cache, rel_err
+from jaxinfer import reference as ref
+
+KV_LENS = (1, 17, 97, 512, 2048)
+
+
+def _lens(batch, i):
+    """Lengths for a batch: cycles through the issue's kv_len values, plus an empty request."""
+    lens = np.array([KV_LENS[(i + j) % len(KV_LENS)] for j in range(batch)])
+    if batch > 2:
+        lens[1] = 0
+    return lens
+
+
+def _check_decode(rng, lens, page, hq, hkv, d, dtype, layout, **kw):
+    indptr, indices, last, num_pages = page_table(rng, lens, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, dtype, layout)
+    q = randn(rng, (len(lens), hq, d), dtype)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, layout=layout, num_ctas=kw.pop("num_ctas", 8), **kw)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    o, lse = dec.run(q, cache, plan, return_lse=True)
+    want = ref.decode(q, cache, indptr, indices, last)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert rel_err(o, want.o) < TOL[dtype]
+    assert_lse_close(lse, want.lse, 1e-4 if dtype == jnp.float32 else 1e-2)
+    k, v, tok = ref.gather_pages(cache, indptr, indices, last)
+    for b in range(len(lens)):  # float64 oracle, request by request
+        o64, _ = np64_attention(q[b:b + 1], k[tok[b]:tok[b + 1]], v[tok[b]:tok[b + 1]])
+        assert rel_err(o[b], o64[0]) < TOL[dtype] if lens[b] else np.all(np.asarray(o[b]) == 0)
+    return plan
+
+
+SAMPLE = [  # (batch, page, (Hq, Hkv), head_dim, dtype, layout): every value of the grid at least once
+    (7, 16, (32, 4), 128, jnp.bfloat16, "NHD"),
+    (7, 1, (4, 4), 64, jnp.float32, "HND"),
+    (1, 8, (8, 1), 256, jnp.float16, "NHD"),
+    (33, 8, (32, 4), 64, jnp.float32, "NHD"),
+    (7, 8, (8, 1), 128, jnp.bfloat16, "HND"),
+    (1, 16, (4, 4), 256, jnp.float32, "HND"),
+]
+
+
+@pytest.mark.parametrize("i, case", list(enumerate(SAMPLE)))
+def test_decode_sample(rng, i, case):
+    batch, page, (hq, hkv), d, dtype, layout = case
+    _check_decode(rng, _lens(batch, i), page, hq, hkv, d, dtype, layout)
+
+
+FULL = list(itertools.product((1, 7, 33), (1, 8, 16), ((4, 4), (32, 4), (8, 1)), (64, 128, 256),
+                              (jnp.float16, jnp.bfloat16, jnp.float32), ("NHD", "HND")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i, case", list(enumerate(FULL)))
+def test_decode_full_grid(rng, i, case):
+    batch, page, (hq, hkv), d, dtype, layout = case
+    _check_decode(rng, _lens(batch, i), page, hq, hkv, d, dtype, layout)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_split_kv_and_odd_page_size(rng, split):
+    plan = _check_decode(rng, np.array([97, 0, 40, 5, 200]), 5, 8, 2, 64, jnp.float32, "NHD",
+                         fixed_split_pages=split)
+    assert plan.info["num_split"] >= 3
+
+
+def test_last_page_full_and_single_token(rng):
+    _check_decode(rng, np.array([16, 32, 1, 15]), 16, 8, 2, 64, jnp.float32, "NHD")
+
+
+def test_unlisted_pages_and_stale_slots_never_leak(rng):
+    page, hkv, d = 4, 2, 64
+    lens = np.array([13, 6, 0, 9])
+    indptr, indices, last, num_pages = page_table(rng, lens, page, extra_pages=5)
+    clean = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    k, v = np.array(clean.k_pages), np.array(clean.v_pages)
+    unlisted = np.setdiff1d(np.arange(num_pages), indices)
+    k[unlisted], v[unlisted] = np.nan, np.nan
+    for b in range(len(lens)):  # slots past kv_last_page_len in each request's last page
+        if indptr[b + 1] > indptr[b]:
+            pg = indices[indptr[b + 1] - 1]
+            k[pg, last[b]:], v[pg, last[b]:] = np.nan, np.inf
+    poisoned = ji.PagedKVCache(jnp.asarray(k), jnp.asarray(v))
+    q = randn(rng, (4, 8, d), jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(8, hkv, d, page, num_ctas=4, fixed_split_pages=1)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    o, lse = dec.run(q, poisoned, plan, return_lse=True)
+    want = ref.decode(q, clean, indptr, indices, last)
+    assert np.all(np.isfinite(np.asarray(o)))
+    assert rel_err(o, want.o) < 2e-5
+    assert_lse_close(lse, want.lse)
+
+
+def test_capacity_plans_compile_once(rng):
+    page, hq, hkv, d, bmax, pmax = 4, 8, 2, 64, 6, 80
+    num_pages = 90
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, max_batch_size=bmax, max_num_pages=pmax, num_ctas=8)
+    run = jax.jit(dec.run)
+    for step in range(30):
+        batch = int(rng.integers(1, bmax + 1))
+        lens = rng.integers(0, 60, batch)
+        npages = -(-lens // page)
+        indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+        indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+        last = np.where(npages > 0, lens - (npages - 1) * page, 1).astype(np.int32)
+        plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+        q = randn(rng, (bmax, hq, d), jnp.float32)
+        o = run(q, cache, plan)
+        if step % 10 == 0:
+            want = ref.decode(q[:batch], cache, indptr, indices, last)
+            assert rel_err(o[:batch], want.o) < 2e-5
+            assert np.all(np.asarray(o[batch:]) == 0)  # padding rows
+    assert run._cache_size() == 1
+
+
+def test_horizon_plan_in_lax_scan_equals_separate_steps(rng):
+    page, hq, hkv, d, steps = 4, 8, 2, 64, 4
+    final = np.array([9, 14, 4])  # lengths at the last step; pages allocated for them
+    indptr, indices, last, num_pages = page_table(rng, final, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    qs = randn(rng, (steps, 3, hq, d), jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages, horizon=steps)
+
+    @jax.jit
+    def loop(qs, cache, plan):
+        def body(carry, xs):
+            step, q = xs
+            return carry, dec.run(q, cache, plan, kv_lens=plan.kv_lens_at(step))
+        return jax.lax.scan(body, 0, (jnp.arange(steps), qs))[1]
+
+    outs = loop(qs, cache, plan)
+    for s in range(steps):
+        lens = final - (steps - 1 - s)
+        npages = -(-lens // page)
+        ip = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+        idx = np.concatenate([indices[indptr[b]:indptr[b] + npages[b]] for b in range(3)]).astype(np.int32)
+        lp = (lens - (npages - 1) * page).astype(np.int32)
+        step_plan = dec.plan(ip, idx, lp, num_pages=num_pages)
+        np.testing.assert_allclose(outs[s], dec.run(qs[s], cache, step_plan), rtol=1e-5, atol=1e-6)
+        assert rel_err(outs[s], ref.decode(qs[s], cache, ip, idx, lp).o) < 2e-5
+
+
+def test_deterministic_and_batch_invariant(rng):
+    page, hq, hkv, d = 4, 8, 2, 64
+    lens = np.array([150, 30, 77])
+    indptr, indices, last, num_pages = page_table(rng, lens, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16)
+    q = randn(rng, (3, hq, d), jnp.bfloat16)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4, fixed_split_pages=8)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    a, b = dec.run(q, cache, plan), dec.run(q, cache, plan)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    alone = dec.run(q[:1], cache, dec.plan(indptr[:2], indices[: indptr[1]], last[:1], num_pages=num_pages))
+    np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(a[0], np.float32))
+
+
+def test_decode_rejects_bad_input(rng):
+    page, hq, hkv, d = 4, 8, 2, 64
+    indptr, indices, last, num_pages = page_table(rng, np.array([9, 3]), page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4, max_batch_size=2)
+    with pytest.raises(ValueError, match="page ids outside"):
+        dec.plan(indptr, np.full_like(indices, num_pages), last, num_pages=num_pages)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        dec.plan(np.array([0, 1, 2, 3], np.int32), indices[:3], np.ones(3, np.int32))
+    with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
+        dec.plan(np.array([0, 3, 2], np.int32), indices, last)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    with pytest.raises(ValueError, match="q must have shape"):
+        dec.run(randn(rng, (3, hq, d), jnp.float32), cache, plan)
+    with pytest.raises(ValueError, match="dtype"):
+        dec.run(randn(rng, (2, hq, d), jnp.bfloat16), cache, plan)
+    with pytest.raises(ValueError, match="kv_cache"):
+        dec.run(randn(rng, (2, hq, d), jnp.float32), random_cache(rng, 4, 8, hkv, d, jnp.float32), plan)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ji.BatchDecodeWithPagedKVCache(6, 4, d, page)

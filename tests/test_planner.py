@@ -1,0 +1,98 @@
+"""The NumPy planner: Algorithm 1, the decode work list, capacities and determinism."""
+import heapq
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers import page_table
+from planner import decode as decode_planner
+from planner import scheduler
+
+
+def _algorithm1_spec(costs, num_cells):
+    """Algorithm 1 as written in the paper: longest first, pop the least-loaded cell."""
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap = [(0, c) for c in range(num_cells)]
+    cells = [[] for _ in range(num_cells)]
+    for i in order:
+        load, c = heapq.heappop(heap)
+        cells[c].append(i)
+        heapq.heappush(heap, (load + costs[i], c))
+    return cells
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=0, max_size=300), st.integers(1, 70))
+def test_assign_cells_is_algorithm1(costs, num_cells):
+    order, cell_indptr = scheduler.assign_cells(np.array(costs, np.int64), num_cells)
+    got = [order[cell_indptr[c]:cell_indptr[c + 1]].tolist() for c in range(num_cells)]
+    assert got == _algorithm1_spec(costs, num_cells)
+    if costs:  # list scheduling bound: no cell exceeds the mean load by more than the largest item
+        loads = [sum(costs[i] for i in cell) for cell in got]
+        assert max(loads) <= sum(costs) / num_cells + max(costs)
+
+
+def _plan(rng, lens, page, **kw):
+    indptr, indices, last, num_pages = page_table(rng, lens, page)
+    kw.setdefault("num_cells", 8)
+    return decode_planner.plan_decode(indptr, indices, last, page_size=page, num_pages=num_pages, **kw), indptr
+
+
+@pytest.mark.parametrize("split", [None, 1, 3])
+def test_decode_items_cover_each_request_once(rng, split):
+    lens = np.array([0, 1, 17, 97, 512, 2048, 33])
+    (layout, buf, info), indptr = _plan(rng, lens, 8, fixed_split_pages=split, max_batch_size=9)
+    sec = layout.unpack(buf)
+    items = sec["items"][: sec["cell_indptr"][-1]]
+    covered = np.zeros(9, np.int64)
+    parts = {}
+    for req, base, t0, t1, slot in items:
+        assert base == (indptr[req] if req < 7 else 0)
+        covered[req] += t1 - t0
+        if slot >= 0:
+            parts.setdefault(req, []).append((t0, slot))
+    np.testing.assert_array_equal(covered[:7], lens)
+    assert np.all(covered[7:] == 0) and np.sum(items[:, 0] >= 7) == 2  # padding rows: one empty item each
+    # Reduction map: split request r's partial slots, in chunk order, are merge group's rows.
+    n_split = info["num_split"]
+    for g in range(n_split):
+        r = sec["merge_dest"][g]
+        slots = [s for _, s in sorted(parts[r])]
+        assert slots == list(range(sec["merge_indptr"][g], sec["merge_indptr"][g + 1]))
+    assert set(parts) == set(sec["merge_dest"][:n_split].tolist())
+    assert np.all(sec["merge_dest"][n_split:] == -1)
+
+
+def test_auto_chunk_fills_the_cells(rng):
+    (layout, _, info), _ = _plan(rng, np.array([32768]), 16, num_cells=33)
+    assert info["num_items"] >= 30 and info["num_split"] == 1  # one long request split across cells
+    (layout, _, info), _ = _plan(rng, np.full(64, 4096), 16, num_cells=33)
+    assert info["num_split"] == 0  # enough requests: no split, all writethrough
+
+
+def test_plan_shapes_depend_only_on_capacities(rng):
+    shapes = set()
+    for _ in range(10):
+        lens = rng.integers(0, 300, rng.integers(1, 9))
+        (layout, buf, _), _ = _plan(rng, lens, 4, max_batch_size=8, max_num_pages=600)
+        shapes.add((layout, buf.shape))
+    assert len(shapes) == 1
+
+
+def test_plan_is_deterministic(rng):
+    lens = rng.integers(0, 3000, 20)
+    indptr, indices, last, num_pages = page_table(rng, lens, 16)
+    a = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=16)[1]
+    b = decode_planner.plan_decode(indptr.copy(), indices.copy(), last.copy(), page_size=16, num_cells=16)[1]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_capacity_errors(rng):
+    indptr, indices, last, _ = page_table(rng, np.array([5, 9, 3]), 4)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, max_batch_size=2)
+    with pytest.raises(ValueError, match="max_num_pages"):
+        decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, max_num_pages=3)
+    with pytest.raises(ValueError, match="fixed_split_pages"):
+        decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, fixed_split_pages=0)
