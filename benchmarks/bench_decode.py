@@ -9,27 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer as ji
-from benchmarks.common import bench, random_paged_cache, record, rel_err, save
-from jaxinfer import reference as ref
+from benchmarks.common import bench, dense_decode_reference, random_paged_cache, record, rel_err, save
+from benchmarks.decode_configs import D, HKV, HQ, PAGE, decode_rows
 from pallas_kernels import decode as decode_kernels
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
 CALLS = 10
-
-
-def configs(rng):
-    """(name, kv_lens) for the issue's rows."""
-    zipf = np.minimum(rng.zipf(1.5, 16) * 200, 16384)
-    zipf = np.maximum((zipf * 1024 / zipf.mean()).astype(int), 1)
-    return [
-        ("B64 kv4096", np.full(64, 4096)),
-        ("B128 kv2048", np.full(128, 2048)),
-        ("B16 kv1024", np.full(16, 1024)),
-        ("B1 kv32768", np.full(1, 32768)),
-        ("B16 U[512,1024]", rng.integers(512, 1025, 16)),
-        ("B16 zipf mean1024", zipf),
-        ("B64 U[512,4096]", rng.integers(512, 4097, 64)),
-    ]
 
 
 def _kernel_only(dec, q, cache, plan):
@@ -52,7 +36,7 @@ def run_config(rng, name, kv_lens, variants, check=True):
         err = None
         if check:
             o = jax.jit(dec.run)(q, cache, plan)
-            want = ref.decode(q, cache, indptr, indices, last).o
+            want = dense_decode_reference(q, cache, indptr, indices, kv_lens, dec.sm_scale)
             err = rel_err(o, want)
         # CALLS independent calls in one program, so host dispatch does not hide GPU time.
         qs = jax.random.normal(jax.random.key(2), (CALLS,) + q.shape, q.dtype)
@@ -72,16 +56,14 @@ def main():
     print("jax", jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
     if args.sweep:
-        sweep = [{}, dict(masked_loads=True), dict(block_kv=128), dict(block_kv=128, masked_loads=True),
-                 dict(block_kv=128, num_stages=3), dict(block_kv=128, num_stages=4),
-                 dict(block_kv=128, num_warps=8), dict(num_stages=3), dict(num_stages=4),
-                 dict(num_ctas=528), dict(num_ctas=396), dict(block_kv=128, num_ctas=396)]
-        for name, lens in configs(rng):
+        sweep = [{}, dict(block_kv=64), dict(num_stages=2), dict(num_stages=4), dict(num_warps=2),
+                 dict(num_ctas=132), dict(num_ctas=528)]
+        for name, lens in decode_rows():
             if name in ("B64 kv4096", "B16 kv1024", "B1 kv32768"):
                 run_config(rng, name, lens, sweep, check=False)
         save("decode_sweep")
         return
-    for name, lens in configs(rng):
+    for name, lens in decode_rows():
         run_config(rng, name, lens, [{}])
     save("decode")
 

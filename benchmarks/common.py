@@ -56,3 +56,21 @@ def random_paged_cache(rng, kv_lens, page_size, num_kv_heads, head_dim, dtype, l
 def rel_err(out, ref):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def dense_decode_reference(q, cache, indptr, indices, kv_lens, sm_scale):
+    """Decode attention in float32 over pages gathered into a padded dense batch (NHD caches;
+    vectorized, so it checks large GPU batches quickly). Returns o [B, Hq, D] float32."""
+    import jax.numpy as jnp
+    batch, hq, d = q.shape
+    npages = np.diff(indptr)
+    table = np.zeros((batch, max(int(npages.max()), 1)), np.int32)
+    for b in range(batch):
+        table[b, :npages[b]] = indices[indptr[b]:indptr[b + 1]]
+    k = cache.k_pages[table].reshape(batch, -1, cache.num_kv_heads, d).astype(jnp.float32)
+    v = cache.v_pages[table].reshape(batch, -1, cache.num_kv_heads, d).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, cache.num_kv_heads, -1, d)
+    s = jnp.einsum("bhgd,bthd->bhgt", qg, k, precision="highest") * sm_scale
+    s = jnp.where(jnp.arange(k.shape[1]) < jnp.asarray(kv_lens)[:, None, None, None], s, -jnp.inf)
+    o = jnp.einsum("bhgt,bthd->bhgd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+    return o.reshape(batch, hq, d)

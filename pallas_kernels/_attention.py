@@ -7,13 +7,13 @@ from pallas_kernels import _common
 
 
 def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *, page_size,
-           num_kv_heads, layout, block_kv, scale_log2, q_pos=None, causal_offset=0,
-           masked_loads=False):
+           num_kv_heads, layout, block_kv, scale_log2, q_pos=None, causal_offset=0):
     """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
-    at slot t % page_size. Tokens past n_tok are clamped onto the last one (so
-    only the request's own pages are read), masked to -inf, their V rows zeroed.
+    at slot t % page_size. Loads of tokens past n_tok are masked off (they touch
+    no memory, so only the request's own pages are read) and read as zeros;
+    their logits are -inf.
     With q_pos [M] (each row's query position), key t is visible to a row when
     t <= q_pos + causal_offset (bottom-right causal). Returns (acc [M, D],
     m [M], l [M]) in base 2; see finalize.
@@ -25,17 +25,11 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         acc, m, l = carry
         offs = j * block_kv + jnp.arange(block_kv)  # [BK]
         valid = offs < n_tok
-        tok = tok_start + jnp.minimum(offs, n_tok - 1)
-        if masked_loads:
-            page_ids = _common.load_rows(kv_indices_ref, page_base + tok // page_size, valid)
-            rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-            k = _common.load_rows(k_ref, rows, valid)  # [BK, D]
-            v = _common.load_rows(v_ref, rows, valid)
-        else:
-            page_ids = kv_indices_ref[page_base + tok // page_size]
-            rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-            k = k_ref[rows]  # [BK, D]
-            v = jnp.where(valid[:, None], v_ref[rows], jnp.zeros((), v_ref.dtype))
+        tok = tok_start + offs
+        page_ids = _common.load_rows(kv_indices_ref, page_base + tok // page_size, valid)
+        rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
+        k = _common.load_rows(k_ref, rows, valid)  # [BK, D]; rows past the chunk read as 0
+        v = _common.load_rows(v_ref, rows, valid)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale_log2  # [M, BK]
         visible = valid[None, :]

@@ -14,9 +14,9 @@ whole request and writes the final (o, lse) (App. D.2 writethrough); otherwise
 it writes a float32 partial state to row part_slot of the partial buffers,
 which merge.merge_varlen combines afterwards.
 
-Tokens past the chunk's end are clamped onto the chunk's last token, so the
-kernel only ever reads rows of pages in the request's own list; their logits
-are masked to -inf and their V rows zeroed, so stale or NaN slots never leak.
+Loads of tokens past the chunk's end are masked off, so the kernel only ever
+reads rows of pages in the request's own list; stale or NaN slots of a last
+page are never loaded.
 """
 import functools
 
@@ -66,7 +66,7 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
 def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                          page_size, num_kv_heads, layout, sm_scale, block_kv, interpret,
-                         num_warps=4, num_stages=2, masked_loads=False):
+                         num_warps=4, num_stages=3):
     batch, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
@@ -74,7 +74,7 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         group_pad=group_pad, page_size=page_size, layout=layout, block_kv=block_kv,
-        scale_log2=sm_scale * _common.LOG2E, masked_loads=masked_loads)
+        scale_log2=sm_scale * _common.LOG2E)
     return pl.pallas_call(
         kernel,
         grid=(num_cells, num_kv_heads),
@@ -91,7 +91,7 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
 
 
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
-                 page_size, num_kv_heads, layout, sm_scale, block_kv=64, interpret, impl="triton",
+                 page_size, num_kv_heads, layout, sm_scale, block_kv=128, interpret, impl="triton",
                  **tuning):
     """Runs the decode work list.
 

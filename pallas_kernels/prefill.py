@@ -62,14 +62,13 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_
 
 
 def _prefill_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, page_size, num_kv_heads,
-                    layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4, num_stages=2,
-                    masked_loads=False):
+                    layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4, num_stages=2):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, page_size=page_size, layout=layout, block_kv=block_kv,
-        scale_log2=sm_scale * _common.LOG2E, masked_loads=masked_loads)
+        scale_log2=sm_scale * _common.LOG2E)
     o, lse = pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1, num_kv_heads),
