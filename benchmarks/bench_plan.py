@@ -8,9 +8,11 @@ import jax
 import numpy as np
 
 import jaxinfer as ji
+from planner.decode import plan_decode
 
 
-def timeit(fn, iters=200):
+def timeit(fn, iters=2000):
+    """Median microseconds per call (the machine is shared and noisy: many repeats)."""
     fn()
     ts = []
     for _ in range(iters):
@@ -33,7 +35,6 @@ def main():
         last = (lens - (npages - 1) * page).astype(np.int32)
         dec = ji.BatchDecodeWithPagedKVCache(32, 8, 128, page, max_batch_size=batch,
                                              max_num_pages=int(indptr[-1]), num_ctas=264)
-        from planner.decode import plan_decode
         host = timeit(lambda: plan_decode(indptr, indices, last, page_size=page, num_cells=dec.num_cells,
                                           num_pages=int(indptr[-1]), max_batch_size=batch,
                                           max_num_pages=int(indptr[-1])))

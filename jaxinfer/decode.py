@@ -102,7 +102,8 @@ class BatchDecodeWithPagedKVCache:
             kv_indptr, kv_indices, kv_last_page_len, page_size=self.page_size,
             num_cells=self.num_cells, num_pages=num_pages, max_batch_size=self.max_batch_size,
             max_num_pages=self.max_num_pages, fixed_split_pages=self.fixed_split_pages)
-        return DecodePlan(jax.device_put(buf), layout, int(horizon), info)
+        # buf is fresh and never written again, so the runtime may alias it instead of copying.
+        return DecodePlan(jax.device_put(buf, may_alias=True), layout, int(horizon), info)
 
     def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False):
         """q [B, Hq, D] -> o [B, Hq, D], or AttentionState(o, lse [B, Hq]) with return_lse.

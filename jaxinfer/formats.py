@@ -121,7 +121,7 @@ class BlockSparseMatrix:
 
         Slots past kv_last_page_len in a request's last page are masked out.
         """
-        kv_indptr, kv_indices, kv_last_page_len, _ = validate.check_page_table(
+        kv_indptr, kv_indices, kv_last_page_len, _, _ = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
         nnz = int(kv_indptr[-1])
         mask = np.ones((nnz, 1, page_size), bool)

@@ -62,7 +62,7 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     """
     if fixed_split_pages is not None and fixed_split_pages < 1:
         raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
-    kv_indptr, kv_indices, kv_last_page_len, kv_lens = validate.check_page_table(
+    kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages = validate.check_page_table(
         kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
     batch = kv_indptr.shape[0] - 1
     num_listed = int(kv_indptr[-1])
@@ -74,7 +74,6 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
         raise ValueError(f"kv_indices lists {num_listed} pages, over max_num_pages={icap}")
     layout = DecodeLayout.for_capacities(bcap, icap, int(num_cells), fixed_split_pages)
 
-    pages = np.diff(kv_indptr).astype(np.int64)
     if fixed_split_pages is not None:
         chunk = int(fixed_split_pages)
     else:

@@ -24,7 +24,7 @@ def check_indptr(name, indptr, total=None):
         raise ValueError(f"{name} must have at least one entry (B+1), got shape {indptr.shape}")
     if indptr[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(indptr[0])}")
-    if np.any(np.diff(indptr) < 0):
+    if (indptr[1:] < indptr[:-1]).any():
         raise ValueError(f"{name} must be non-decreasing")
     if total is not None and int(indptr[-1]) != total:
         raise ValueError(f"{name}[-1] = {int(indptr[-1])} must equal {total}")
@@ -32,7 +32,8 @@ def check_indptr(name, indptr, total=None):
 
 
 def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages=None):
-    """Validates a CSR page table and returns (kv_indptr, kv_indices, kv_last_page_len, kv_lens)."""
+    """Validates a CSR page table; returns (kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages),
+    pages being each request's page count."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     kv_indptr = check_indptr("kv_indptr", kv_indptr)
@@ -45,12 +46,12 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pag
     if kv_last_page_len.shape[0] != batch:
         raise ValueError(f"kv_last_page_len must have shape [{batch}], got {kv_last_page_len.shape}")
     used = kv_indices[: kv_indptr[-1]]
-    if num_pages is not None and used.size and (used.min() < 0 or used.max() >= num_pages):
+    # One pass: as uint32, negative ids wrap past any page count.
+    if num_pages is not None and used.size and used.view(np.uint32).max() >= num_pages:
         raise ValueError(f"kv_indices holds page ids outside [0, {num_pages})")
-    pages_per_req = np.diff(kv_indptr)
-    has_pages = pages_per_req > 0
-    bad = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
-    if np.any(bad):
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    has_pages = pages > 0
+    if ((kv_last_page_len < 1) | (kv_last_page_len > page_size))[has_pages].any():
         raise ValueError(f"kv_last_page_len must lie in [1, page_size={page_size}] for requests with pages")
-    kv_lens = np.where(has_pages, (pages_per_req - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
-    return kv_indptr, kv_indices, kv_last_page_len, kv_lens
+    kv_lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
+    return kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages

@@ -80,6 +80,6 @@ def test_page_table_validation(bad, match):
 
 
 def test_kv_lens_from_page_table():
-    _, _, _, lens = validate.check_page_table(
+    _, _, _, lens, _ = validate.check_page_table(
         np.array([0, 2, 2, 3], np.int32), np.array([4, 1, 0], np.int32), np.array([3, 1, 4], np.int32), 4, 5)
     np.testing.assert_array_equal(lens, [7, 0, 4])
