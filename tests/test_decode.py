@@ -185,3 +185,20 @@ def test_decode_rejects_bad_input(rng):
         dec.run(randn(rng, (2, hq, d), jnp.float32), random_cache(rng, 4, 8, hkv, d, jnp.float32), plan)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ji.BatchDecodeWithPagedKVCache(6, 4, d, page)
+
+
+def test_run_inside_shard_map(rng):
+    """run() is a pure function: it traces inside shard_map. Pallas outputs carry no varying-axes
+    annotation, so shard_map needs check_vma=False (as for any pallas_call)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    page, hq, hkv, d = 4, 8, 2, 64
+    indptr, indices, last, num_pages = page_table(rng, np.array([9, 30]), page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    q = randn(rng, (2, hq, d), jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    fn = jax.shard_map(lambda q, c, p: dec.run(q, c, p), mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
+                       check_vma=False)
+    o = jax.jit(fn)(q, cache, plan)
+    assert rel_err(o, ref.decode(q, cache, indptr, indices, last).o) < 2e-5

@@ -1,7 +1,9 @@
 """The reference itself against float64 NumPy, and its paged/ragged/BSR forms against each other."""
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import jaxinfer as ji
 from helpers import np64_attention, page_table, randn, random_cache
@@ -53,3 +55,20 @@ def test_custom_mask_equal_to_causal(rng):
     a = ref.ragged_attention(q, k, v, np.array([0, 3]), np.array([0, 5]), custom_mask=mask)
     b = ref.ragged_attention(q, k, v, np.array([0, 3]), np.array([0, 5]), causal=True)
     np.testing.assert_allclose(a.o, b.o, rtol=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 20)), min_size=1, max_size=4), st.booleans())
+def test_property_ragged_reference_matches_float64(shapes, causal):
+    rng = np.random.default_rng(len(shapes) * 31 + sum(a * 7 + b for a, b in shapes))
+    qo = np.array([a for a, _ in shapes]); kv = np.array([b for _, b in shapes])
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = randn(rng, (qo_indptr[-1], 4, 8), jnp.float32)
+    k, v = randn(rng, (kv_indptr[-1], 2, 8), jnp.float32), randn(rng, (kv_indptr[-1], 2, 8), jnp.float32)
+    out = ref.ragged_attention(q, k, v, qo_indptr, kv_indptr, causal=causal)
+    for b in range(len(shapes)):
+        qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+        o64, lse64 = np64_attention(q[qs], k[ks], v[ks], causal=causal)
+        chex.assert_trees_all_close(np.asarray(out.o[qs]), o64.astype(np.float32), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out.lse[qs], lse64, rtol=1e-5, atol=1e-5)
