@@ -7,8 +7,9 @@ import numpy as np
 from jaxinfer import _backend
 from jaxinfer.decode import run_decode_sections
 from jaxinfer.formats import AttentionState, check_qkv, default_sm_scale
-from pallas_kernels import prefill as prefill_kernels
+from jaxinfer.prefill import PrefillPlan, run_prefill_sections
 from planner import decode as decode_planner
+from planner import prefill as prefill_planner
 
 
 def _check_kv(q, k, v, q_ndim):
@@ -51,27 +52,25 @@ def single_decode_with_kv_cache(q, k, v, *, sm_scale=None, return_lse=False, bac
 
 
 def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return_lse=False,
-                                 backend=None, block_q=64, block_kv=64, **kernel_options):
+                                 backend=None, num_ctas=None, **kernel_options):
     """q [qo_len, Hq, D], k/v [kv_len, Hkv, D] -> o [qo_len, Hq, D] (or AttentionState).
 
     causal is bottom-right aligned (query i sees keys j <= i + kv_len - qo_len);
-    rows that see no key give o = 0 and lse = -inf.
+    rows that see no key give o = 0 and lse = -inf. Runs the batch prefill
+    kernel on one request over contiguous K/V (no copy).
     """
     _check_kv(q, k, v, 3)
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     if kv_len == 0:
         return _no_keys(q, return_lse)
-    rows = prefill_kernels.tile_rows(hq // hkv, block_q)
-    tokens_per_tile = rows // (hq // hkv)
-    tiles = np.arange(0, max(qo_len, 1), tokens_per_tile, dtype=np.int32)
-    items = np.stack([np.zeros_like(tiles), tiles, np.full_like(tiles, qo_len), np.zeros_like(tiles),
-                      np.full_like(tiles, kv_len)], axis=1)
-    cell_indptr = np.arange(tiles.shape[0] + 1, dtype=np.int32)
-    o, lse = prefill_kernels.prefill(
+    cells = max(1, math.ceil((num_ctas or _backend.num_sms()) / hkv))
+    layout, buf, _ = prefill_planner.plan_prefill(
+        np.array([0, qo_len], np.int32), np.array([kv_len]), np.zeros(1, np.int64),
+        np.zeros(0, np.int32), group=hq // hkv, causal=causal, num_cells=cells)
+    o, lse = run_prefill_sections(
         q, k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d),
-        jnp.arange(kv_len, dtype=jnp.int32), jnp.asarray(items), jnp.asarray(cell_indptr),
-        page_size=1, num_kv_heads=hkv, layout="NHD", sm_scale=default_sm_scale(d, sm_scale),
-        causal=causal, rows=rows, block_kv=block_kv, interpret=_backend.use_interpret(backend),
-        **kernel_options)
+        PrefillPlan(jnp.asarray(buf), None, layout), page_size=1, num_kv_heads=hkv,
+        cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), causal=causal, contiguous=True,
+        interpret=_backend.use_interpret(backend), **kernel_options)
     return AttentionState(o, lse) if return_lse else o

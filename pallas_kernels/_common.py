@@ -60,7 +60,8 @@ def store_rows(ref, rows, val, row_mask):
 
 
 def load_rows(ref, rows, row_mask):
-    """Gathers rows `rows` [M] of ref [R, D] (or [R]) where row_mask [M]; other rows read as 0.
+    """Gathers rows `rows` [M] of ref [R, D] where row_mask [M]; other rows read as 0. For a 1-D
+    ref, rows and row_mask may have any (matching) shape.
 
     Masked-off rows access no memory on the GPU."""
     if len(ref.shape) == 1:

@@ -44,8 +44,10 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         tok_end, part_slot = items_ref[w, 3], items_ref[w, 4]
         n_tok = jnp.maximum(jnp.minimum(tok_end, kv_lens_ref[req]) - tok_start, 0)
         q = q_ref[req * num_qo_heads + heads]  # [Gp, D]
-        o, lse = _attention.finalize(*_attention.attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start,
-                                          n_tok, head, num_kv_heads=num_kv_heads, **attend_kw))
+        acc, m, l = _attention.attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head,
+                                      num_kv_heads=num_kv_heads, n_plain=n_tok // attend_kw["block_kv"],
+                                      **attend_kw)
+        o, lse = _attention.finalize(acc, m, l)
 
         @pl.when(part_slot < 0)
         def _():

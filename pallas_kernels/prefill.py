@@ -1,17 +1,25 @@
 """Tiled prefill attention (many query tokens per request) on tensor-core dots.
 
-Grid (num_cells, Hkv). Cell c runs the query tiles items[cell_indptr[c]:
-cell_indptr[c+1]]:
+Grid (num_cells, Hkv). Cell c runs the work items items[cell_indptr[c]:
+cell_indptr[c+1]] (balanced by the planner's Algorithm 1). An item is one
+query tile of one request against one chunk of its KV:
 
-    items[w] = (q_row_start, tile_tok, qo_len, page_base, kv_len)
+    items[w] = (q_row_start, tile_tok, qo_len, page_base, kv_len,
+                kv_start, kv_end, part_base, num_chunks, chunk, mask_base)
 
-q_row_start is the request's first row in q [nnz, Hq, D]; the tile covers the
-request's query tokens [tile_tok, tile_tok + tokens_per_tile). GQA folds the
-head group into the tile rows: row r is query token tile_tok + r // G of query
-head kv_head * G + r % G, so every K/V row loaded serves the whole group.
-With causal, the KV loop stops at the tile's last visible key (bottom-right
-alignment: query i sees keys j <= i + kv_len - qo_len), so fully masked
-blocks are never loaded.
+q_row_start is the request's first row in q [nnz, Hq, D]; the tile covers its
+query tokens [tile_tok, tile_tok + tokens_per_tile) and keys [kv_start, kv_end).
+GQA folds the head group into the tile rows: row r is query token
+tile_tok + r // G of query head kv_head * G + r % G, so each K/V row loaded
+serves the whole group. Causal (bottom-right: query i sees keys
+j <= i + kv_len - qo_len) stops the KV loop at the tile's last visible key and
+masks only the blocks that cross the diagonal. mask_base >= 0 points at the
+request's custom mask (row-major qo_len x kv_len, FlashInfer's layout).
+
+part_base < 0: the tile holds all of the keys and writes o, lse directly.
+Otherwise it writes float32 partial states to partial row
+part_base + t * num_chunks + chunk for its token t, so each token's partials
+are contiguous for merge.merge_varlen.
 """
 import functools
 
@@ -22,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
 
-ITEM_FIELDS = 5  # (q_row_start, tile_tok, qo_len, page_base, kv_len)
+ITEM_FIELDS = 11
 
 
 def tile_rows(group, block_q):
@@ -30,63 +38,109 @@ def tile_rows(group, block_q):
     return max(16, _common.next_pow2(group), _common.next_pow2(block_q))
 
 
-def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                    *, num_qo_heads, num_kv_heads, group, rows, causal, **attend_kw):
+def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref, k_ref, v_ref,
+                    o_ref, lse_ref, o_part_ref, lse_part_ref, *, num_qo_heads, num_kv_heads, group,
+                    rows, causal, has_mask, contiguous, **attend_kw):
     cell, head = pl.program_id(0), pl.program_id(1)
+    block_kv = attend_kw["block_kv"]
     r = jnp.arange(rows)
     tokens_per_tile = rows // group
     t_local = r // group
     q_head = head * group + r % group
 
     def item(w, carry):
-        q_row_start, tile_tok, qo_len = items_ref[w, 0], items_ref[w, 1], items_ref[w, 2]
-        page_base, kv_len = items_ref[w, 3], items_ref[w, 4]
+        fields = [items_ref[w, i] for i in range(ITEM_FIELDS)]
+        (q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end, part_base,
+         num_chunks, chunk, mask_base) = fields
         q_tok = tile_tok + t_local  # [rows] query positions in the request
         row_ok = (t_local < tokens_per_tile) & (q_tok < qo_len)
         q_tok_c = jnp.minimum(q_tok, qo_len - 1)
         q_rows = (q_row_start + q_tok_c) * num_qo_heads + q_head
         q = q_ref[q_rows]  # [rows, D]
-        n_kv = kv_len
+        offset = kv_len - qo_len
+        kv_hi = kv_end
+        n_plain = (kv_end - kv_start) // block_kv
         if causal:
             last_tok = jnp.minimum(tile_tok + tokens_per_tile, qo_len) - 1
-            n_kv = jnp.clip(last_tok + kv_len - qo_len + 1, 0, kv_len)
+            kv_hi = jnp.clip(last_tok + offset + 1, kv_start, kv_end)
+            # Blocks wholly left of the first row's diagonal need no mask.
+            n_plain = jnp.clip((tile_tok + offset + 1 - kv_start) // block_kv, 0, n_plain)
+        if has_mask:
+            n_plain = 0
+
+        def visible(tok):  # [BK] -> [rows, BK]
+            vis = jnp.ones((rows, tok.shape[0]), jnp.bool_)
+            if causal:
+                vis = tok[None, :] <= q_tok_c[:, None] + offset
+            if has_mask:
+                idx = mask_base + q_tok_c[:, None] * kv_len + tok[None, :]
+                in_range = jnp.broadcast_to(tok[None, :] < kv_end, idx.shape)
+                vis = vis & (_common.load_rows(mask_ref, idx, in_range) != 0)
+            return vis
+
         acc, m, l = _attention.attend(
-            q, k_ref, v_ref, kv_indices_ref, page_base, 0, n_kv, head, num_kv_heads=num_kv_heads,
-            q_pos=q_tok_c if causal else None, causal_offset=kv_len - qo_len, **attend_kw)
+            q, k_ref, v_ref, None if contiguous else kv_indices_ref, page_base, kv_start, kv_hi - kv_start, head,
+            num_kv_heads=num_kv_heads, visible_fn=visible if (causal or has_mask) else None,
+            n_plain=n_plain, **attend_kw)
         o, lse = _attention.finalize(acc, m, l)
-        _common.store_rows(o_ref, q_rows, o.astype(o_ref.dtype), row_ok)
-        _common.store_rows(lse_ref, q_rows, lse, row_ok)
+
+        @pl.when(part_base < 0)
+        def _():
+            _common.store_rows(o_ref, q_rows, o.astype(o_ref.dtype), row_ok)
+            _common.store_rows(lse_ref, q_rows, lse, row_ok)
+
+        @pl.when(part_base >= 0)
+        def _():
+            t = q_tok_c - tile_tok  # token index within the tile
+            part_rows = (part_base + t * num_chunks + chunk) * num_qo_heads + q_head
+            _common.store_rows(o_part_ref, part_rows, o, row_ok)
+            _common.store_rows(lse_part_ref, part_rows, lse, row_ok)
+
         return carry
 
     lax.fori_loop(cell_indptr_ref[cell], cell_indptr_ref[cell + 1], item, 0)
 
 
-def _prefill_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, page_size, num_kv_heads,
-                    layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4, num_stages=2):
+def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
+                    num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4,
+                    num_stages=2):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
-        rows=rows, causal=causal, page_size=page_size, layout=layout, block_kv=block_kv,
-        scale_log2=sm_scale * _common.LOG2E)
-    o, lse = pl.pallas_call(
+        rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
+        page_size=page_size, layout=layout,
+        block_kv=block_kv, scale_log2=sm_scale * _common.LOG2E)
+    if mask is None:
+        mask = jnp.zeros((1,), jnp.int8)
+    if kv_indices is None:
+        kv_indices = jnp.zeros((1,), jnp.int32)
+    return pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1, num_kv_heads),
         out_shape=(jax.ShapeDtypeStruct((nnz * num_qo_heads, d), q.dtype),
-                   jax.ShapeDtypeStruct((nnz * num_qo_heads,), jnp.float32)),
+                   jax.ShapeDtypeStruct((nnz * num_qo_heads,), jnp.float32),
+                   jax.ShapeDtypeStruct((num_parts * num_qo_heads, d), jnp.float32),
+                   jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32)),
         compiler_params=_common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_prefill",
-    )(items, cell_indptr, kv_indices, q.reshape(nnz * num_qo_heads, d), k_rows, v_rows)
-    return o.reshape(nnz, num_qo_heads, d), lse.reshape(nnz, num_qo_heads)
+    )(items, cell_indptr, kv_indices, mask, q.reshape(nnz * num_qo_heads, d), k_rows, v_rows)
 
 
-def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, page_size, num_kv_heads, layout,
-            sm_scale, causal, rows, block_kv=64, interpret, impl="triton", **tuning):
-    """Runs the prefill tiles. q [nnz, Hq, D]; k_rows/v_rows the cache as [rows, D];
-    items int32[W, 5]; cell_indptr int32[cells + 1]; rows: the tile height
-    (see tile_rows). Returns (o [nnz, Hq, D], lse [nnz, Hq] float32)."""
+def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
+            num_kv_heads, layout, sm_scale, causal, rows, block_kv=64, interpret, impl="triton",
+            **tuning):
+    """Runs the prefill work list.
+
+    q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D];
+    kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
+    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 11];
+    cell_indptr int32[cells + 1]; rows: the tile height (see tile_rows).
+    Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
+    lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
+    """
     fn = _common.dispatch({"triton": _prefill_triton}, impl, "prefill")
-    return fn(q, k_rows, v_rows, kv_indices, items, cell_indptr, page_size=page_size,
-              num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, rows=rows,
-              block_kv=block_kv, interpret=interpret, **tuning)
+    return fn(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, num_parts=num_parts,
+              page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
+              causal=causal, rows=rows, block_kv=block_kv, interpret=interpret, **tuning)

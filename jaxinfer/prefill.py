@@ -1,0 +1,258 @@
+"""Batch prefill over paged, ragged and block-sparse KV: plan() on the host, run() compiled once."""
+import math
+
+import jax
+import numpy as np
+
+from jaxinfer import _backend
+from jaxinfer.formats import (AttentionState, BlockSparseMatrix, PagedKVCache, check_int32,
+                              check_layout, check_qkv, default_sm_scale)
+from pallas_kernels import merge as merge_kernels
+from pallas_kernels import prefill as prefill_kernels
+from planner import prefill as prefill_planner
+from planner import validate
+
+
+@jax.tree_util.register_pytree_node_class
+class PrefillPlan:
+    """A prefill plan: one packed int32 buffer (and an int8 custom mask, if any) plus its
+    static layout. Plans with the same layout share one compiled run()."""
+
+    def __init__(self, buffer, mask, layout, info=None):
+        self.buffer, self.mask, self.layout, self.info = buffer, mask, layout, info or {}
+
+    def sections(self):
+        return self.layout.unpack(self.buffer)
+
+    def tree_flatten(self):
+        return (self.buffer, self.mask), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(*children, layout)
+
+
+def run_prefill_sections(q, k_rows, v_rows, plan, *, page_size, num_kv_heads, cache_layout, sm_scale,
+                         causal, contiguous, interpret, **kernel_options):
+    """Prefill kernel + per-token merge of split tiles. Returns (o [nnz, Hq, D], lse [nnz, Hq])."""
+    nnz, hq, d = q.shape
+    lay, sec = plan.layout, plan.sections()
+    o, lse, o_part, lse_part = prefill_kernels.prefill(
+        q, k_rows, v_rows, None if contiguous else sec["kv_indices"], sec["items"], sec["cell_indptr"],
+        mask=plan.mask, num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads,
+        layout=cache_layout, sm_scale=sm_scale, causal=causal and plan.mask is None, rows=lay.rows,
+        interpret=interpret, **kernel_options)
+    return merge_kernels.merge_varlen(
+        o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
+        sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
+
+
+def _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, max_mask_len):
+    """The custom mask (bool, or little-endian bit-packed) as int8 plus each request's offset."""
+    sizes = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
+    total = int(sizes.sum())
+    if packed_custom_mask is not None:
+        packed = np.asarray(packed_custom_mask)
+        if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size * 8 < total:
+            raise ValueError(f"packed_custom_mask must be uint8[>= {-(-total // 8)}] (little-endian bits)")
+        flat = np.unpackbits(packed, count=total, bitorder="little")
+    else:
+        flat = np.asarray(custom_mask)
+        if flat.ndim != 1 or flat.size != total:
+            raise ValueError(f"custom_mask must be flat with sum(qo_len * kv_len) = {total} entries, "
+                             f"got shape {flat.shape}")
+    cap = max(total, 1) if max_mask_len is None else int(max_mask_len)
+    if total > cap:
+        raise ValueError(f"custom_mask has {total} entries, over max_mask_len={cap}")
+    mask = np.zeros(cap, np.int8)
+    mask[:total] = flat.astype(bool)
+    return mask, np.cumsum(sizes) - sizes
+
+
+class _Prefill:
+    """Shared plan/run machinery of the prefill wrappers."""
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal, max_batch_size, max_num_tokens,
+                 sm_scale, num_ctas, fixed_split_tokens, max_mask_len, backend, tile_rows, kernel_options):
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if tile_rows is not None and tile_rows not in prefill_planner.TILE_ROWS:
+            raise ValueError(f"tile_rows must be one of {prefill_planner.TILE_ROWS}, got {tile_rows}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.group = num_qo_heads // num_kv_heads
+        self.causal = causal
+        self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
+        self.sm_scale = default_sm_scale(head_dim, sm_scale)
+        self.num_cells = max(1, math.ceil((num_ctas or _backend.num_sms()) / num_kv_heads))
+        self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
+        self.interpret = _backend.use_interpret(backend)
+        self.kernel_options = kernel_options
+
+    def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
+              max_num_pages=None):
+        qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        mask, offsets = None, None
+        if custom_mask is not None or packed_custom_mask is not None:
+            mask, offsets = _flat_mask(custom_mask, packed_custom_mask, np.diff(qo_indptr), kv_lens,
+                                       self.max_mask_len)
+        layout, buf, info = prefill_planner.plan_prefill(
+            qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=self.causal,
+            num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
+            max_batch_size=self.max_batch_size, max_num_pages=max_num_pages, rows=self.tile_rows,
+            mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens)
+        mask = None if mask is None else jax.device_put(mask, may_alias=True)
+        return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, info)
+
+    def _run(self, q, k_rows, v_rows, plan, return_lse, **cache_kw):
+        if not isinstance(plan, PrefillPlan):
+            raise ValueError("plan must be a PrefillPlan from plan()")
+        expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != expect:
+            raise ValueError(f"q must have shape {expect}, got {q.shape}")
+        o, lse = run_prefill_sections(
+            q, k_rows, v_rows, plan, num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale,
+            causal=self.causal, interpret=self.interpret, **cache_kw, **self.kernel_options)
+        return AttentionState(o, lse) if return_lse else o
+
+    def _check_kv(self, q, k, v, name="k"):
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(f"{name} {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match")
+        if k.ndim != 3 or k.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {k.shape}")
+        if q.dtype != k.dtype:
+            raise ValueError(f"q dtype {q.dtype} must match the KV dtype {k.dtype}")
+
+
+_DOC_COMMON = """
+    causal: bottom-right aligned; a custom mask, when given, replaces it. Rows that see no
+    key give o = 0 and lse = -inf. max_batch_size / max_num_tokens (/ max_num_pages,
+    max_mask_len) fix the plan's shapes, so run() compiles at most once per tile height
+    (16, 32, 64 or 128 rows, chosen per step from the average query length; pin it with
+    tile_rows). With max_num_tokens, q has that many rows and rows past the batch give 0.
+    kernel_options (block_kv, num_warps, num_stages) tune the kernel."""
+
+
+class BatchPrefillWithPagedKVCache(_Prefill):
+    __doc__ = """Prefill / append (many query tokens per request) over a PagedKVCache.
+
+        pre = BatchPrefillWithPagedKVCache(32, 8, 128, 16)
+        plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        o = pre.run(q, kv_cache, plan)                      # q, o: [nnz, Hq, D]
+""" + _DOC_COMMON
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
+                 max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale=None,
+                 num_ctas=None, fixed_split_tokens=None, max_mask_len=None, backend=None,
+                 tile_rows=None, **kernel_options):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=causal,
+                         max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                         sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
+                         max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
+                         kernel_options=kernel_options)
+        self.page_size, self.layout, self.max_num_pages = page_size, check_layout(layout), max_num_pages
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None,
+             packed_custom_mask=None, num_pages=None):
+        """Plans one step from host arrays (int32 CSR page table, as for decode).
+
+        custom_mask: each request's qo_len x kv_len boolean mask, row-major, concatenated;
+        packed_custom_mask: the same bits packed with np.packbits(..., bitorder="little").
+        """
+        kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
+            kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
+        used = kv_indices[: kv_indptr[-1]]
+        return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
+                          self.max_num_pages)
+
+    def run(self, q, kv_cache, plan, *, return_lse=False):
+        """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
+        if not isinstance(kv_cache, PagedKVCache):
+            raise ValueError("kv_cache must be a PagedKVCache")
+        got = (kv_cache.page_size, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.layout)
+        want = (self.page_size, self.num_kv_heads, self.head_dim, self.layout)
+        if got != want:
+            raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
+        if q.dtype != kv_cache.dtype:
+            raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
+        k_rows, v_rows = kv_cache.rows()
+        return self._run(q, k_rows, v_rows, plan, return_lse, page_size=self.page_size,
+                         cache_layout=self.layout, contiguous=False)
+
+
+class BatchPrefillWithRaggedKVCache(_Prefill):
+    __doc__ = """Prefill over ragged (contiguous) K/V: request b's keys are rows
+    kv_indptr[b]:kv_indptr[b+1] of k, v [nnz_kv, Hkv, D].
+
+        pre = BatchPrefillWithRaggedKVCache(32, 8, 128)
+        o = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr))
+""" + _DOC_COMMON
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal=True, max_batch_size=None,
+                 max_num_tokens=None, sm_scale=None, num_ctas=None, fixed_split_tokens=None,
+                 max_mask_len=None, backend=None, tile_rows=None, **kernel_options):
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=causal,
+                         max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                         sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
+                         max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
+                         kernel_options=kernel_options)
+
+    def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None):
+        kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
+        return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
+                          np.zeros(0, np.int32), custom_mask, packed_custom_mask)
+
+    def run(self, q, k, v, plan, *, return_lse=False):
+        """q [nnz, Hq, D], k/v [nnz_kv, Hkv, D] -> o [nnz, Hq, D] (or AttentionState)."""
+        self._check_kv(q, k, v)
+        return self._run(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
+                         return_lse, page_size=1, cache_layout="NHD", contiguous=True)
+
+
+class BlockSparseAttention(_Prefill):
+    """Attention with a block-sparse (BSR) visibility pattern, any block size (R, C).
+
+        bsa = BlockSparseAttention(Hq, Hkv, D)
+        plan = bsa.plan(bsr)                       # a jaxinfer.BlockSparseMatrix (M, N), blocks (R, C)
+        o = bsa.run(q, k, v, plan)                 # q [M, Hq, D], k/v [N, Hkv, D]
+
+    Query row i sees key j where block (i // R, j // C) is listed (and, with a
+    block_mask [nnz, R, C], where that entry is set). Each row block's column
+    blocks are gathered into contiguous tiles for dense tensor-core dots (§2.3).
+    """
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, sm_scale=None, num_ctas=None,
+                 backend=None, tile_rows=None, **kernel_options):
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=False, max_batch_size=None,
+                         max_num_tokens=None, sm_scale=sm_scale, num_ctas=num_ctas,
+                         fixed_split_tokens=None, max_mask_len=None, backend=backend,
+                         tile_rows=tile_rows, kernel_options=kernel_options)
+
+    def plan(self, bsr):
+        if not isinstance(bsr, BlockSparseMatrix):
+            raise ValueError("bsr must be a jaxinfer.BlockSparseMatrix")
+        (r, c), (m, _) = bsr.block_shape, bsr.shape
+        indptr, indices = np.asarray(bsr.indptr), np.asarray(bsr.indices)
+        check_int32("bsr.indptr", indptr)
+        nblocks = indptr[1:] - indptr[:-1]
+        qo_indptr = (np.arange(m // r + 1) * r).astype(np.int32)
+        custom_mask = None
+        if bsr.block_mask is not None:  # [nnz, R, C] -> each row block's R x (blocks * C), row-major
+            bm = np.asarray(bsr.block_mask, bool)
+            custom_mask = np.concatenate(
+                [bm[indptr[i]:indptr[i + 1]].transpose(1, 0, 2).reshape(-1) for i in range(m // r)]
+                + [np.zeros(0, bool)])
+        self.block_width = c  # static: the kernel's page size
+        return self._plan(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1],
+                          indices[: indptr[-1]], custom_mask, None)
+
+    def run(self, q, k, v, plan, *, return_lse=False):
+        """q [M, Hq, D], k/v [N, Hkv, D] -> o [M, Hq, D] (or AttentionState)."""
+        self._check_kv(q, k, v)
+        check_qkv(q, k)
+        c = self.block_width
+        if k.shape[0] % c:
+            raise ValueError(f"k has {k.shape[0]} rows, not a multiple of the block width {c}")
+        return self._run(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
+                         return_lse, page_size=c, cache_layout="NHD", contiguous=False)

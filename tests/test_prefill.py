@@ -1,0 +1,178 @@
+"""Batch prefill (paged, ragged), block-sparse attention and custom masks, in interpret mode,
+against jaxinfer.reference and float64 NumPy."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from helpers import TOL, assert_lse_close, np64_attention, page_table, randn, random_cache, rel_err
+from jaxinfer import reference as ref
+
+KV_LENS, QO_LENS = (1, 54, 97, 512), (1, 17, 37, 127)
+
+
+def _lens(batch, i):
+    kv = np.array([KV_LENS[(i + j) % 4] for j in range(batch)])
+    qo = np.array([QO_LENS[(i + 2 * j) % 4] for j in range(batch)])
+    return qo, kv
+
+
+def _indptr(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _check_paged(rng, qo, kv, page, hq, hkv, d, causal, dtype=jnp.float32, layout="NHD", **kw):
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, dtype, layout)
+    qo_indptr = _indptr(qo)
+    q = randn(rng, (qo_indptr[-1], hq, d), dtype)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=causal, layout=layout,
+                                          num_ctas=kw.pop("num_ctas", 8), **kw)
+    plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    o, lse = pre.run(q, cache, plan, return_lse=True)
+    want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=causal)
+    assert rel_err(o, want.o) < TOL[dtype]
+    assert_lse_close(lse, want.lse, 1e-4 if dtype == jnp.float32 else 1e-2)
+    return plan
+
+
+SAMPLE = [  # (batch, page, (Hq, Hkv), head_dim, causal)
+    (5, 16, (32, 4), 64, True), (5, 5, (4, 4), 128, False), (1, 1, (4, 4), 64, True), (17, 16, (4, 4), 64, False)]
+
+
+@pytest.mark.parametrize("i, case", list(enumerate(SAMPLE)))
+def test_paged_prefill_sample(rng, i, case):
+    batch, page, (hq, hkv), d, causal = case
+    qo, kv = _lens(batch, i)
+    _check_paged(rng, qo, kv, page, hq, hkv, d, causal)
+
+
+FULL = list(itertools.product((1, 5, 17), (1, 5, 16), ((4, 4), (32, 4)), (64, 128), (True, False)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i, case", list(enumerate(FULL)))
+def test_paged_prefill_full_grid(rng, i, case):
+    batch, page, (hq, hkv), d, causal = case
+    qo, kv = _lens(batch, i)
+    _check_paged(rng, qo, kv, page, hq, hkv, d, causal)
+
+
+def test_paged_prefill_bf16_hnd_split_kv(rng):
+    plan = _check_paged(rng, np.array([40, 3, 64]), np.array([300, 0, 64]), 16, 8, 2, 64, True,
+                        jnp.bfloat16, "HND", fixed_split_tokens=64)
+    assert plan.info["num_split_tiles"] > 0
+
+
+def test_split_kv_with_an_empty_chunk_and_fully_masked_rows(rng):
+    # causal with qo_len > kv_len: the first rows see no key; a split leaves some chunks empty.
+    _check_paged(rng, np.array([50, 9]), np.array([20, 200]), 4, 4, 1, 64, True, fixed_split_tokens=16)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_prefill(rng, causal):
+    qo, kv = np.array([17, 1, 37, 127]), np.array([54, 97, 1, 512])
+    qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
+    q = randn(rng, (qo_indptr[-1], 8, 64), jnp.float32)
+    k, v = randn(rng, (kv_indptr[-1], 2, 64), jnp.float32), randn(rng, (kv_indptr[-1], 2, 64), jnp.float32)
+    pre = ji.BatchPrefillWithRaggedKVCache(8, 2, 64, causal=causal, num_ctas=8)
+    o, lse = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr), return_lse=True)
+    want = ref.ragged_attention(q, k, v, qo_indptr, kv_indptr, causal=causal)
+    assert rel_err(o, want.o) < 2e-5
+    assert_lse_close(lse, want.lse)
+    for b in (0, 3):
+        o64, _ = np64_attention(q[qo_indptr[b]:qo_indptr[b + 1]], k[kv_indptr[b]:kv_indptr[b + 1]],
+                                v[kv_indptr[b]:kv_indptr[b + 1]], causal=causal)
+        assert rel_err(o[qo_indptr[b]:qo_indptr[b + 1]], o64) < 2e-5
+
+
+def test_custom_mask_tril_is_causal_and_packed_form(rng):
+    qo, kv = np.array([5, 12, 3]), np.array([9, 12, 40])
+    qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
+    q = randn(rng, (qo_indptr[-1], 4, 64), jnp.float32)
+    k, v = randn(rng, (kv_indptr[-1], 2, 64), jnp.float32), randn(rng, (kv_indptr[-1], 2, 64), jnp.float32)
+    tril = np.concatenate([np.tril(np.ones((a, b), bool), k=b - a).reshape(-1) for a, b in zip(qo, kv)])
+    causal = ji.BatchPrefillWithRaggedKVCache(4, 2, 64, causal=True, num_ctas=4)
+    masked = ji.BatchPrefillWithRaggedKVCache(4, 2, 64, causal=False, num_ctas=4)
+    want = causal.run(q, k, v, causal.plan(qo_indptr, kv_indptr))
+    got = masked.run(q, k, v, masked.plan(qo_indptr, kv_indptr, custom_mask=tril))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    rand = rng.random(tril.size) < 0.3
+    plain = masked.run(q, k, v, masked.plan(qo_indptr, kv_indptr, custom_mask=rand), return_lse=True)
+    packed = masked.run(q, k, v, masked.plan(qo_indptr, kv_indptr,
+                                             packed_custom_mask=np.packbits(rand, bitorder="little")))
+    np.testing.assert_array_equal(packed, plain.o)
+    r = ref.ragged_attention(q, k, v, qo_indptr, kv_indptr, custom_mask=rand)
+    assert rel_err(plain.o, r.o) < 2e-5
+    assert_lse_close(plain.lse, r.lse)  # rows whose mask is all False: o = 0, lse = -inf
+
+
+@pytest.mark.parametrize("r, c, masked", [(1, 4, False), (4, 16, True), (16, 1, True), (4, 4, False)])
+def test_block_sparse_any_block_size(rng, r, c, masked):
+    m, n, hq, hkv, d = 64, 128, 4, 2, 64
+    rows, cols = m // r, n // c
+    dense_blocks = rng.random((rows, cols)) < 0.25
+    indptr = _indptr(dense_blocks.sum(1))
+    indices = np.nonzero(dense_blocks)[1].astype(np.int32)
+    block_mask = rng.random((indices.size, r, c)) < 0.7 if masked else None
+    bsr = ji.BlockSparseMatrix(indptr, indices, (r, c), (m, n), block_mask)
+    q, k, v = randn(rng, (m, hq, d), jnp.float32), randn(rng, (n, hkv, d), jnp.float32), randn(rng, (n, hkv, d), jnp.float32)
+    bsa = ji.BlockSparseAttention(hq, hkv, d, num_ctas=8)
+    o, lse = bsa.run(q, k, v, bsa.plan(bsr), return_lse=True)
+    o64, lse64 = np64_attention(q, k, v, mask=bsr.to_dense_mask())
+    assert rel_err(o, o64) < 2e-5
+    assert_lse_close(lse, lse64)
+
+
+def test_speculative_verification_tokens(rng):
+    """2-8 query tokens per request in a decode step go through the prefill path."""
+    _check_paged(rng, np.array([2, 5, 8, 3]), np.array([70, 33, 120, 9]), 16, 32, 8, 128, True, jnp.bfloat16)
+
+
+def test_capacity_plans_compile_once(rng):
+    page, hq, hkv, d = 4, 8, 2, 64
+    num_pages = 120
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, max_batch_size=4, max_num_tokens=64,
+                                          max_num_pages=100, num_ctas=4, tile_rows=32)
+    run = jax.jit(pre.run)
+    for step in range(12):
+        batch = int(rng.integers(1, 5))
+        qo = rng.integers(1, 16, batch)
+        kv = qo + rng.integers(0, 60, batch)
+        npages = -(-kv // page)
+        indptr = _indptr(npages)
+        indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+        last = (kv - (npages - 1) * page).astype(np.int32)
+        qo_indptr = _indptr(qo)
+        plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+        q = randn(rng, (64, hq, d), jnp.float32)
+        o = run(q, cache, plan)
+        if step % 4 == 0:
+            want = ref.paged_attention(q[:qo_indptr[-1]], cache, qo_indptr, indptr, indices, last, causal=True)
+            assert rel_err(o[:qo_indptr[-1]], want.o) < 2e-5
+            assert np.all(np.asarray(o[qo_indptr[-1]:]) == 0)
+    assert run._cache_size() == 1
+
+
+def test_prefill_rejects_bad_input(rng):
+    indptr, indices, last, num_pages = page_table(rng, np.array([9, 3]), 4)
+    pre = ji.BatchPrefillWithPagedKVCache(8, 2, 64, 4, num_ctas=4)
+    with pytest.raises(ValueError, match="qo_indptr must start at 0"):
+        pre.plan(np.array([1, 2, 3], np.int32), indptr, indices, last)
+    with pytest.raises(ValueError, match="qo_indptr describes 1 requests"):
+        pre.plan(np.array([0, 2], np.int32), indptr, indices, last)
+    with pytest.raises(ValueError, match="page ids outside"):
+        pre.plan(np.array([0, 2, 3], np.int32), indptr, indices + 100, last, num_pages=num_pages)
+    with pytest.raises(ValueError, match="custom_mask"):
+        pre.plan(np.array([0, 2, 3], np.int32), indptr, indices, last, custom_mask=np.ones(5, bool))
+    plan = pre.plan(np.array([0, 2, 3], np.int32), indptr, indices, last)
+    with pytest.raises(ValueError, match="q must have shape"):
+        pre.run(randn(rng, (4, 8, 64), jnp.float32), random_cache(rng, num_pages, 4, 2, 64, jnp.float32), plan)
+    with pytest.raises(ValueError, match="tile_rows"):
+        ji.BatchPrefillWithRaggedKVCache(8, 2, 64, tile_rows=48)
+    with pytest.raises(ValueError, match="bsr"):
+        ji.BlockSparseAttention(8, 2, 64).plan(indptr)
