@@ -1,5 +1,4 @@
 """Batch decode over a paged KV cache: plan() on the host, run() compiled once."""
-import math
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +66,7 @@ class BatchDecodeWithPagedKVCache:
     max_batch_size / max_num_pages fix the plan's shapes (q then has
     max_batch_size rows; rows past the batch give o = 0), so one compiled run()
     serves every step. num_ctas (default 2 x SM count) sets the grid: cells =
-    ceil(num_ctas / num_kv_heads). fixed_split_pages makes outputs batch-invariant.
+    num_ctas // num_kv_heads (all resident at once). fixed_split_pages: batch-invariant outputs.
     kernel_options (block_kv, num_warps, num_stages) tune the kernel.
     """
 
@@ -83,7 +82,7 @@ class BatchDecodeWithPagedKVCache:
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
         self.sm_scale = default_sm_scale(head_dim, sm_scale)
         ctas = num_ctas or 2 * _backend.num_sms()
-        self.num_cells = max(1, math.ceil(ctas / num_kv_heads))
+        self.num_cells = max(1, ctas // num_kv_heads)  # all cells resident at once: no tail wave
         self.fixed_split_pages = fixed_split_pages
         self.interpret = _backend.use_interpret(backend)
         self.kernel_options = kernel_options

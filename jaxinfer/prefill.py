@@ -1,5 +1,4 @@
 """Batch prefill over paged, ragged and block-sparse KV: plan() on the host, run() compiled once."""
-import math
 
 import jax
 import numpy as np
@@ -83,7 +82,7 @@ class _Prefill:
         self.causal = causal
         self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
         self.sm_scale = default_sm_scale(head_dim, sm_scale)
-        self.num_cells = max(1, math.ceil((num_ctas or _backend.num_sms()) / num_kv_heads))
+        self.num_cells = max(1, (num_ctas or 2 * _backend.num_sms()) // num_kv_heads)  # all resident
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
         self.interpret = _backend.use_interpret(backend)
         self.kernel_options = kernel_options

@@ -1,5 +1,4 @@
 """Single-request attention: one query (decode) or many (prefill) over contiguous K/V."""
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +38,7 @@ def single_decode_with_kv_cache(q, k, v, *, sm_scale=None, return_lse=False, bac
     kv_len, hkv, d = k.shape
     if kv_len == 0:
         return _no_keys(q, return_lse)
-    cells = max(1, math.ceil((num_ctas or 2 * _backend.num_sms()) / hkv))
+    cells = max(1, (num_ctas or 2 * _backend.num_sms()) // hkv)
     layout, buf, _ = decode_planner.plan_decode(  # one request, pages of one token: the rows of k/v
         np.array([0, kv_len], np.int32), np.arange(kv_len, dtype=np.int32), np.array([1], np.int32),
         page_size=1, num_cells=cells)
@@ -64,7 +63,7 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
     kv_len, hkv, _ = k.shape
     if kv_len == 0:
         return _no_keys(q, return_lse)
-    cells = max(1, math.ceil((num_ctas or _backend.num_sms()) / hkv))
+    cells = max(1, (num_ctas or 2 * _backend.num_sms()) // hkv)
     layout, buf, _ = prefill_planner.plan_prefill(
         np.array([0, qo_len], np.int32), np.array([kv_len]), np.zeros(1, np.int64),
         np.zeros(0, np.int32), group=hq // hkv, causal=causal, num_cells=cells)
