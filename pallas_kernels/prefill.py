@@ -103,7 +103,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
                     num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4,
-                    num_stages=2):
+                    num_stages=3):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     kernel = functools.partial(
