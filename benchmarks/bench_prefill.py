@@ -63,9 +63,9 @@ def main():
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     if args.sweep:
-        sweep = [{}, dict(num_stages=3), dict(num_warps=8), dict(num_warps=8, block_kv=128),
-                 dict(tile_rows=64), dict(tile_rows=64, num_ctas=396), dict(num_ctas=132, num_warps=8)]
-        run_row(*ROWS[0], sweep, kinds=("paged",), check=False)
+        sweep = [{}, dict(plain_blocks=False), dict(num_stages=2), dict(num_stages=4),
+                 dict(plain_blocks=False, num_stages=2)]
+        run_row(*ROWS[0], sweep, check=False)
         save("prefill_sweep")
         return
     for row in ROWS:
