@@ -63,8 +63,7 @@ def main():
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     if args.sweep:
-        sweep = [{}, dict(plain_blocks=False), dict(num_stages=2), dict(num_stages=4),
-                 dict(plain_blocks=False, num_stages=2)]
+        sweep = [{}, dict(num_stages=2), dict(num_stages=3), dict(num_warps=8)]
         run_row(*ROWS[0], sweep, check=False)
         save("prefill_sweep")
         return

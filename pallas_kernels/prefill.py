@@ -40,7 +40,7 @@ def tile_rows(group, block_q):
 
 def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref, k_ref, v_ref,
                     o_ref, lse_ref, o_part_ref, lse_part_ref, *, num_qo_heads, num_kv_heads, group,
-                    rows, causal, has_mask, contiguous, plain_blocks, **attend_kw):
+                    rows, causal, has_mask, contiguous, **attend_kw):
     cell, head = pl.program_id(0), pl.program_id(1)
     block_kv = attend_kw["block_kv"]
     r = jnp.arange(rows)
@@ -65,7 +65,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
             kv_hi = jnp.clip(last_tok + offset + 1, kv_start, kv_end)
             # Blocks wholly left of the first row's diagonal need no mask.
             n_plain = jnp.clip((tile_tok + offset + 1 - kv_start) // block_kv, 0, n_plain)
-        if has_mask or not plain_blocks:
+        if has_mask:
             n_plain = 0
 
         def visible(tok):  # [BK] -> [rows, BK]
@@ -103,7 +103,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
                     num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4,
-                    num_stages=None, plain_blocks=True):
+                    num_stages=None):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     if num_stages is None:  # measured on H100: 3 stages help paged gathers, 2 suit contiguous K/V
@@ -111,7 +111,7 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
-        plain_blocks=plain_blocks, page_size=page_size, layout=layout,
+        page_size=page_size, layout=layout,
         block_kv=block_kv, scale_log2=sm_scale * _common.LOG2E)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)

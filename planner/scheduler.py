@@ -16,7 +16,10 @@ def assign_cells(costs, num_cells):
 
     Ties break by item index, then by cell index, so the same costs always give
     the same assignment. Returns (order, cell_indptr): item ids listed cell by
-    cell, each cell's in the order it runs them, and int32[num_cells + 1] offsets.
+    cell, and int32[num_cells + 1] offsets. A cell runs its items in item-id
+    order (the work list's request order), not longest first: every request's
+    items are spread over the cells, so cells running side by side work on the
+    same requests and share their K/V in L2 (measured: prefill on H100).
     """
     costs = np.asarray(costs, np.int64)
     by_cost = np.argsort(-costs, kind="stable")
@@ -33,8 +36,9 @@ def assign_cells(costs, num_cells):
             top = heap[0]
             replace(heap, top + (c << bits))
             assign(top & mask)
-    cell_of = np.asarray(cell_of, np.int64)
-    order = by_cost[np.argsort(cell_of, kind="stable")]
+    cell_of_item = np.empty(len(cell_of), np.int64)
+    cell_of_item[by_cost] = cell_of
+    order = np.argsort(cell_of_item, kind="stable")  # by cell, then by item id
     cell_indptr = np.zeros(num_cells + 1, np.int32)
-    np.cumsum(np.bincount(cell_of, minlength=num_cells), out=cell_indptr[1:])
+    np.cumsum(np.bincount(cell_of_item, minlength=num_cells), out=cell_indptr[1:])
     return order, cell_indptr
