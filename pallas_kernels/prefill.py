@@ -48,15 +48,19 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     t_local = r // group
     q_head = head * group + r % group
 
-    def item(w, carry):
-        fields = [items_ref[w, i] for i in range(ITEM_FIELDS)]
-        (q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end, part_base,
-         num_chunks, chunk, mask_base) = fields
-        q_tok = tile_tok + t_local  # [rows] query positions in the request
-        row_ok = (t_local < tokens_per_tile) & (q_tok < qo_len)
+    def query_rows(w):
+        """The tile's query positions (clamped), flat rows of q, and which rows are real. Called
+        before and after the KV loop, so these [rows] vectors are not kept live across it."""
+        q_row_start, tile_tok, qo_len = items_ref[w, 0], items_ref[w, 1], items_ref[w, 2]
+        q_tok = tile_tok + t_local
         q_tok_c = jnp.minimum(q_tok, qo_len - 1)
-        q_rows = (q_row_start + q_tok_c) * num_qo_heads + q_head
-        q = q_ref[q_rows]  # [rows, D]
+        row_ok = (t_local < tokens_per_tile) & (q_tok < qo_len)
+        return q_tok_c, (q_row_start + q_tok_c) * num_qo_heads + q_head, row_ok
+
+    def item(w, carry):
+        tile_tok, qo_len, page_base, kv_len = (items_ref[w, i] for i in (1, 2, 3, 4))
+        kv_start, kv_end, mask_base = items_ref[w, 5], items_ref[w, 6], items_ref[w, 10]
+        q = q_ref[query_rows(w)[1]]  # [rows, D]
         offset = kv_len - qo_len
         kv_hi = kv_end
         n_plain = (kv_end - kv_start) // block_kv
@@ -69,6 +73,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
             n_plain = 0
 
         def visible(tok):  # [BK] -> [rows, BK]
+            q_tok_c = jnp.minimum(tile_tok + t_local, qo_len - 1)
             vis = jnp.ones((rows, tok.shape[0]), jnp.bool_)
             if causal:
                 vis = tok[None, :] <= q_tok_c[:, None] + offset
@@ -79,10 +84,12 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
             return vis
 
         acc, m, l = _attention.attend(
-            q, k_ref, v_ref, None if contiguous else kv_indices_ref, page_base, kv_start, kv_hi - kv_start, head,
-            num_kv_heads=num_kv_heads, visible_fn=visible if (causal or has_mask) else None,
-            n_plain=n_plain, **attend_kw)
+            q, k_ref, v_ref, None if contiguous else kv_indices_ref, page_base, kv_start,
+            kv_hi - kv_start, head, num_kv_heads=num_kv_heads,
+            visible_fn=visible if (causal or has_mask) else None, n_plain=n_plain, **attend_kw)
         o, lse = _attention.finalize(acc, m, l)
+        q_tok_c, q_rows, row_ok = query_rows(w)
+        part_base = items_ref[w, 7]
 
         @pl.when(part_base < 0)
         def _():
@@ -91,6 +98,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
         @pl.when(part_base >= 0)
         def _():
+            num_chunks, chunk = items_ref[w, 8], items_ref[w, 9]
             t = q_tok_c - tile_tok  # token index within the tile
             part_rows = (part_base + t * num_chunks + chunk) * num_qo_heads + q_head
             _common.store_rows(o_part_ref, part_rows, o, row_ok)
