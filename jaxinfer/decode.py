@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import _backend
-from jaxinfer.formats import AttentionState, PagedKVCache, check_layout, default_sm_scale
+from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
 from planner import decode as decode_planner
@@ -125,15 +125,8 @@ class BatchDecodeWithPagedKVCache:
     def _check(self, q, kv_cache, plan):
         if not isinstance(plan, DecodePlan):
             raise ValueError("plan must be a DecodePlan from plan()")
-        if not isinstance(kv_cache, PagedKVCache):
-            raise ValueError("kv_cache must be a PagedKVCache")
         expect_q = (plan.layout.batch, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect_q:
             raise ValueError(f"q must have shape {expect_q}, got {q.shape}")
-        got = (kv_cache.page_size, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.layout)
-        want = (self.page_size, self.num_kv_heads, self.head_dim, self.layout)
-        if got != want:
-            raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
-        if q.dtype != kv_cache.dtype:
-            raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
+        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
 

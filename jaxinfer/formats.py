@@ -158,9 +158,16 @@ class BlockSparseMatrix:
         return f"BlockSparseMatrix(shape={self.shape}, block_shape={self.block_shape}, nnz_blocks={np.shape(self.indices)[0]})"
 
 
-def ragged_lengths(indptr):
-    """Per-request lengths from an indptr (host or device array)."""
-    return indptr[1:] - indptr[:-1]
+def check_paged_cache(kv_cache, q, page_size, num_kv_heads, head_dim, layout):
+    """run() argument checks shared by the paged wrappers."""
+    if not isinstance(kv_cache, PagedKVCache):
+        raise ValueError("kv_cache must be a PagedKVCache")
+    got = (kv_cache.page_size, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.layout)
+    want = (page_size, num_kv_heads, head_dim, layout)
+    if got != want:
+        raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
 
 
 def check_qkv(q, k, name_q="q", name_k="k"):

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 
 from jaxinfer import _backend
-from jaxinfer.formats import (AttentionState, BlockSparseMatrix, PagedKVCache, check_int32,
-                              check_layout, check_qkv, default_sm_scale)
+from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_layout,
+                              check_paged_cache, check_qkv, default_sm_scale)
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
 from planner import prefill as prefill_planner
@@ -167,14 +167,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
 
     def run(self, q, kv_cache, plan, *, return_lse=False):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
-        if not isinstance(kv_cache, PagedKVCache):
-            raise ValueError("kv_cache must be a PagedKVCache")
-        got = (kv_cache.page_size, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.layout)
-        want = (self.page_size, self.num_kv_heads, self.head_dim, self.layout)
-        if got != want:
-            raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
-        if q.dtype != kv_cache.dtype:
-            raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
+        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
         k_rows, v_rows = kv_cache.rows()
         return self._run(q, k_rows, v_rows, plan, return_lse, page_size=self.page_size,
                          cache_layout=self.layout, contiguous=False)

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner import scheduler, validate
+from planner.packing import PackedLayout
 
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
 
 
 @dataclass(frozen=True)
-class DecodeLayout:
+class DecodeLayout(PackedLayout):
     """Static sizes of the packed plan buffer; hashable, part of the jit cache key."""
+    ITEM_FIELDS = ITEM_FIELDS
     batch: int       # B: rows of q and o
     index_cap: int   # entries of kv_indices
     num_cells: int   # persistent grid cells (grid = (num_cells, Hkv))
@@ -37,18 +39,6 @@ class DecodeLayout:
                 ("items", self.item_cap * ITEM_FIELDS), ("cell_indptr", self.num_cells + 1),
                 ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap))
 
-    @property
-    def size(self):
-        return sum(n for _, n in self.sections())
-
-    def unpack(self, buf):
-        """Splits the packed buffer (NumPy or jax array) into its named sections."""
-        out, off = {}, 0
-        for name, n in self.sections():
-            out[name] = buf[off:off + n]
-            off += n
-        out["items"] = out["items"].reshape(self.item_cap, ITEM_FIELDS)
-        return out
 
 
 def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner import scheduler, validate
+from planner.packing import PackedLayout
 
 ITEM_FIELDS = 11  # see pallas_kernels/prefill.py
 TILE_ROWS = (16, 32, 64, 128)
@@ -27,8 +28,9 @@ def choose_tile_rows(qo_lens, group):
 
 
 @dataclass(frozen=True)
-class PrefillLayout:
+class PrefillLayout(PackedLayout):
     """Static sizes of the packed plan buffer; hashable, part of the jit cache key."""
+    ITEM_FIELDS = ITEM_FIELDS
     num_tokens: int  # rows of q and o
     index_cap: int   # entries of kv_indices
     num_cells: int
@@ -57,17 +59,6 @@ class PrefillLayout:
                 ("cell_indptr", self.num_cells + 1), ("merge_indptr", self.merge_cap + 1),
                 ("merge_dest", self.merge_cap))
 
-    @property
-    def size(self):
-        return sum(n for _, n in self.sections())
-
-    def unpack(self, buf):
-        out, off = {}, 0
-        for name, n in self.sections():
-            out[name] = buf[off:off + n]
-            off += n
-        out["items"] = out["items"].reshape(self.item_cap, ITEM_FIELDS)
-        return out
 
 
 def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, num_cells,

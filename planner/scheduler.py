@@ -11,8 +11,8 @@ def kv_chunk_size(kv_pages, num_cells, min_chunk_pages=1):
 
 
 def assign_cells(costs, num_cells):
-    """Assigns items (non-negative integer costs) to cells, longest first, each to the
-    least-loaded cell (a min-heap of cell loads).
+    """Assigns items (positive integer costs: alpha * l_q + beta * l_kv with alpha > 0) to
+    cells, longest first, each to the least-loaded cell (a min-heap of cell loads).
 
     Ties break by item index, then by cell index, so the same costs always give
     the same assignment. Returns (order, cell_indptr): item ids listed cell by
@@ -22,6 +22,8 @@ def assign_cells(costs, num_cells):
     same requests and share their K/V in L2 (measured: prefill on H100).
     """
     costs = np.asarray(costs, np.int64)
+    if costs.size and costs.min() <= 0:
+        raise ValueError("costs must be positive")
     by_cost = np.argsort(-costs, kind="stable")
     sorted_costs = costs[by_cost].tolist()
     cell_of = list(range(min(len(sorted_costs), num_cells)))  # first items: empty cells, in index order
