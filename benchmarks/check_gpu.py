@@ -1,4 +1,9 @@
-"""Compiled (non-interpret) kernels against jaxinfer.reference on small random shapes."""
+"""Compiled (non-interpret) kernels against jaxinfer.reference on small random shapes.
+
+    PYTHONPATH=. python3 benchmarks/check_gpu.py [bfloat16|float16|float32 ...]
+"""
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +53,11 @@ def check_prefill(dtype, tol):
         report(f"block sparse R={r} C={c} {dtype.__name__}", rel_err(o, ref.block_sparse_attention(qb, kb, kb, bsr).o), tol)
 
 
-for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float16, 5e-3), (jnp.float32, 1e-5)):
+DTYPES = ((jnp.bfloat16, 2e-2), (jnp.float16, 5e-3), (jnp.float32, 1e-5))
+only = sys.argv[1:]  # optional dtype names, e.g. `check_gpu.py float32`
+for dtype, tol in DTYPES:
+    if only and jnp.dtype(dtype).name not in only:
+        continue
     check_prefill(dtype, tol)
     for (hq, hkv, d, page, layout) in ((32, 8, 128, 16, "NHD"), (8, 1, 256, 5, "NHD")):
         lens = rng.integers(0, 700, 9)

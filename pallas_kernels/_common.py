@@ -21,6 +21,14 @@ def next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def fit_block_kv(block_kv, head_dim, itemsize, num_stages, smem_budget=192 * 1024):
+    """block_kv, halved until the pipelined K and V tiles fit in shared memory
+    (num_stages x 2 x block_kv x head_dim x itemsize <= smem_budget; H100 has 227 KB a block)."""
+    while block_kv > 16 and num_stages * 2 * block_kv * head_dim * itemsize > smem_budget:
+        block_kv //= 2
+    return block_kv
+
+
 def dot_precision(dtype):
     """Full float32 products for float32 inputs (Triton would use tf32 otherwise)."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT

@@ -73,6 +73,7 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
     num_cells = cell_indptr.shape[0] - 1
+    block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         group_pad=group_pad, page_size=page_size, layout=layout, block_kv=block_kv,

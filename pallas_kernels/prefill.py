@@ -116,6 +116,7 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
     group = num_qo_heads // num_kv_heads
     if num_stages is None:  # measured on H100: 3 stages help paged gathers, 2 suit contiguous K/V
         num_stages = 2 if kv_indices is None else 3
+    block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
