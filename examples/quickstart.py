@@ -61,3 +61,12 @@ print(f"merge: max |a ⊕ b - whole| = {float(jnp.max(jnp.abs(merged.o - whole))
 qp = jnp.asarray(rng.standard_normal((32, num_qo_heads, head_dim)), jnp.float32)
 o_prefill = ji.single_prefill_with_kv_cache(qp, k, v, causal=True)
 print(f"prefill: o {o_prefill.shape}")
+
+# Batch append over the paged cache: each request's last qo_len tokens attend causally.
+qo_lens = np.array([5, 1, 12, 3])
+qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+prefill = ji.BatchPrefillWithPagedKVCache(num_qo_heads, num_kv_heads, head_dim, page_size, causal=True)
+plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=num_pages)
+qa = jnp.asarray(rng.standard_normal((qo_indptr[-1], num_qo_heads, head_dim)), jnp.bfloat16)
+oa = jax.jit(prefill.run)(qa, cache, plan)
+print(f"batch prefill: o {oa.shape}, tile height {plan.layout.rows} rows")

@@ -1,0 +1,40 @@
+"""Backend selection: interpret mode on CPU by default, forced by argument or environment."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from helpers import randn
+from jaxinfer import _backend
+from pallas_kernels import merge as merge_kernels
+
+
+def test_default_is_interpret_on_cpu(monkeypatch):
+    monkeypatch.delenv("JAXINFER_BACKEND", raising=False)
+    assert _backend.use_interpret() is True
+    assert _backend.use_interpret("interpret") is True
+    assert _backend.use_interpret("gpu") is False
+
+
+def test_environment_variable_forces_the_backend(monkeypatch):
+    monkeypatch.setenv("JAXINFER_BACKEND", "gpu")
+    assert _backend.use_interpret() is False
+    assert _backend.use_interpret("interpret") is True  # the argument wins
+    monkeypatch.setenv("JAXINFER_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="backend"):
+        _backend.use_interpret()
+
+
+def test_bad_backend_and_impl_are_rejected(rng):
+    q = randn(rng, (4, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="backend"):
+        ji.single_decode_with_kv_cache(q[0], q, q, backend="tpu")
+    lse = jnp.zeros((4, 2))
+    with pytest.raises(ValueError, match="unknown impl 'mosaic'"):
+        merge_kernels.merge_pair(q, lse, q, lse, jnp.ones(4, jnp.int32), interpret=True, impl="mosaic")
+
+
+def test_explicit_interpret_matches_reference(rng):
+    q, k = randn(rng, (3, 2, 16), jnp.float32), randn(rng, (7, 1, 16), jnp.float32)
+    o = ji.single_prefill_with_kv_cache(q, k, k, backend="interpret")
+    np.testing.assert_allclose(o, ji.reference.attention(q, k, k).o, rtol=2e-5, atol=2e-6)
