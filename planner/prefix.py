@@ -1,0 +1,168 @@
+"""Shared-prefix structure of page tables (host side, NumPy only).
+
+RadixTree: a prefix index over page-id sequences that a serving loop keeps
+across steps (longest-prefix match, insertion with edge splitting, LRU
+eviction of unlocked leaves). shared_prefix_groups: the two-level split of a
+batch's page table into a shared prefix per group of consecutive requests and
+each request's unique suffix, the input of cascade attention.
+"""
+import itertools
+
+import numpy as np
+
+from planner import validate
+
+
+class _Node:
+    __slots__ = ("edge", "children", "parent", "last_used", "locks")
+
+    def __init__(self, edge, parent):
+        self.edge = edge          # tuple of page ids on the edge into this node
+        self.children = {}        # first page id of the child's edge -> child
+        self.parent = parent
+        self.last_used = 0
+        self.locks = 0            # requests currently using this node's pages
+
+
+class RadixTree:
+    """A radix tree over page-id sequences.
+
+        tree = RadixTree()
+        tree.insert([3, 9, 4])          # a request's pages
+        n = tree.match([3, 9, 7])       # 2: pages [3, 9] are cached
+        freed = tree.evict(2)           # page ids of least-recently-used, unlocked leaves
+
+    Pages are identified by id: the tree stores which page sequences exist so a
+    new request can reuse the pages of its longest cached prefix.
+    """
+
+    def __init__(self):
+        self.root = _Node((), None)
+        self._clock = itertools.count(1)
+        self.num_pages = 0
+
+    def _walk(self, pages, touch):
+        """Follows pages from the root; returns (node, depth into its edge, pages matched)."""
+        node, matched, now = self.root, 0, next(self._clock)
+        while matched < len(pages):
+            child = node.children.get(pages[matched])
+            if child is None:
+                return node, len(node.edge), matched
+            k = 0
+            while k < len(child.edge) and matched + k < len(pages) and child.edge[k] == pages[matched + k]:
+                k += 1
+            if touch:
+                child.last_used = now
+            matched += k
+            if k < len(child.edge):
+                return child, k, matched
+            node = child
+        return node, len(node.edge), matched
+
+    def match(self, pages):
+        """Length (in pages) of the longest cached prefix of `pages`; marks it recently used."""
+        return self._walk(tuple(int(p) for p in pages), touch=True)[2]
+
+    def insert(self, pages):
+        """Adds a page sequence, splitting an edge where it diverges. Returns the pages already cached."""
+        pages = tuple(int(p) for p in pages)
+        node, depth, matched = self._walk(pages, touch=True)
+        if depth < len(node.edge):  # split node's edge at depth
+            head = _Node(node.edge[:depth], node.parent)
+            head.last_used, head.locks = node.last_used, node.locks
+            node.parent.children[head.edge[0]] = head
+            node.edge = node.edge[depth:]
+            node.parent = head
+            head.children[node.edge[0]] = node
+            node = head
+        if matched < len(pages):
+            leaf = _Node(pages[matched:], node)
+            leaf.last_used = next(self._clock)
+            node.children[leaf.edge[0]] = leaf
+            self.num_pages += len(leaf.edge)
+        return matched
+
+    def lock(self, pages, delta=1):
+        """Adds delta to the lock count of every node on the path of `pages` (which must be cached):
+        locked nodes are never evicted. Use delta=-1 to unlock."""
+        pages = tuple(int(p) for p in pages)
+        node, depth, matched = self._walk(pages, touch=False)
+        if matched != len(pages) or depth != len(node.edge):
+            raise ValueError("pages must be exactly a cached sequence (insert it first)")
+        while node is not self.root:
+            node.locks += delta
+            if node.locks < 0:
+                raise ValueError("unlock without a matching lock")
+            node = node.parent
+
+    def evict(self, num_pages):
+        """Removes least-recently-used unlocked leaves until at least num_pages pages are freed
+        (or nothing evictable is left). Returns the freed page ids."""
+        freed = []
+        while len(freed) < num_pages:
+            leaves = [n for n in self._nodes() if not n.children and n.locks == 0 and n is not self.root]
+            if not leaves:
+                break
+            leaf = min(leaves, key=lambda n: n.last_used)
+            del leaf.parent.children[leaf.edge[0]]
+            freed.extend(leaf.edge)
+            self.num_pages -= len(leaf.edge)
+            parent = leaf.parent
+            if parent is not self.root and len(parent.children) == 1 and parent.locks == 0:
+                (only,) = parent.children.values()  # merge a chain left with one child
+                only.edge = parent.edge + only.edge
+                only.parent = parent.parent
+                parent.parent.children[only.edge[0]] = only
+        return freed
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min_shared_pages=1):
+    """Splits consecutive requests that begin with the same pages into (shared prefix, suffix).
+
+    A group is a run of consecutive requests whose page lists share at least
+    min_shared_pages leading pages that are full in every request (a partially
+    filled last page is never shared). Request e joins a group of n requests
+    sharing s pages when the common prefix s' it leaves satisfies
+    n * s' > (n - 1) * s, i.e. when joining reads fewer pages in all than
+    staying apart (a group of n with prefix s reads sum(pages) - (n - 1) * s).
+    Returns a dict of host arrays:
+      group_indptr int32[G+1]   requests of group g: group_indptr[g]:group_indptr[g+1]
+      prefix_pages int32[G]     shared full pages of group g (0: no sharing)
+    Each request's unique suffix is its page list past its group's prefix.
+    """
+    kv_indptr, kv_indices, kv_last_page_len, _, pages = validate.check_page_table(
+        kv_indptr, kv_indices, kv_last_page_len, page_size)
+    batch = pages.shape[0]
+    full = pages - (kv_last_page_len < page_size)  # leading pages that are full
+    starts, prefix = [0], []
+    b = 0
+    while b < batch:
+        shared = int(full[b])
+        e = b + 1
+        while e < batch and shared >= min_shared_pages:
+            common = _common_prefix(kv_indices, kv_indptr, b, e, min(shared, int(full[e])))
+            n = e - b
+            if common < min_shared_pages or (n > 1 and n * common <= (n - 1) * shared):
+                break
+            shared, e = common, e + 1
+        if e - b == 1:
+            shared = 0
+        prefix.append(shared)
+        starts.append(e)
+        b = e
+    return dict(group_indptr=np.asarray(starts, np.int32), prefix_pages=np.asarray(prefix, np.int32))
+
+
+def _common_prefix(kv_indices, kv_indptr, a, b, limit):
+    """Number of equal leading page ids of requests a and b, at most limit."""
+    x = kv_indices[kv_indptr[a]:kv_indptr[a] + limit]
+    y = kv_indices[kv_indptr[b]:kv_indptr[b] + limit]
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else limit
