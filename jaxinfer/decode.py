@@ -2,9 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import _backend
+from jaxinfer.cascade import MultiLevelCascadeAttention, auto_cascade_levels
 from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale
+from jaxinfer.prefill import CascadePlan
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
 from planner import decode as decode_planner
@@ -86,17 +89,33 @@ class BatchDecodeWithPagedKVCache:
         self.fixed_split_pages = fixed_split_pages
         self.interpret = _backend.use_interpret(backend)
         self.kernel_options = kernel_options
+        self._cascade = None
 
-    def plan(self, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, horizon=1):
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, horizon=1, cascade=None):
         """Plans one decode step from a host CSR page table (int32 NumPy arrays).
 
         num_pages: the cache's page count; page ids outside [0, num_pages) are rejected.
         horizon=K: the page table describes the lengths at the last of K steps
         (pages allocated ahead); run() at step s takes kv_lens=plan.kv_lens_at(s),
         so a lax.scan over K steps needs this one plan.
+        cascade="auto": when consecutive requests begin with the same pages and the
+        planner's cost estimate says it pays, returns a two-level CascadePlan (shared
+        prefixes read once for all their queries); run() takes either kind of plan.
         """
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
+        if cascade not in (None, "auto"):
+            raise ValueError(f"cascade must be None or 'auto', got {cascade!r}")
+        if cascade == "auto":
+            if horizon != 1:
+                raise ValueError("cascade='auto' plans a single step (horizon=1)")
+            batch = np.asarray(kv_indptr).shape[0] - 1
+            levels = auto_cascade_levels(
+                np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices, kv_last_page_len,
+                self.page_size, causal=False, num_qo_heads=self.num_qo_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, itemsize=2)
+            if levels is not None:
+                return self._cascade_wrapper().plan(levels, num_pages=num_pages)
         layout, buf, info = decode_planner.plan_decode(
             kv_indptr, kv_indices, kv_last_page_len, page_size=self.page_size,
             num_cells=self.num_cells, num_pages=num_pages, max_batch_size=self.max_batch_size,
@@ -108,8 +127,12 @@ class BatchDecodeWithPagedKVCache:
         """q [B, Hq, D] -> o [B, Hq, D], or AttentionState(o, lse [B, Hq]) with return_lse.
 
         kv_lens (int32[B], optional, may be traced): live lengths, each at most
-        the planned length; defaults to the plan's lengths.
+        the planned length; defaults to the plan's lengths (DecodePlan only).
         """
+        if isinstance(plan, CascadePlan):
+            if kv_lens is not None:
+                raise ValueError("kv_lens needs a DecodePlan; a cascade plan serves one step")
+            return self._cascade_wrapper().run(q, kv_cache, plan, return_lse=return_lse)
         self._check(q, kv_cache, plan)
         sec = plan.sections()
         lens = sec["kv_lens"] if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
@@ -121,6 +144,16 @@ class BatchDecodeWithPagedKVCache:
             num_kv_heads=self.num_kv_heads, cache_layout=self.layout, sm_scale=self.sm_scale,
             interpret=self.interpret, **self.kernel_options)
         return AttentionState(o, lse) if return_lse else o
+
+    def _cascade_wrapper(self):
+        """The two-level cascade used by plan(cascade="auto"): same shapes and capacities."""
+        if self._cascade is None:
+            self._cascade = MultiLevelCascadeAttention(
+                2, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=False,
+                layout=self.layout, sm_scale=self.sm_scale, max_batch_size=self.max_batch_size,
+                max_num_tokens=self.max_batch_size, max_num_pages=self.max_num_pages,
+                num_ctas=self.num_cells * self.num_kv_heads, backend="interpret" if self.interpret else "gpu")
+        return self._cascade
 
     def _check(self, q, kv_cache, plan):
         if not isinstance(plan, DecodePlan):

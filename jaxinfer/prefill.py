@@ -6,6 +6,7 @@ import numpy as np
 from jaxinfer import _backend
 from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_layout,
                               check_paged_cache, check_qkv, default_sm_scale)
+from jaxinfer.state import merge_state
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
 from planner import prefill as prefill_planner
@@ -15,31 +16,48 @@ from planner import validate
 @jax.tree_util.register_pytree_node_class
 class PrefillPlan:
     """A prefill plan: one packed int32 buffer (and an int8 custom mask, if any) plus its
-    static layout. Plans with the same layout share one compiled run()."""
+    static layout and causal flag. Plans with the same layout share one compiled run()."""
 
-    def __init__(self, buffer, mask, layout, info=None):
-        self.buffer, self.mask, self.layout, self.info = buffer, mask, layout, info or {}
+    def __init__(self, buffer, mask, layout, causal, info=None):
+        self.buffer, self.mask, self.layout, self.causal = buffer, mask, layout, causal
+        self.info = info or {}
 
     def sections(self):
         return self.layout.unpack(self.buffer)
 
     def tree_flatten(self):
-        return (self.buffer, self.mask), self.layout
+        return (self.buffer, self.mask), (self.layout, self.causal)
 
     @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(*children, layout)
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+
+@jax.tree_util.register_pytree_node_class
+class CascadePlan:
+    """Per-level prefill plans (a pytree): the plan of a MultiLevelCascadeAttention, whose
+    level states run() merges with ⊕ in level order."""
+
+    def __init__(self, levels, info=None):
+        self.levels, self.info = tuple(levels), info or {}
+
+    def tree_flatten(self):
+        return self.levels, None
+
+    @classmethod
+    def tree_unflatten(cls, _, levels):
+        return cls(levels)
 
 
 def run_prefill_sections(q, k_rows, v_rows, plan, *, page_size, num_kv_heads, cache_layout, sm_scale,
-                         causal, contiguous, interpret, **kernel_options):
+                         contiguous, interpret, **kernel_options):
     """Prefill kernel + per-token merge of split tiles. Returns (o [nnz, Hq, D], lse [nnz, Hq])."""
     nnz, hq, d = q.shape
     lay, sec = plan.layout, plan.sections()
     o, lse, o_part, lse_part = prefill_kernels.prefill(
         q, k_rows, v_rows, None if contiguous else sec["kv_indices"], sec["items"], sec["cell_indptr"],
         mask=plan.mask, num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads,
-        layout=cache_layout, sm_scale=sm_scale, causal=causal and plan.mask is None, rows=lay.rows,
+        layout=cache_layout, sm_scale=sm_scale, causal=plan.causal, rows=lay.rows,
         interpret=interpret, **kernel_options)
     return merge_kernels.merge_varlen(
         o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
@@ -88,19 +106,21 @@ class _Prefill:
         self.kernel_options = kernel_options
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
-              max_num_pages=None):
+              max_num_pages=None, causal=None):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        causal = self.causal if causal is None else causal
         mask, offsets = None, None
         if custom_mask is not None or packed_custom_mask is not None:
             mask, offsets = _flat_mask(custom_mask, packed_custom_mask, np.diff(qo_indptr), kv_lens,
                                        self.max_mask_len)
+            causal = False  # the custom mask replaces the causal mask
         layout, buf, info = prefill_planner.plan_prefill(
-            qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=self.causal,
+            qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
             num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size, max_num_pages=max_num_pages, rows=self.tile_rows,
             mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens)
         mask = None if mask is None else jax.device_put(mask, may_alias=True)
-        return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, info)
+        return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, causal, info)
 
     def _run(self, q, k_rows, v_rows, plan, return_lse, **cache_kw):
         if not isinstance(plan, PrefillPlan):
@@ -110,7 +130,7 @@ class _Prefill:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
         o, lse = run_prefill_sections(
             q, k_rows, v_rows, plan, num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale,
-            causal=self.causal, interpret=self.interpret, **cache_kw, **self.kernel_options)
+            interpret=self.interpret, **cache_kw, **self.kernel_options)
         return AttentionState(o, lse) if return_lse else o
 
     def _check_kv(self, q, k, v, name="k"):
@@ -153,20 +173,43 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         self.page_size, self.layout, self.max_num_pages = page_size, check_layout(layout), max_num_pages
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None,
-             packed_custom_mask=None, num_pages=None):
+             packed_custom_mask=None, num_pages=None, causal=None, cascade=None):
         """Plans one step from host arrays (int32 CSR page table, as for decode).
 
         custom_mask: each request's qo_len x kv_len boolean mask, row-major, concatenated;
         packed_custom_mask: the same bits packed with np.packbits(..., bitorder="little").
+        causal (optional) overrides the wrapper's setting for this plan.
+        cascade="auto": a two-level CascadePlan when requests share leading pages (before
+        all of their queries) and the planner's cost estimate says it pays.
         """
+        if cascade not in (None, "auto"):
+            raise ValueError(f"cascade must be None or 'auto', got {cascade!r}")
+        if cascade == "auto" and custom_mask is None and packed_custom_mask is None:
+            from jaxinfer.cascade import auto_cascade_levels  # cascade builds on this module
+            causal = self.causal if causal is None else causal
+            levels = auto_cascade_levels(
+                qo_indptr, kv_indptr, kv_indices, kv_last_page_len, self.page_size, causal=causal,
+                num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, itemsize=2)
+            if levels is not None:
+                plans = [self.plan(*level, num_pages=num_pages, causal=causal and i == 1)
+                         for i, level in enumerate(levels)]
+                return CascadePlan(plans)
         kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         used = kv_indices[: kv_indptr[-1]]
         return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
-                          self.max_num_pages)
+                          self.max_num_pages, causal)
 
     def run(self, q, kv_cache, plan, *, return_lse=False):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
+        if isinstance(plan, CascadePlan):
+            state = None
+            for level_plan in plan.levels:
+                s = self.run(q, kv_cache, level_plan, return_lse=True)
+                state = s if state is None else merge_state(
+                    state, s, backend="interpret" if self.interpret else "gpu")
+            return state if return_lse else state.o
         check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
         k_rows, v_rows = kv_cache.rows()
         return self._run(q, k_rows, v_rows, plan, return_lse, page_size=self.page_size,

@@ -69,7 +69,7 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
         np.zeros(0, np.int32), group=hq // hkv, causal=causal, num_cells=cells)
     o, lse = run_prefill_sections(
         q, k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d),
-        PrefillPlan(jnp.asarray(buf), None, layout), page_size=1, num_kv_heads=hkv,
-        cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), causal=causal, contiguous=True,
+        PrefillPlan(jnp.asarray(buf), None, layout, causal), page_size=1, num_kv_heads=hkv,
+        cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), contiguous=True,
         interpret=_backend.use_interpret(backend), **kernel_options)
     return AttentionState(o, lse) if return_lse else o

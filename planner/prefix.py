@@ -123,7 +123,8 @@ class RadixTree:
             stack.extend(node.children.values())
 
 
-def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min_shared_pages=1):
+def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min_shared_pages=1,
+                         max_shared_pages=None):
     """Splits consecutive requests that begin with the same pages into (shared prefix, suffix).
 
     A group is a run of consecutive requests whose page lists share at least
@@ -141,6 +142,8 @@ def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min
         kv_indptr, kv_indices, kv_last_page_len, page_size)
     batch = pages.shape[0]
     full = pages - (kv_last_page_len < page_size)  # leading pages that are full
+    if max_shared_pages is not None:
+        full = np.minimum(full, max_shared_pages)
     starts, prefix = [0], []
     b = 0
     while b < batch:
@@ -166,3 +169,23 @@ def _common_prefix(kv_indices, kv_indptr, a, b, limit):
     y = kv_indices[kv_indptr[b]:kv_indptr[b] + limit]
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else limit
+
+
+def attention_cost_us(group_rows, group_pages, *, page_size, num_qo_heads, num_kv_heads, head_dim,
+                      itemsize, bandwidth=3.0e12, tensor_flops=3.0e14):
+    """Roofline estimate (µs) of attention where group g's group_rows[g] query rows read
+    group_pages[g] pages: max(K/V bytes / bandwidth, FLOPs / tensor-core rate). The
+    default rates are what one H100 reached here (BENCHMARKS.md)."""
+    rows = np.asarray(group_rows, np.float64)
+    pages = np.asarray(group_pages, np.float64)
+    kv_bytes = 2.0 * pages.sum() * page_size * num_kv_heads * head_dim * itemsize
+    flops = 4.0 * float(np.dot(rows, pages)) * page_size * num_qo_heads * head_dim
+    return max(kv_bytes / bandwidth, flops / tensor_flops) * 1e6
+
+
+def cascade_pays(qo_lens, pages, levels_groups, *, launch_overhead_us=10.0, **shape):
+    """Whether a two-level cascade beats one level: levels_groups is
+    ((rows per shared group, shared pages per group), (rows per request, suffix pages))."""
+    single = attention_cost_us(qo_lens, pages, **shape)
+    cascade = sum(attention_cost_us(rows, pg, **shape) for rows, pg in levels_groups)
+    return cascade + launch_overhead_us < single
