@@ -36,6 +36,8 @@ def np64_attention(q, k, v, *, causal=False, sm_scale=None, mask=None):
 
 
 def rel_err(out, ref):
+    """||out - ref|| / ||ref||; fails on NaN, which is what interpret mode leaves in any
+    output element a kernel did not write (see test_backend.test_interpret_mode_poisons_outputs)."""
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert not np.any(np.isnan(out)), "output has NaN"
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
