@@ -263,6 +263,7 @@ class BlockSparseAttention(_Prefill):
                          max_num_tokens=None, sm_scale=sm_scale, num_ctas=num_ctas,
                          fixed_split_tokens=None, max_mask_len=None, backend=backend,
                          tile_rows=tile_rows, kernel_options=kernel_options)
+        self.block_width = None  # C of the last plan: the kernel's (static) page size
 
     def plan(self, bsr):
         if not isinstance(bsr, BlockSparseMatrix):
@@ -278,7 +279,7 @@ class BlockSparseAttention(_Prefill):
             custom_mask = np.concatenate(
                 [bm[indptr[i]:indptr[i + 1]].transpose(1, 0, 2).reshape(-1) for i in range(m // r)]
                 + [np.zeros(0, bool)])
-        self.block_width = c  # static: the kernel's page size
+        self.block_width = c
         return self._plan(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1],
                           indices[: indptr[-1]], custom_mask, None)
 
@@ -287,6 +288,8 @@ class BlockSparseAttention(_Prefill):
         self._check_kv(q, k, v)
         check_qkv(q, k)
         c = self.block_width
+        if c is None:
+            raise ValueError("plan must come from this wrapper's plan(bsr)")
         if k.shape[0] % c:
             raise ValueError(f"k has {k.shape[0]} rows, not a multiple of the block width {c}")
         return self._run(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,

@@ -176,3 +176,6 @@ def test_prefill_rejects_bad_input(rng):
         ji.BatchPrefillWithRaggedKVCache(8, 2, 64, tile_rows=48)
     with pytest.raises(ValueError, match="bsr"):
         ji.BlockSparseAttention(8, 2, 64).plan(indptr)
+    with pytest.raises(ValueError, match="plan"):
+        x = randn(rng, (8, 8, 64), jnp.float32)
+        ji.BlockSparseAttention(8, 8, 64).run(x, x, x, plan)
