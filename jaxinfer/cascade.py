@@ -49,24 +49,14 @@ class MultiLevelCascadeAttention:
         """levels: num_levels CascadeLevels (or 4-tuples) of host int32 arrays."""
         if len(levels) != self.num_levels:
             raise ValueError(f"levels must hold {self.num_levels} levels, got {len(levels)}")
-        nnz = None
-        plans = []
-        for i, level in enumerate(levels):
-            qo_indptr, kv_indptr, kv_indices, kv_last_page_len = level
-            qo_indptr = validate.check_indptr(f"levels[{i}].qo_indptr", qo_indptr)
-            if nnz is not None and int(qo_indptr[-1]) != nnz:
-                raise ValueError(f"levels[{i}].qo_indptr covers {int(qo_indptr[-1])} rows, level 0 covers {nnz}")
-            nnz = int(qo_indptr[-1])
-            plans.append(self.prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                           num_pages=num_pages,
-                                           causal=self.causal and i == self.num_levels - 1))
-        return CascadePlan(plans)
+        return self.prefill.plan_levels(levels, num_pages=num_pages, causal=self.causal)
 
-    def run(self, q, kv_cache, plan, *, return_lse=False):
-        """q [nnz, Hq, D] -> o [nnz, Hq, D] (or AttentionState): ⊕ over the levels."""
+    def run(self, q, kv_cache, plan, *, return_lse=False, **run_options):
+        """q [nnz, Hq, D] -> o [nnz, Hq, D] (or AttentionState): ⊕ over the levels.
+        run_options: variant_params, k_scale, v_scale (as BatchPrefillWithPagedKVCache.run)."""
         if not isinstance(plan, CascadePlan) or len(plan.levels) != self.num_levels:
             raise ValueError(f"plan must be a CascadePlan of {self.num_levels} levels from plan()")
-        return self.prefill.run(q, kv_cache, plan, return_lse=return_lse)
+        return self.prefill.run(q, kv_cache, plan, return_lse=return_lse, **run_options)
 
 
 def two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, *,

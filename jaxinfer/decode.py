@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend
+from jaxinfer import _backend, variants
 from jaxinfer.cascade import MultiLevelCascadeAttention, auto_cascade_levels
-from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale
+from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale, kv_scales
 from jaxinfer.prefill import CascadePlan
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
@@ -47,7 +47,8 @@ class DecodePlan:
 
 def run_decode_sections(q, k_rows, v_rows, sec, kv_lens, layout, *, page_size, num_kv_heads,
                         cache_layout, sm_scale, interpret, **kernel_options):
-    """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [B,Hq,D], lse [B,Hq])."""
+    """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [B,Hq,D], lse [B,Hq]),
+    before any variant output transform. kernel_options include scales / variant / params."""
     batch, hq, d = q.shape
     o, lse, o_part, lse_part = decode_kernels.paged_decode(
         q, k_rows, v_rows, sec["kv_indices"], kv_lens, sec["items"], sec["cell_indptr"],
@@ -70,12 +71,16 @@ class BatchDecodeWithPagedKVCache:
     max_batch_size rows; rows past the batch give o = 0), so one compiled run()
     serves every step. num_ctas (default 2 x SM count) sets the grid: cells =
     num_ctas // num_kv_heads (all resident at once). fixed_split_pages: batch-invariant outputs.
+    variant: a jaxinfer.AttentionVariant (static; the query sits at position kv_len - 1);
+    run(..., variant_params=) takes its parameters as data. fp8 pages (float8_e4m3fn /
+    e5m2) take run(..., k_scale=, v_scale=): scalars or [Hkv] arrays.
     kernel_options (block_kv, num_warps, num_stages) tune the kernel.
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, layout="NHD",
                  max_batch_size=None, max_num_pages=None, sm_scale=None, num_ctas=None,
-                 fixed_split_pages=None, backend=None, **kernel_options):
+                 fixed_split_pages=None, backend=None, variant=None, **kernel_options):
+        variants.check_variant(variant)
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if page_size < 1:
@@ -88,7 +93,7 @@ class BatchDecodeWithPagedKVCache:
         self.num_cells = max(1, ctas // num_kv_heads)  # all cells resident at once: no tail wave
         self.fixed_split_pages = fixed_split_pages
         self.interpret = _backend.use_interpret(backend)
-        self.kernel_options = kernel_options
+        self.variant, self.kernel_options = variant, kernel_options
         self._cascade = None
 
     def plan(self, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, horizon=1, cascade=None):
@@ -123,7 +128,8 @@ class BatchDecodeWithPagedKVCache:
         # buf is fresh and never written again, so the runtime may alias it instead of copying.
         return DecodePlan(jax.device_put(buf, may_alias=True), layout, int(horizon), info)
 
-    def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False):
+    def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False, variant_params=None,
+            k_scale=None, v_scale=None):
         """q [B, Hq, D] -> o [B, Hq, D], or AttentionState(o, lse [B, Hq]) with return_lse.
 
         kv_lens (int32[B], optional, may be traced): live lengths, each at most
@@ -132,7 +138,11 @@ class BatchDecodeWithPagedKVCache:
         if isinstance(plan, CascadePlan):
             if kv_lens is not None:
                 raise ValueError("kv_lens needs a DecodePlan; a cascade plan serves one step")
-            return self._cascade_wrapper().run(q, kv_cache, plan, return_lse=return_lse)
+            return self._cascade_wrapper().run(q, kv_cache, plan, return_lse=return_lse,
+                                               variant_params=variant_params, k_scale=k_scale,
+                                               v_scale=v_scale)
+        variants.check_variant(self.variant, return_lse)
+        params = None if self.variant is None else self.variant.check_params(variant_params)
         self._check(q, kv_cache, plan)
         sec = plan.sections()
         lens = sec["kv_lens"] if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
@@ -142,8 +152,10 @@ class BatchDecodeWithPagedKVCache:
         o, lse = run_decode_sections(
             q, k_rows, v_rows, sec, lens, plan.layout, page_size=self.page_size,
             num_kv_heads=self.num_kv_heads, cache_layout=self.layout, sm_scale=self.sm_scale,
-            interpret=self.interpret, **self.kernel_options)
-        return AttentionState(o, lse) if return_lse else o
+            interpret=self.interpret, scales=kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads),
+            variant=self.variant, params=params, **self.kernel_options)
+        out = variants.finish(self.variant, params, o, lse, return_lse)
+        return AttentionState(*out) if return_lse else out
 
     def _cascade_wrapper(self):
         """The two-level cascade used by plan(cascade="auto"): same shapes and capacities."""
@@ -152,7 +164,8 @@ class BatchDecodeWithPagedKVCache:
                 2, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=False,
                 layout=self.layout, sm_scale=self.sm_scale, max_batch_size=self.max_batch_size,
                 max_num_tokens=self.max_batch_size, max_num_pages=self.max_num_pages,
-                num_ctas=self.num_cells * self.num_kv_heads, backend="interpret" if self.interpret else "gpu")
+                num_ctas=self.num_cells * self.num_kv_heads, variant=self.variant,
+                backend="interpret" if self.interpret else "gpu")
         return self._cascade
 
     def _check(self, q, kv_cache, plan):

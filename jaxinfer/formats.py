@@ -2,6 +2,7 @@
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from planner import validate
@@ -166,8 +167,36 @@ def check_paged_cache(kv_cache, q, page_size, num_kv_heads, head_dim, layout):
     want = (page_size, num_kv_heads, head_dim, layout)
     if got != want:
         raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} must match the kv_cache dtype {kv_cache.dtype}")
+    check_kv_dtype(q.dtype, kv_cache.dtype, "kv_cache")
+
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def check_kv_dtype(q_dtype, kv_dtype, name):
+    """K/V in q's dtype, or fp8 (e4m3fn / e5m2) under a float16 or bfloat16 q."""
+    if kv_dtype == q_dtype:
+        return
+    if jnp.dtype(kv_dtype) in FP8_DTYPES and jnp.dtype(q_dtype) in (jnp.float16, jnp.bfloat16):
+        return
+    raise ValueError(f"{name} dtype {kv_dtype} must match q's dtype {q_dtype} (or be float8_e4m3fn / "
+                     "float8_e5m2 with a float16 or bfloat16 q)")
+
+
+def kv_scales(k_scale, v_scale, kv_dtype, num_kv_heads):
+    """(k_scale, v_scale) as float32[Hkv] (a scalar is per tensor, an array per head), or None
+    when neither is given and K/V are not fp8 (no scaling in the kernel)."""
+    if k_scale is None and v_scale is None and jnp.dtype(kv_dtype) not in FP8_DTYPES:
+        return None
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        s = jnp.asarray(1.0 if s is None else s, jnp.float32)
+        if s.ndim == 0:
+            s = jnp.broadcast_to(s, (num_kv_heads,))
+        if s.shape != (num_kv_heads,):
+            raise ValueError(f"{name} must be a scalar or have shape [{num_kv_heads}], got {s.shape}")
+        out.append(s)
+    return tuple(out)
 
 
 def check_qkv(q, k, name_q="q", name_k="k"):

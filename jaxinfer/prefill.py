@@ -3,10 +3,11 @@
 import jax
 import numpy as np
 
-from jaxinfer import _backend
-from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_layout,
-                              check_paged_cache, check_qkv, default_sm_scale)
+from jaxinfer import _backend, variants
+from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_kv_dtype,
+                              check_layout, check_paged_cache, check_qkv, default_sm_scale, kv_scales)
 from jaxinfer.state import merge_state
+from planner import prefix as prefix_planner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
 from planner import prefill as prefill_planner
@@ -51,14 +52,15 @@ class CascadePlan:
 
 def run_prefill_sections(q, k_rows, v_rows, plan, *, page_size, num_kv_heads, cache_layout, sm_scale,
                          contiguous, interpret, **kernel_options):
-    """Prefill kernel + per-token merge of split tiles. Returns (o [nnz, Hq, D], lse [nnz, Hq])."""
+    """Prefill kernel + per-token merge of split tiles. Returns (o [nnz, Hq, D], lse [nnz, Hq]),
+    before any variant output transform. kernel_options include scales / variant / params."""
     nnz, hq, d = q.shape
     lay, sec = plan.layout, plan.sections()
     o, lse, o_part, lse_part = prefill_kernels.prefill(
         q, k_rows, v_rows, None if contiguous else sec["kv_indices"], sec["items"], sec["cell_indptr"],
         mask=plan.mask, num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads,
         layout=cache_layout, sm_scale=sm_scale, causal=plan.causal, rows=lay.rows,
-        interpret=interpret, **kernel_options)
+        q_pos=sec["q_pos"], interpret=interpret, **kernel_options)
     return merge_kernels.merge_varlen(
         o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
         sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
@@ -90,7 +92,9 @@ class _Prefill:
     """Shared plan/run machinery of the prefill wrappers."""
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal, max_batch_size, max_num_tokens,
-                 sm_scale, num_ctas, fixed_split_tokens, max_mask_len, backend, tile_rows, kernel_options):
+                 sm_scale, num_ctas, fixed_split_tokens, max_mask_len, backend, tile_rows, variant,
+                 kernel_options):
+        variants.check_variant(variant)
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if tile_rows is not None and tile_rows not in prefill_planner.TILE_ROWS:
@@ -103,10 +107,10 @@ class _Prefill:
         self.num_cells = max(1, (num_ctas or 2 * _backend.num_sms()) // num_kv_heads)  # all resident
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
         self.interpret = _backend.use_interpret(backend)
-        self.kernel_options = kernel_options
+        self.variant, self.kernel_options = variant, kernel_options
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
-              max_num_pages=None, causal=None):
+              max_num_pages=None, causal=None, **positions):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
         causal = self.causal if causal is None else causal
         mask, offsets = None, None
@@ -118,28 +122,36 @@ class _Prefill:
             qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
             num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size, max_num_pages=max_num_pages, rows=self.tile_rows,
-            mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens)
+            mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, **positions)
         mask = None if mask is None else jax.device_put(mask, may_alias=True)
         return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, causal, info)
 
-    def _run(self, q, k_rows, v_rows, plan, return_lse, **cache_kw):
+    def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, **cache_kw):
+        """(o, lse) of one PrefillPlan, before the variant's output transform."""
         if not isinstance(plan, PrefillPlan):
             raise ValueError("plan must be a PrefillPlan from plan()")
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
-        o, lse = run_prefill_sections(
+        return run_prefill_sections(
             q, k_rows, v_rows, plan, num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale,
-            interpret=self.interpret, **cache_kw, **self.kernel_options)
-        return AttentionState(o, lse) if return_lse else o
+            interpret=self.interpret, scales=scales, variant=self.variant, params=variant_params,
+            **cache_kw, **self.kernel_options)
+
+    def _params(self, variant_params, return_lse):
+        variants.check_variant(self.variant, return_lse)
+        return None if self.variant is None else self.variant.check_params(variant_params)
+
+    def _finish(self, state, params, return_lse):
+        out = variants.finish(self.variant, params, *state, return_lse)
+        return AttentionState(*out) if return_lse else out
 
     def _check_kv(self, q, k, v, name="k"):
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ValueError(f"{name} {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match")
         if k.ndim != 3 or k.shape[1:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {k.shape}")
-        if q.dtype != k.dtype:
-            raise ValueError(f"q dtype {q.dtype} must match the KV dtype {k.dtype}")
+        check_kv_dtype(q.dtype, k.dtype, name)
 
 
 _DOC_COMMON = """
@@ -148,6 +160,9 @@ _DOC_COMMON = """
     max_mask_len) fix the plan's shapes, so run() compiles at most once per tile height
     (16, 32, 64 or 128 rows, chosen per step from the average query length; pin it with
     tile_rows). With max_num_tokens, q has that many rows and rows past the batch give 0.
+    variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
+    parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
+    v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
     kernel_options (block_kv, num_warps, num_stages) tune the kernel."""
 
 
@@ -162,14 +177,14 @@ class BatchPrefillWithPagedKVCache(_Prefill):
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale=None,
                  num_ctas=None, fixed_split_tokens=None, max_mask_len=None, backend=None,
-                 tile_rows=None, **kernel_options):
+                 tile_rows=None, variant=None, **kernel_options):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=causal,
                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         kernel_options=kernel_options)
+                         variant=variant, kernel_options=kernel_options)
         self.page_size, self.layout, self.max_num_pages = page_size, check_layout(layout), max_num_pages
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None,
@@ -192,28 +207,57 @@ class BatchPrefillWithPagedKVCache(_Prefill):
                 num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, itemsize=2)
             if levels is not None:
-                plans = [self.plan(*level, num_pages=num_pages, causal=causal and i == 1)
-                         for i, level in enumerate(levels)]
-                return CascadePlan(plans)
+                return self.plan_levels(levels, num_pages=num_pages, causal=causal)
         kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         used = kv_indices[: kv_indptr[-1]]
         return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
                           self.max_num_pages, causal)
 
-    def run(self, q, kv_cache, plan, *, return_lse=False):
+    def plan_levels(self, levels, *, num_pages=None, causal=None):
+        """A CascadePlan over levels (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of
+        the same queries; causal (default: the wrapper's) applies to the last level only.
+        Variants see each key at its position in the request's whole sequence."""
+        causal = self.causal if causal is None else causal
+        qo_indptrs, tables = [], []
+        for i, (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) in enumerate(levels):
+            qo_indptrs.append(validate.check_indptr(f"levels[{i}].qo_indptr", qo_indptr))
+            if int(qo_indptrs[i][-1]) != int(qo_indptrs[0][-1]):
+                raise ValueError(f"levels[{i}].qo_indptr covers {int(qo_indptrs[i][-1])} rows, "
+                                 f"level 0 covers {int(qo_indptrs[0][-1])}")
+            tables.append(validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len,
+                                                    self.page_size, num_pages))
+            if tables[i][0].shape[0] != qo_indptrs[i].shape[0]:
+                raise ValueError(f"levels[{i}]: qo_indptr and kv_indptr describe different group counts")
+        offsets, q_pos = prefix_planner.level_positions(qo_indptrs, [t[3] for t in tables])
+        plans = []
+        for i, ((kv_indptr, kv_indices, _, kv_lens, _), qo_indptr) in enumerate(zip(tables, qo_indptrs)):
+            plans.append(self._plan(qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]],
+                                    None, None, self.max_num_pages, causal and i == len(levels) - 1,
+                                    kv_pos_offset=offsets[i], q_positions=q_pos))
+        return CascadePlan(plans)
+
+    def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None,
+            v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
+        params = self._params(variant_params, return_lse)
+        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
+        scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
+        return self._finish(self.run_raw(q, kv_cache, plan, params, scales), params, return_lse)
+
+    def run_raw(self, q, kv_cache, plan, params, scales):
+        """(o, lse) merged over a CascadePlan's levels, before the variant's output transform."""
         if isinstance(plan, CascadePlan):
             state = None
             for level_plan in plan.levels:
-                s = self.run(q, kv_cache, level_plan, return_lse=True)
+                s = self.run_raw(q, kv_cache, level_plan, params, scales)
                 state = s if state is None else merge_state(
-                    state, s, backend="interpret" if self.interpret else "gpu")
-            return state if return_lse else state.o
-        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
+                    AttentionState(*state), AttentionState(*s),
+                    backend="interpret" if self.interpret else "gpu")
+            return state
         k_rows, v_rows = kv_cache.rows()
-        return self._run(q, k_rows, v_rows, plan, return_lse, page_size=self.page_size,
-                         cache_layout=self.layout, contiguous=False)
+        return self._run_raw(q, k_rows, v_rows, plan, params, scales, page_size=self.page_size,
+                             cache_layout=self.layout, contiguous=False)
 
 
 class BatchPrefillWithRaggedKVCache(_Prefill):
@@ -226,23 +270,27 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal=True, max_batch_size=None,
                  max_num_tokens=None, sm_scale=None, num_ctas=None, fixed_split_tokens=None,
-                 max_mask_len=None, backend=None, tile_rows=None, **kernel_options):
+                 max_mask_len=None, backend=None, tile_rows=None, variant=None, **kernel_options):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=causal,
                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         kernel_options=kernel_options)
+                         variant=variant, kernel_options=kernel_options)
 
     def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None):
         kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
         return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
                           np.zeros(0, np.int32), custom_mask, packed_custom_mask)
 
-    def run(self, q, k, v, plan, *, return_lse=False):
+    def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
+            v_scale=None):
         """q [nnz, Hq, D], k/v [nnz_kv, Hkv, D] -> o [nnz, Hq, D] (or AttentionState)."""
+        params = self._params(variant_params, return_lse)
         self._check_kv(q, k, v)
-        return self._run(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
-                         return_lse, page_size=1, cache_layout="NHD", contiguous=True)
+        scales = kv_scales(k_scale, v_scale, k.dtype, self.num_kv_heads)
+        state = self._run_raw(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
+                              params, scales, page_size=1, cache_layout="NHD", contiguous=True)
+        return self._finish(state, params, return_lse)
 
 
 class BlockSparseAttention(_Prefill):
@@ -258,11 +306,11 @@ class BlockSparseAttention(_Prefill):
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, sm_scale=None, num_ctas=None,
-                 backend=None, tile_rows=None, **kernel_options):
+                 backend=None, tile_rows=None, variant=None, **kernel_options):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=False, max_batch_size=None,
                          max_num_tokens=None, sm_scale=sm_scale, num_ctas=num_ctas,
                          fixed_split_tokens=None, max_mask_len=None, backend=backend,
-                         tile_rows=tile_rows, kernel_options=kernel_options)
+                         tile_rows=tile_rows, variant=variant, kernel_options=kernel_options)
         self.block_width = None  # C of the last plan: the kernel's (static) page size
 
     def plan(self, bsr):
@@ -281,10 +329,13 @@ class BlockSparseAttention(_Prefill):
                 + [np.zeros(0, bool)])
         self.block_width = c
         return self._plan(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1],
-                          indices[: indptr[-1]], custom_mask, None)
+                          indices[: indptr[-1]], custom_mask, None, q_positions=np.arange(m))
 
-    def run(self, q, k, v, plan, *, return_lse=False):
-        """q [M, Hq, D], k/v [N, Hkv, D] -> o [M, Hq, D] (or AttentionState)."""
+    def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
+            v_scale=None):
+        """q [M, Hq, D], k/v [N, Hkv, D] -> o [M, Hq, D] (or AttentionState). Variants see
+        query row i at position i and key row j at position j."""
+        params = self._params(variant_params, return_lse)
         self._check_kv(q, k, v)
         check_qkv(q, k)
         c = self.block_width
@@ -292,5 +343,8 @@ class BlockSparseAttention(_Prefill):
             raise ValueError("plan must come from this wrapper's plan(bsr)")
         if k.shape[0] % c:
             raise ValueError(f"k has {k.shape[0]} rows, not a multiple of the block width {c}")
-        return self._run(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
-                         return_lse, page_size=c, cache_layout="NHD", contiguous=False)
+        scales = kv_scales(k_scale, v_scale, k.dtype, self.num_kv_heads)
+        state = self._run_raw(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
+                              params, scales, page_size=c, cache_layout="NHD", contiguous=False,
+                              global_kv_pos=True)
+        return self._finish(state, params, return_lse)

@@ -6,44 +6,84 @@ Conventions:
 - causal is bottom-right aligned: query i of a request with (qo_len, kv_len)
   sees keys j <= i + kv_len - qo_len.
 - A query row with no visible key gives o = 0 and lse = -inf (natural log).
+- Variants (jaxinfer.variants) apply the same hooks as the kernels; query i of a
+  request sits at position kv_len - qo_len + i, key j at j (unless given).
+- fp8 K/V are dequantized as k * k_scale[head] (a scalar or an [Hkv] array).
 Index arrays (indptr, indices) are host arrays: the reference loops over
 requests in Python and is meant for tests, not speed.
 """
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import variants
 from jaxinfer.formats import AttentionState, default_sm_scale
 
 
-def attention(q, k, v, *, causal=False, sm_scale=None, mask=None):
+def attention(q, k, v, *, causal=False, sm_scale=None, mask=None, variant=None, params=None,
+              qo_pos=None, kv_pos=None, k_scale=None, v_scale=None):
     """One request. q [qo_len, Hq, D], k/v [kv_len, Hkv, D], mask [qo_len, kv_len] bool.
 
-    Returns AttentionState(o [qo_len, Hq, D] in q.dtype, lse [qo_len, Hq] float32).
+    variant / params: an AttentionVariant and its parameters; qo_pos [qo_len], kv_pos [kv_len]:
+    positions (defaults above). Returns AttentionState(o [qo_len, Hq, D] in q.dtype,
+    lse [qo_len, Hq] float32); a variant without softmax gives lse = 0.
     """
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     group = hq // hkv
     scale = default_sm_scale(d, sm_scale)
+    kf = k.astype(jnp.float32) * _per_head(k_scale, hkv)
+    vf = v.astype(jnp.float32) * _per_head(v_scale, hkv)
+    softmax = variant is None or variant.use_softmax
     if kv_len == 0:
-        return AttentionState(jnp.zeros(q.shape, q.dtype), jnp.full((qo_len, hq), -jnp.inf, jnp.float32))
-    qf = q.astype(jnp.float32).reshape(qo_len, hkv, group, d)
-    logits = jnp.einsum("qhgd,khd->hgqk", qf, k.astype(jnp.float32),
-                        precision="highest") * scale  # [Hkv, G, qo, kv]
+        lse = jnp.full((qo_len, hq), -jnp.inf if softmax else 0.0, jnp.float32)
+        return _finish(variant, params, jnp.zeros(q.shape, jnp.float32), lse, q.dtype)
+    qo_pos = kv_len - qo_len + jnp.arange(qo_len) if qo_pos is None else jnp.asarray(qo_pos)
+    kv_pos = jnp.arange(kv_len) if kv_pos is None else jnp.asarray(kv_pos)
+    row_pos = jnp.repeat(qo_pos, hq)  # rows are (token, head), token-major
+    row_head = jnp.tile(jnp.arange(hq), qo_len)
+    qf = q.astype(jnp.float32).reshape(qo_len * hq, d)
+    if variant is not None and variant.has_query_transform:
+        qf = variant.query_transform(params, qf, row_pos, row_head)
+    if variant is not None and variant.has_key_transform:
+        kf = jnp.stack([variant.key_transform(params, kf[:, h], kv_pos, h) for h in range(hkv)], 1)
+    logits = jnp.einsum("qhgd,khd->qhgk", qf.reshape(qo_len, hkv, group, d), kf,
+                        precision="highest").reshape(qo_len * hq, kv_len) * scale
+    if variant is not None and variant.has_logits_transform:
+        logits = variant.logits_transform(params, logits, row_pos[:, None], kv_pos[None, :], row_head[:, None])
     visible = jnp.ones((qo_len, kv_len), bool)
     if causal:
         visible &= (jnp.arange(kv_len)[None, :] <= jnp.arange(qo_len)[:, None] + kv_len - qo_len)
     if mask is not None:
         visible &= jnp.asarray(mask, bool)
+    visible = jnp.repeat(visible, hq, axis=0)
+    if variant is not None and variant.has_mask:
+        visible &= variant.logits_mask(params, row_pos[:, None], kv_pos[None, :], row_head[:, None])
+    v_rows = jnp.repeat(vf, group, axis=1)  # [kv, Hq, D]
+    if not softmax:
+        p = jnp.where(visible, logits, 0.0).reshape(qo_len, hq, kv_len)
+        o = jnp.einsum("qhk,khd->qhd", p, v_rows, precision="highest")
+        return _finish(variant, params, o, jnp.zeros((qo_len, hq), jnp.float32), q.dtype)
     logits = jnp.where(visible, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("hgqk,khd->qhgd", p / jnp.where(denom > 0, denom, 1.0),
-                   v.astype(jnp.float32), precision="highest")
-    lse = jnp.where(denom[..., 0] > 0, jnp.log(denom[..., 0]) + m_safe[..., 0], -jnp.inf)  # [Hkv, G, qo]
-    return AttentionState(o.reshape(qo_len, hq, d).astype(q.dtype),
-                          jnp.transpose(lse, (2, 0, 1)).reshape(qo_len, hq))
+    p = (p / jnp.where(denom > 0, denom, 1.0)).reshape(qo_len, hq, kv_len)
+    o = jnp.einsum("qhk,khd->qhd", p, v_rows, precision="highest")
+    lse = jnp.where(denom[:, 0] > 0, jnp.log(denom[:, 0]) + m_safe[:, 0], -jnp.inf)
+    return _finish(variant, params, o, lse.reshape(qo_len, hq), q.dtype)
+
+
+def _per_head(scale, hkv):
+    """A k/v scale as a [Hkv, 1] multiplier (1 when None)."""
+    if scale is None:
+        return 1.0
+    return jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (hkv,))[:, None]
+
+
+def _finish(variant, params, o, lse, dtype):
+    o, lse = variants.finish(variant, params, o, lse, True)
+    return AttentionState(o.astype(dtype), lse)
 
 
 def _concat_states(states, hq, d, dtype):
@@ -52,11 +92,13 @@ def _concat_states(states, hq, d, dtype):
     return AttentionState(jnp.concatenate([s.o for s in states]), jnp.concatenate([s.lse for s in states]))
 
 
-def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None, custom_mask=None):
+def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None, custom_mask=None,
+                     **variant_kw):
     """Ragged queries and ragged KV. q [nnz_q, Hq, D], k/v [nnz_kv, Hkv, D].
 
     custom_mask: each request's qo_len x kv_len boolean mask flattened row-major
     and concatenated (FlashInfer's layout), combined with causal if both given.
+    variant_kw: variant, params, k_scale, v_scale (see attention).
     """
     qo_indptr, kv_indptr = np.asarray(qo_indptr), np.asarray(kv_indptr)
     states, mask_off = [], 0
@@ -67,7 +109,8 @@ def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=No
             n = (qe - qs) * (ke - ks)
             mask = jnp.asarray(custom_mask[mask_off:mask_off + n]).reshape(qe - qs, ke - ks)
             mask_off += n
-        states.append(attention(q[qs:qe], k[ks:ke], v[ks:ke], causal=causal, sm_scale=sm_scale, mask=mask))
+        states.append(attention(q[qs:qe], k[ks:ke], v[ks:ke], causal=causal, sm_scale=sm_scale, mask=mask,
+                                **variant_kw))
     return _concat_states(states, q.shape[1], q.shape[2], q.dtype)
 
 
@@ -91,14 +134,15 @@ def gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len):
 
 
 def paged_attention(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
-                    causal=False, sm_scale=None, custom_mask=None):
+                    causal=False, sm_scale=None, custom_mask=None, **variant_kw):
     """Ragged queries q [nnz_q, Hq, D] over a PagedKVCache with a CSR page table."""
     k, v, tok_indptr = gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len)
     return ragged_attention(q, k, v, qo_indptr, tok_indptr, causal=causal, sm_scale=sm_scale,
-                            custom_mask=custom_mask)
+                            custom_mask=custom_mask, **variant_kw)
 
 
-def decode(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None, kv_lens=None):
+def decode(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None, kv_lens=None,
+           **variant_kw):
     """Batch decode: q [B, Hq, D], one query per request. kv_lens (optional) truncates each request."""
     k, v, tok_indptr = gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len)
     if kv_lens is not None:
@@ -107,13 +151,15 @@ def decode(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=Non
         k, v = k[keep], v[keep]
         tok_indptr = np.concatenate([[0], np.cumsum(np.asarray(kv_lens))]).astype(np.int32)
     qo_indptr = np.arange(q.shape[0] + 1, dtype=np.int32)
-    return ragged_attention(q, k, v, qo_indptr, tok_indptr, sm_scale=sm_scale)
+    return ragged_attention(q, k, v, qo_indptr, tok_indptr, sm_scale=sm_scale, **variant_kw)
 
 
-def block_sparse_attention(q, k, v, bsr, *, sm_scale=None):
-    """q [M, Hq, D], k/v [N, Hkv, D]; query row i sees key j where the BSR (with its block_mask) is set."""
+def block_sparse_attention(q, k, v, bsr, *, sm_scale=None, **variant_kw):
+    """q [M, Hq, D], k/v [N, Hkv, D]; query row i sees key j where the BSR (with its block_mask) is
+    set. Variants see row i at position i and key j at j."""
     mask = bsr.to_dense_mask()
-    return attention(q, k, v, sm_scale=sm_scale, mask=mask)
+    return attention(q, k, v, sm_scale=sm_scale, mask=mask, qo_pos=jnp.arange(q.shape[0]),
+                     kv_pos=jnp.arange(k.shape[0]), **variant_kw)
 
 
 def merge_state(a, b):

@@ -1,4 +1,9 @@
-"""The inner loop shared by the attention kernels: online softmax over gathered K/V rows."""
+"""The inner loop shared by the attention kernels: online softmax over gathered K/V rows.
+
+A variant (optional, static) is any object with jaxinfer.variants.AttentionVariant's
+kernel-facing hooks (query_transform, key_transform, logits_transform, logits_mask,
+kv_bounds, use_softmax, has_*); its parameters arrive as `params`.
+"""
 import functools
 
 import jax.numpy as jnp
@@ -9,20 +14,33 @@ from pallas_kernels import _common
 
 
 def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *, page_size,
-           num_kv_heads, layout, block_kv, scale_log2, visible_fn=None, n_plain=0):
+           num_kv_heads, layout, block_kv, sm_scale, visible_fn=None, n_head=0, n_plain=0,
+           variant=None, params=None, qo_pos=None, qo_head=None, kv_pos_offset=0,
+           global_kv_pos=False, k_scale=None):
     """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
     at slot t % page_size; with kv_indices_ref None, K/V are contiguous rows
-    [tokens, Hkv, D] and token t is row page_base + t. The first n_plain blocks of block_kv tokens must be
-    wholly inside the range and visible to every row: they run without masks.
-    The rest are masked: loads of tokens past n_tok are masked off (they touch
-    no memory, so only the request's own pages are read), and visible_fn(tok
-    [BK]) -> bool [M, BK] (optional) hides keys from rows (causal, custom masks).
+    [tokens, Hkv, D] and token t is row page_base + t. Blocks of block_kv tokens
+    run in three phases: n_head masked, n_plain unmasked (wholly inside the range
+    and visible to every row), then masked to the end. Masked loads of tokens past
+    n_tok touch no memory (only the request's own pages are read); visible_fn(tok
+    [BK]) -> bool [M, BK] (optional) hides keys from rows (causal, custom masks),
+    and so does the variant's logits_mask.
+
+    Variant positions: qo_pos [M], qo_head [M]; a key's position is kv_pos_offset + t,
+    or its global row page_id * page_size + slot with global_kv_pos (block-sparse).
+    K/V may be stored narrower than q (fp8): they are widened to q's dtype on load,
+    and k_scale (a scalar) multiplies the logits.
     Returns (acc [M, D], m [M], l [M]) in base 2; see finalize.
     """
     rows_q, d = q.shape
     prec = _common.dot_precision(q.dtype)
+    softmax = variant is None or variant.use_softmax
+    natural = variant is not None and variant.has_logits_transform
+    scale = sm_scale if k_scale is None else sm_scale * k_scale
+    if variant is not None and variant.has_query_transform:
+        q = variant.query_transform(params, q.astype(jnp.float32), qo_pos, qo_head).astype(q.dtype)
 
     def block(j, carry, masked):
         acc, m, l = carry
@@ -30,6 +48,7 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         tok = tok_start + offs
         valid = offs < n_tok
         if kv_indices_ref is None:
+            page_ids = None
             rows = (page_base + tok) * num_kv_heads + head
         else:
             page_pos = page_base + tok // page_size
@@ -41,12 +60,34 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
             v = _common.load_rows(v_ref, rows, valid)
         else:
             k, v = k_ref[rows], v_ref[rows]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 pages widen here
+        kv_pos = None
+        if variant is not None:
+            kv_pos = (page_ids * page_size + tok % page_size) if global_kv_pos else kv_pos_offset + tok
+            if variant.has_key_transform:
+                k = variant.key_transform(params, k.astype(jnp.float32), kv_pos, head).astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                            preferred_element_type=jnp.float32) * scale_log2  # [M, BK]
+                            preferred_element_type=jnp.float32)  # [M, BK]
+        if natural:
+            s = variant.logits_transform(params, s * scale, qo_pos[:, None], kv_pos[None, :],
+                                         qo_head[:, None])
+            if softmax:
+                s = s * _common.LOG2E
+        else:
+            s = s * (scale * _common.LOG2E)
+        visible = None
         if masked:
             visible = valid[None, :]
             if visible_fn is not None:
                 visible = visible & visible_fn(tok)
+            if variant is not None and variant.has_mask:
+                visible = visible & variant.logits_mask(params, qo_pos[:, None], kv_pos[None, :],
+                                                        qo_head[:, None])
+        if not softmax:  # o = sum_j f(s_ij) v_j
+            p = s if visible is None else jnp.where(visible, s, 0.0)
+            pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+            return acc + pv, m, l
+        if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -55,15 +96,38 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((rows_q, d), jnp.float32), jnp.full((rows_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows_q,), jnp.float32))
-    carry = lax.fori_loop(0, n_plain, functools.partial(block, masked=False), init)
-    return lax.fori_loop(n_plain, pl.cdiv(n_tok, block_kv), functools.partial(block, masked=True), carry)
+    carry = (jnp.zeros((rows_q, d), jnp.float32), jnp.full((rows_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows_q,), jnp.float32))
+    masked_block = functools.partial(block, masked=True)
+    if not (isinstance(n_head, int) and n_head == 0):
+        carry = lax.fori_loop(0, n_head, masked_block, carry)
+    carry = lax.fori_loop(n_head, n_head + n_plain, functools.partial(block, masked=False), carry)
+    return lax.fori_loop(n_head + n_plain, pl.cdiv(n_tok, block_kv), masked_block, carry)
 
 
-def finalize(acc, m, l):
-    """Base-2 running state -> (o [M, D] f32, natural-log lse [M]); rows that saw no key give 0 / -inf."""
-    nonempty = l > 0
-    o = acc / jnp.where(nonempty, l, 1.0)[:, None]
-    lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _common.LN2, -jnp.inf)
+def skip_to_bounds(variant, params, pos_min, pos_max, kv_pos_offset, tok_start, n_tok, block_kv):
+    """Skips the keys left of the variant's mask bounds for rows with positions in
+    [pos_min, pos_max]. Returns (tok_start, n_tok, n_head): the new range and how
+    many of its leading blocks still need the mask (blocks after them see every
+    key, up to the range's end or the causal diagonal)."""
+    lo, full_lo = variant.kv_bounds(params, pos_min, pos_max)
+    end = tok_start + n_tok
+    start = jnp.clip(lo - kv_pos_offset, tok_start, end)
+    n_tok = end - start
+    n_head = jnp.clip(pl.cdiv(full_lo - kv_pos_offset - start, block_kv), 0, pl.cdiv(n_tok, block_kv))
+    return start, n_tok, n_head
+
+
+def finalize(acc, m, l, *, use_softmax=True, v_scale=None):
+    """Base-2 running state -> (o [M, D] f32, natural-log lse [M]); rows that saw no key give
+    0 / -inf. Without softmax, o is the plain sum and lse 0 (so ⊕ of such states, times
+    exp(lse), is their sum). v_scale (a scalar, fp8) multiplies o."""
+    if use_softmax:
+        nonempty = l > 0
+        o = acc / jnp.where(nonempty, l, 1.0)[:, None]
+        lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _common.LN2, -jnp.inf)
+    else:
+        o, lse = acc, jnp.zeros_like(l)
+    if v_scale is not None:
+        o = o * v_scale
     return o, lse

@@ -1,6 +1,7 @@
 """Helpers shared by the kernel modules."""
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
@@ -76,3 +77,17 @@ def load_rows(ref, rows, row_mask):
         return plgpu.load(ref.at[rows], mask=row_mask, other=0)
     cols = jnp.arange(ref.shape[1])
     return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=row_mask[:, None], other=0)
+
+
+def flatten_params(params):
+    """A variant's parameter pytree -> (leaves as kernel inputs, treedef, which leaves are scalars).
+    0-d leaves travel as [1] arrays and reach the kernel body as scalars; others as refs."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    leaves = [jnp.asarray(x) for x in leaves]
+    scalar = tuple(x.ndim == 0 for x in leaves)
+    return [x.reshape(1) if s else x for x, s in zip(leaves, scalar)], treedef, scalar
+
+
+def unflatten_params(refs, treedef, scalar):
+    """Inside a kernel: the parameter pytree (scalars loaded, arrays as refs)."""
+    return jax.tree_util.tree_unflatten(treedef, [r[0] if s else r for r, s in zip(refs, scalar)])

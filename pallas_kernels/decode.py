@@ -31,23 +31,41 @@ ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot)
 
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
-                   o_ref, lse_ref, o_part_ref, lse_part_ref, *, num_qo_heads, num_kv_heads, group,
-                   group_pad, **attend_kw):
+                   *refs, num_qo_heads, num_kv_heads, group, group_pad, has_scales, variant,
+                   param_tree, **attend_kw):
+    scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
+    param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
     cell, head = pl.program_id(0), pl.program_id(1)
     g = jnp.arange(group_pad)
     row_ok = g < group
     heads = head * group + jnp.minimum(g, group - 1)  # [Gp] query heads of this KV head (clamped)
+    k_scale, v_scale = (None, None) if not has_scales else (scale_refs[0][head], scale_refs[1][head])
+    params = None if variant is None else _common.unflatten_params(param_refs, *param_tree)
+    block_kv = attend_kw["block_kv"]
 
     def item(w, carry):
         req = items_ref[w, 0]
         page_base, tok_start = items_ref[w, 1], items_ref[w, 2]
         tok_end, part_slot = items_ref[w, 3], items_ref[w, 4]
-        n_tok = jnp.maximum(jnp.minimum(tok_end, kv_lens_ref[req]) - tok_start, 0)
+        kv_len = kv_lens_ref[req]
+        n_tok = jnp.maximum(jnp.minimum(tok_end, kv_len) - tok_start, 0)
         q = q_ref[req * num_qo_heads + heads]  # [Gp, D]
+        n_head, n_plain, var_kw = 0, n_tok // block_kv, {}
+        if variant is not None:
+            pos = kv_len - 1  # the query's position
+            var_kw = dict(variant=variant, params=params, qo_pos=jnp.full((group_pad,), pos),
+                          qo_head=heads)
+            if variant.has_bounds:
+                tok_start, n_tok, n_head = _attention.skip_to_bounds(
+                    variant, params, pos, pos, 0, tok_start, n_tok, block_kv)
+                n_plain = jnp.maximum(n_tok // block_kv - n_head, 0)
+            elif variant.has_mask:
+                n_plain = 0
         acc, m, l = _attention.attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head,
-                                      num_kv_heads=num_kv_heads, n_plain=n_tok // attend_kw["block_kv"],
-                                      **attend_kw)
-        o, lse = _attention.finalize(acc, m, l)
+                                      num_kv_heads=num_kv_heads, n_head=n_head, n_plain=n_plain,
+                                      k_scale=k_scale, **var_kw, **attend_kw)
+        o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
+                                     v_scale=v_scale)
 
         @pl.when(part_slot < 0)
         def _():
@@ -67,17 +85,19 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
 
 def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
-                         page_size, num_kv_heads, layout, sm_scale, block_kv, interpret,
-                         num_warps=4, num_stages=3):
+                         page_size, num_kv_heads, layout, sm_scale, block_kv, interpret, scales=None,
+                         variant=None, params=None, num_warps=4, num_stages=3):
     batch, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
     num_cells = cell_indptr.shape[0] - 1
     block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
+    leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
-        group_pad=group_pad, page_size=page_size, layout=layout, block_kv=block_kv,
-        scale_log2=sm_scale * _common.LOG2E)
+        group_pad=group_pad, has_scales=scales is not None, variant=variant,
+        param_tree=(treedef, scalar), page_size=page_size, layout=layout, block_kv=block_kv,
+        sm_scale=sm_scale)
     return pl.pallas_call(
         kernel,
         grid=(num_cells, num_kv_heads),
@@ -90,21 +110,25 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
         compiler_params=_common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_paged_decode",
-    )(items, cell_indptr, kv_lens, kv_indices, q.reshape(batch * num_qo_heads, d), k_rows, v_rows)
+    )(items, cell_indptr, kv_lens, kv_indices, q.reshape(batch * num_qo_heads, d), k_rows, v_rows,
+      *(scales or ()), *leaves)
 
 
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, block_kv=128, interpret, impl="triton",
-                 **tuning):
+                 scales=None, variant=None, params=None, **tuning):
     """Runs the decode work list.
 
-    q [B, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D];
-    kv_indices int32[*]; kv_lens int32[B] (live lengths); items int32[W, 5];
-    cell_indptr int32[num_cells + 1]. Returns flat (o [B*Hq, D], lse [B*Hq],
-    o_part [num_parts*Hq, D] f32, lse_part [num_parts*Hq]); rows of o that
-    no writethrough item covers are left for the caller's merge.
+    q [B, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype,
+    or fp8); kv_indices int32[*]; kv_lens int32[B] (live lengths); items int32[W, 5];
+    cell_indptr int32[num_cells + 1]; scales: (k_scale, v_scale) f32[Hkv] or None;
+    variant / params: an attention variant and its parameter pytree (see _attention).
+    Returns flat (o [B*Hq, D], lse [B*Hq], o_part [num_parts*Hq, D] f32,
+    lse_part [num_parts*Hq]); rows of o that no writethrough item covers are left for
+    the caller's merge.
     """
     fn = _common.dispatch({"triton": _paged_decode_triton}, impl, "paged_decode")
     return fn(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, num_parts=num_parts,
               page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
-              block_kv=block_kv, interpret=interpret, **tuning)
+              block_kv=block_kv, interpret=interpret, scales=scales, variant=variant, params=params,
+              **tuning)

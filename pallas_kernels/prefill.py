@@ -5,7 +5,7 @@ cell_indptr[c+1]] (balanced by the planner's Algorithm 1). An item is one
 query tile of one request against one chunk of its KV:
 
     items[w] = (q_row_start, tile_tok, qo_len, page_base, kv_len,
-                kv_start, kv_end, part_base, num_chunks, chunk, mask_base)
+                kv_start, kv_end, part_base, num_chunks, chunk, mask_base, kv_pos_offset)
 
 q_row_start is the request's first row in q [nnz, Hq, D]; the tile covers its
 query tokens [tile_tok, tile_tok + tokens_per_tile) and keys [kv_start, kv_end).
@@ -15,6 +15,8 @@ serves the whole group. Causal (bottom-right: query i sees keys
 j <= i + kv_len - qo_len) stops the KV loop at the tile's last visible key and
 masks only the blocks that cross the diagonal. mask_base >= 0 points at the
 request's custom mask (row-major qo_len x kv_len, FlashInfer's layout).
+A variant sees query positions q_pos[token] and key positions kv_pos_offset + key
+(or, with global_kv_pos, the key's row in K: block-sparse attention).
 
 part_base < 0: the tile holds all of the keys and writes o, lse directly.
 Otherwise it writes float32 partial states to partial row
@@ -30,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
 
-ITEM_FIELDS = 11
+ITEM_FIELDS = 12
 
 
 def tile_rows(group, block_q):
@@ -39,9 +41,14 @@ def tile_rows(group, block_q):
 
 
 def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref, k_ref, v_ref,
-                    o_ref, lse_ref, o_part_ref, lse_part_ref, *, num_qo_heads, num_kv_heads, group,
-                    rows, causal, has_mask, contiguous, **attend_kw):
+                    *refs, num_qo_heads, num_kv_heads, group, rows, causal, has_mask, contiguous,
+                    has_scales, variant, param_tree, global_kv_pos, **attend_kw):
+    scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
+    q_pos_ref, refs = (refs[0], refs[1:]) if variant is not None else (None, refs)
+    param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
     cell, head = pl.program_id(0), pl.program_id(1)
+    k_scale, v_scale = (None, None) if not has_scales else (scale_refs[0][head], scale_refs[1][head])
+    params = None if variant is None else _common.unflatten_params(param_refs, *param_tree)
     block_kv = attend_kw["block_kv"]
     r = jnp.arange(rows)
     tokens_per_tile = rows // group
@@ -63,14 +70,28 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
         q = q_ref[query_rows(w)[1]]  # [rows, D]
         offset = kv_len - qo_len
         kv_hi = kv_end
-        n_plain = (kv_end - kv_start) // block_kv
+        diag_end = kv_end  # keys before it are visible to every row (causal)
         if causal:
             last_tok = jnp.minimum(tile_tok + tokens_per_tile, qo_len) - 1
             kv_hi = jnp.clip(last_tok + offset + 1, kv_start, kv_end)
-            # Blocks wholly left of the first row's diagonal need no mask.
-            n_plain = jnp.clip((tile_tok + offset + 1 - kv_start) // block_kv, 0, n_plain)
-        if has_mask:
-            n_plain = 0
+            diag_end = tile_tok + offset + 1
+        tok_start, n_tok, n_head, var_kw = kv_start, kv_hi - kv_start, 0, {}
+        if variant is not None:
+            q_tok_c, _, row_ok = query_rows(w)
+            qo_pos = _common.load_rows(q_pos_ref, items_ref[w, 0] + q_tok_c, row_ok)  # [rows]
+            pos_offset = items_ref[w, 11]
+            var_kw = dict(variant=variant, params=params, qo_pos=qo_pos, qo_head=q_head,
+                          kv_pos_offset=pos_offset, global_kv_pos=global_kv_pos)
+            if variant.has_bounds and not global_kv_pos:
+                big = jnp.iinfo(jnp.int32).max
+                pos_min = jnp.min(jnp.where(row_ok, qo_pos, big))
+                pos_max = jnp.max(jnp.where(row_ok, qo_pos, -big))
+                tok_start, n_tok, n_head = _attention.skip_to_bounds(
+                    variant, params, pos_min, pos_max, pos_offset, tok_start, n_tok, block_kv)
+        n_plain = jnp.maximum(jnp.minimum(diag_end - tok_start, n_tok) // block_kv - n_head, 0)
+        if has_mask or (variant is not None and variant.has_mask and
+                        (global_kv_pos or not variant.has_bounds)):
+            n_head, n_plain = 0, 0
 
         def visible(tok):  # [BK] -> [rows, BK]
             q_tok_c = jnp.minimum(tile_tok + t_local, qo_len - 1)
@@ -84,10 +105,11 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
             return vis
 
         acc, m, l = _attention.attend(
-            q, k_ref, v_ref, None if contiguous else kv_indices_ref, page_base, kv_start,
-            kv_hi - kv_start, head, num_kv_heads=num_kv_heads,
-            visible_fn=visible if (causal or has_mask) else None, n_plain=n_plain, **attend_kw)
-        o, lse = _attention.finalize(acc, m, l)
+            q, k_ref, v_ref, None if contiguous else kv_indices_ref, page_base, tok_start, n_tok, head,
+            num_kv_heads=num_kv_heads, visible_fn=visible if (causal or has_mask) else None,
+            n_head=n_head, n_plain=n_plain, k_scale=k_scale, **var_kw, **attend_kw)
+        o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
+                                     v_scale=v_scale)
         q_tok_c, q_rows, row_ok = query_rows(w)
         part_base = items_ref[w, 7]
 
@@ -110,22 +132,26 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
 
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
-                    num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, num_warps=4,
+                    num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, scales=None,
+                    variant=None, params=None, q_pos=None, global_kv_pos=False, num_warps=4,
                     num_stages=None):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     if num_stages is None:  # measured on H100: 3 stages help paged gathers, 2 suit contiguous K/V
         num_stages = 2 if kv_indices is None else 3
     block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
+    leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
-        page_size=page_size, layout=layout,
-        block_kv=block_kv, scale_log2=sm_scale * _common.LOG2E)
+        has_scales=scales is not None, variant=variant, param_tree=(treedef, scalar),
+        global_kv_pos=global_kv_pos, page_size=page_size, layout=layout, block_kv=block_kv,
+        sm_scale=sm_scale)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)
     if kv_indices is None:
         kv_indices = jnp.zeros((1,), jnp.int32)
+    extra = [*(scales or ())] + ([q_pos] if variant is not None else []) + leaves
     return pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1, num_kv_heads),
@@ -136,22 +162,25 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         compiler_params=_common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_prefill",
-    )(items, cell_indptr, kv_indices, mask, q.reshape(nnz * num_qo_heads, d), k_rows, v_rows)
+    )(items, cell_indptr, kv_indices, mask, q.reshape(nnz * num_qo_heads, d), k_rows, v_rows, *extra)
 
 
 def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
             num_kv_heads, layout, sm_scale, causal, rows, block_kv=64, interpret, impl="triton",
-            **tuning):
+            scales=None, variant=None, params=None, q_pos=None, global_kv_pos=False, **tuning):
     """Runs the prefill work list.
 
-    q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D];
-    kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
-    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 11];
-    cell_indptr int32[cells + 1]; rows: the tile height (see tile_rows).
+    q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
+    or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
+    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 12];
+    cell_indptr int32[cells + 1]; rows: the tile height (see tile_rows); scales: (k_scale,
+    v_scale) f32[Hkv] or None; variant / params / q_pos int32[nnz]: an attention variant, its
+    parameters and each query token's position.
     Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
     """
     fn = _common.dispatch({"triton": _prefill_triton}, impl, "prefill")
     return fn(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, num_parts=num_parts,
               page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
-              causal=causal, rows=rows, block_kv=block_kv, interpret=interpret, **tuning)
+              causal=causal, rows=rows, block_kv=block_kv, interpret=interpret, scales=scales,
+              variant=variant, params=params, q_pos=q_pos, global_kv_pos=global_kv_pos, **tuning)

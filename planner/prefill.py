@@ -12,7 +12,7 @@ import numpy as np
 from planner import scheduler, validate
 from planner.packing import PackedLayout
 
-ITEM_FIELDS = 11  # see pallas_kernels/prefill.py
+ITEM_FIELDS = 12  # see pallas_kernels/prefill.py
 TILE_ROWS = (16, 32, 64, 128)
 
 
@@ -55,7 +55,8 @@ class PrefillLayout(PackedLayout):
         return max(1, self.rows // self.group)
 
     def sections(self):
-        return (("kv_indices", self.index_cap), ("items", self.item_cap * ITEM_FIELDS),
+        return (("kv_indices", self.index_cap), ("q_pos", self.num_tokens),
+                ("items", self.item_cap * ITEM_FIELDS),
                 ("cell_indptr", self.num_cells + 1), ("merge_indptr", self.merge_cap + 1),
                 ("merge_dest", self.merge_cap))
 
@@ -63,13 +64,16 @@ class PrefillLayout(PackedLayout):
 
 def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, num_cells,
                  max_num_tokens=None, max_batch_size=None, max_num_pages=None, rows=None,
-                 mask_offsets=None, fixed_split_tokens=None, min_split_tokens=512, item_cost=64):
+                 mask_offsets=None, fixed_split_tokens=None, min_split_tokens=512, item_cost=64,
+                 kv_pos_offset=None, q_positions=None):
     """Builds the prefill work list. Returns (layout, buffer int32[layout.size], info).
 
     kv_lens int32[B]: keys per request; page_base int32[B]: each request's offset in
     kv_indices (or its first row, for contiguous K/V); kv_indices: the listed pages
     (may be empty for contiguous K/V); mask_offsets int64[B] (optional): each
-    request's offset in the flattened custom mask.
+    request's offset in the flattened custom mask. Positions (for attention variants):
+    request b's keys sit at kv_pos_offset[b] + j (default 0) and its queries at
+    q_positions (int32[nnz]; default bottom-right: kv_pos_offset + kv_len - qo_len + i).
     """
     if fixed_split_tokens is not None and fixed_split_tokens < 1:
         raise ValueError(f"fixed_split_tokens must be >= 1, got {fixed_split_tokens}")
@@ -138,6 +142,11 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     items[:, 8] = nchunks[tile_of]
     items[:, 9] = chunk_idx
     items[:, 10] = -1 if mask_offsets is None else np.append(mask_offsets, 0)[r_of]
+    pos_off = np.zeros(batch, np.int64) if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
+    items[:, 11] = np.append(pos_off, 0)[r_of]
+    if q_positions is None:
+        tok_req = np.repeat(np.arange(batch), qo_lens)
+        q_positions = (pos_off + kv_lens - qo_lens)[tok_req] + np.arange(nnz) - qo_indptr[:-1][tok_req]
 
     order, cell_indptr = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells)
 
@@ -153,6 +162,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     buf = np.zeros(layout.size, np.int32)
     sec = layout.unpack(buf)
     sec["kv_indices"][:kv_indices.shape[0]] = kv_indices
+    sec["q_pos"][:nnz] = q_positions
     sec["items"][:items.shape[0]] = items[order]
     sec["cell_indptr"][:] = cell_indptr
     sec["merge_indptr"][1:n_merge + 1] = part_base[tile_m] + (t_in + 1) * nchunks[tile_m]

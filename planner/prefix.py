@@ -189,3 +189,26 @@ def cascade_pays(qo_lens, pages, levels_groups, *, launch_overhead_us=10.0, **sh
     single = attention_cost_us(qo_lens, pages, **shape)
     cascade = sum(attention_cost_us(rows, pg, **shape) for rows, pg in levels_groups)
     return cascade + launch_overhead_us < single
+
+
+def level_positions(qo_indptrs, kv_lens):
+    """Positions for cascade levels over the same query tokens (attention variants).
+
+    qo_indptrs[l] int32[G_l + 1] groups the tokens at level l; kv_lens[l] int[G_l] are the
+    groups' key counts. A token's keys at level l follow those of its groups at levels < l.
+    Returns (offsets, q_pos): offsets[l] int64[G_l], each group's first key position;
+    q_pos int64[nnz], each token's position, bottom-right in its whole sequence (by the
+    last level's grouping).
+    """
+    nnz = int(qo_indptrs[0][-1])
+    before = np.zeros(nnz, np.int64)  # keys of earlier levels, per token
+    offsets = []
+    for qo_indptr, lens in zip(qo_indptrs, kv_lens):
+        first = np.minimum(qo_indptr[:-1], max(nnz - 1, 0))
+        offsets.append(before[first] if nnz else np.zeros(len(lens), np.int64))
+        before += np.repeat(np.asarray(lens, np.int64), np.diff(qo_indptr))
+    last = qo_indptrs[-1]
+    qo_lens = np.diff(last)
+    group = np.repeat(np.arange(qo_lens.shape[0]), qo_lens)
+    q_pos = before - qo_lens[group] + np.arange(nnz) - last[:-1][group]
+    return offsets, q_pos
