@@ -1,0 +1,264 @@
+"""End-to-end generation latency, Llama-3-8B shapes: TTFT and ITL of jaxinfer against dense caches.
+
+    PYTHONPATH=. python3 benchmarks/bench_e2e.py            # one H100: under 8 minutes, compiles included
+    PYTHONPATH=. python3 benchmarks/bench_e2e.py --smoke    # tiny model, a CPU smoke run
+    PYTHONPATH=. python3 benchmarks/plot_e2e.py             # ITL against batch as a PNG
+
+Random bfloat16 weights (examples/llama.py, 32 layers in one lax.scan), batch 1 / 16 / 64,
+prompt lengths uniform on [512, 2048], 128 output tokens, greedy. Methods:
+
+  jaxinfer  paged cache (page 16): one BatchPrefillWithPagedKVCache call for all prompts, then
+            BatchDecodeWithPagedKVCache steps (a host plan per step, shared by all layers)
+  dense     dense padded cache [L, B, max prompt + 127, Hkv, D], plain jnp attention
+  cudnn     the same dense cache, jax.nn.dot_product_attention(implementation="cudnn")
+
+TTFT: all prompts arrive together; wall time from the start of the prefill (host planning
+included) until every request's first token is on the host. The dense methods prefill
+--dense-prefill-chunk requests per call, each padded to the longest prompt of the batch (the
+[B, H, T, T] scores of the jnp baseline bound the chunk). ITL: every decode step waits for its
+tokens on the host, as a streaming server does; median and mean over the 127 decode steps.
+Compile times are measured apart (ahead-of-time) and reported. A row that fails records its
+error and the run goes on; rows that would start past --budget-s are skipped. Results go to
+$OUT/bench_e2e.json (OUT defaults to ./out); the table prints last.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jaxinfer as ji
+from planner.allocator import PageAllocator, page_table, pad
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import llama  # noqa: E402
+
+METHODS = ("jaxinfer", "dense", "cudnn")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short prompts (CPU)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the config's")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    ap.add_argument("--out-tokens", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dense-prefill-chunk", type=int, default=4, help="requests per dense prefill call")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="start no row after this many seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.config = "tiny" if args.smoke else "llama3-8b"
+    args.batches = [int(b) for b in (args.batches or ("1,3" if args.smoke else "1,16,64")).split(",")]
+    args.methods = args.methods.split(",")
+    args.prompt_len = args.prompt_len or ((8, 40) if args.smoke else (512, 2048))
+    args.out_tokens = args.out_tokens or (6 if args.smoke else 128)
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"--methods must be drawn from {METHODS}, got {bad}")
+    if min(args.batches) < 1 or args.out_tokens < 2 or args.dense_prefill_chunk < 1:
+        raise ValueError("--batches, --dense-prefill-chunk must be >= 1 and --out-tokens >= 2")
+    if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
+        raise ValueError(f"--prompt-len must satisfy 1 <= MIN <= MAX, got {args.prompt_len}")
+    return args
+
+
+def aot(fn, *args):
+    """(compiled, seconds): ahead-of-time compile, so compile time stays out of TTFT and ITL."""
+    t = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - t
+
+
+def latency_stats(ttft, itl):
+    itl = np.asarray(itl)
+    return dict(ttft_ms=ttft * 1e3, itl_ms_p50=float(np.median(itl)) * 1e3, itl_ms_mean=float(itl.mean()) * 1e3,
+                itl_ms_p90=float(np.percentile(itl, 90)) * 1e3)
+
+
+class Bench:
+    """Model, weights and the shared jitted step; run_*() measure one (method, batch) row."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cfg = llama.get_config(args.config, args.layers)
+        t = time.perf_counter()
+        graphdef, self.params = nnx.split(llama.Llama(self.cfg, rngs=nnx.Rngs(args.seed)))
+        jax.block_until_ready(self.params)
+        self.init_s = time.perf_counter() - t
+        self.step = llama.make_step(graphdef)
+        self.kernel_opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}
+
+    def sampling(self, n):
+        return np.zeros(n, np.float32), np.arange(n, dtype=np.int32)  # greedy
+
+    def run_jaxinfer(self, prompts):
+        cfg, ps, out = self.cfg, self.args.page_size, self.args.out_tokens
+        batch, lens = len(prompts), np.array([len(p) for p in prompts])
+        pages = -(-(lens + out - 1) // ps)
+        num_pages = int(pages.sum())
+        allocator = PageAllocator(num_pages)
+        page_lists = [allocator.alloc(int(n)) for n in pages]
+        kv_cache = llama.paged_kv_cache(cfg, num_pages, ps)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ps)
+        nnz = int(lens.sum())
+        prefill = ji.BatchPrefillWithPagedKVCache(*heads, causal=True, max_batch_size=batch, max_num_tokens=nnz,
+                                                  max_num_pages=num_pages, **self.kernel_opts)
+        decode = ji.BatchDecodeWithPagedKVCache(*heads, max_batch_size=batch, max_num_pages=num_pages,
+                                                **self.kernel_opts)
+        qo_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        tokens = np.concatenate(prompts)
+        positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+        rows = np.repeat(np.arange(batch), lens).astype(np.int32)
+        sampling = self.sampling(batch)
+
+        def prefill_args():
+            kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
+            plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=num_pages)
+            attention = llama.PagedAttention(prefill, num_pages, plan, rows, positions, kv_indptr,
+                                             pad(kv_indices, num_pages))
+            return (self.params, tokens, positions, kv_cache, attention, qo_indptr[1:] - 1, *sampling)
+
+        def decode_args(tokens, step):
+            kv_lens = lens + step + 1
+            kv_indptr, kv_indices, last = page_table(page_lists, kv_lens, ps)
+            plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages)
+            pos = (kv_lens - 1).astype(np.int32)
+            attention = llama.PagedAttention(decode, num_pages, plan, np.arange(batch, dtype=np.int32), pos,
+                                             kv_indptr, pad(kv_indices, num_pages))
+            return self.params, tokens, pos, kv_cache, attention, None, *sampling
+
+        prefill_fn, prefill_compile = aot(self.step, *prefill_args())
+        _, kv_cache = prefill_fn(*prefill_args())  # warm-up (writes the same K/V again below)
+        jax.block_until_ready(kv_cache)
+        t = time.perf_counter()
+        first, kv_cache = prefill_fn(*prefill_args())
+        first = np.asarray(first)
+        ttft = time.perf_counter() - t
+        decode_fn, decode_compile = aot(self.step, *decode_args(first, 0))
+        itl, tok = [], first
+        for step in range(out - 1):
+            t = time.perf_counter()
+            tok, kv_cache = decode_fn(*decode_args(tok, step))
+            tok = np.asarray(tok)
+            itl.append(time.perf_counter() - t)
+        return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
+                    **latency_stats(ttft, itl))
+
+    def run_dense(self, prompts, impl):
+        cfg, out, chunk = self.cfg, self.args.out_tokens, self.args.dense_prefill_chunk
+        batch, lens = len(prompts), np.array([len(p) for p in prompts])
+        t_pad = int(lens.max())
+        kv_cache = llama.dense_kv_cache(cfg, batch, t_pad + out - 1)
+        chunk = min(chunk, batch)
+        num_chunks = -(-batch // chunk)
+        block = np.zeros((num_chunks * chunk, t_pad), np.int32)
+        block_pos = np.full((num_chunks * chunk, t_pad), -1, np.int32)
+        for b, p in enumerate(prompts):
+            block[b, :len(p)], block_pos[b, :len(p)] = p, np.arange(len(p))
+        sampling = self.sampling(chunk)
+
+        def prefill_args(c):
+            sl = slice(c * chunk, (c + 1) * chunk)
+            rows = np.arange(sl.start, sl.stop, dtype=np.int32)
+            live = rows < batch
+            attention = llama.DenseAttention(np.where(live, rows, 0).astype(np.int32), block_pos[sl],
+                                             impl=impl, prefill=True)
+            last = np.arange(chunk) * t_pad + np.maximum(lens[np.minimum(rows, batch - 1)] - 1, 0)
+            return (self.params, block[sl].reshape(-1), np.maximum(block_pos[sl], 0).reshape(-1), kv_cache,
+                    attention, last.astype(np.int32), *sampling)
+
+        def decode_args(tokens, step):
+            pos = (lens + step).astype(np.int32)
+            attention = llama.DenseAttention(None, pos[:, None], impl=impl)
+            return self.params, tokens, pos, kv_cache, attention, None, *self.sampling(batch)
+
+        prefill_fn, prefill_compile = aot(self.step, *prefill_args(0))
+        _, kv_cache = prefill_fn(*prefill_args(0))  # warm-up on the first chunk
+        jax.block_until_ready(kv_cache)
+        t = time.perf_counter()
+        firsts = []
+        for c in range(num_chunks):
+            first, kv_cache = prefill_fn(*prefill_args(c))
+            firsts.append(first)
+        first = np.concatenate([np.asarray(f) for f in firsts])[:batch]
+        ttft = time.perf_counter() - t
+        decode_fn, decode_compile = aot(self.step, *decode_args(first, 0))
+        itl, tok = [], first
+        for step in range(out - 1):
+            t = time.perf_counter()
+            tok, kv_cache = decode_fn(*decode_args(tok, step))
+            tok = np.asarray(tok)
+            itl.append(time.perf_counter() - t)
+        return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
+                    prefill_chunk=chunk, **latency_stats(ttft, itl))
+
+
+def print_table(rows):
+    print(f"{'method':<9} {'batch':>5} {'TTFT ms':>9} {'ITL p50 ms':>10} {'ITL mean':>9} "
+          f"{'tok/s':>8} {'compile s':>9}  note")
+    for r in rows:
+        if "itl_ms_p50" in r:
+            agree = r.get("first_token_agreement")
+            print(f"{r['method']:<9} {r['batch']:>5} {r['ttft_ms']:>9.1f} {r['itl_ms_p50']:>10.2f} "
+                  f"{r['itl_ms_mean']:>9.2f} {r['batch'] * 1e3 / r['itl_ms_p50']:>8.0f} "
+                  f"{r['compile_prefill_s'] + r['compile_decode_s']:>9.1f}  "
+                  + ("" if agree is None else f"first tokens = dense's: {agree:.2f}"))
+        else:
+            print(f"{r['method']:<9} {r['batch']:>5} {'-':>9} {'-':>10} {'-':>9} {'-':>8} {'-':>9}  "
+                  f"{r.get('error') or r.get('skipped')}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.perf_counter()
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_e2e.json")
+    bench = Bench(args)
+    cfg = bench.cfg
+    meta = dict(config=args.config, num_layers=cfg.num_layers, dtype=cfg.dtype, jax=jax.__version__,
+                device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                prompt_len=list(args.prompt_len), out_tokens=args.out_tokens, page_size=args.page_size,
+                weights_init_s=bench.init_s)
+    print(json.dumps(meta), flush=True)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for batch in args.batches:
+        lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, batch)
+        prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in lens]
+        firsts = {}
+        for method in args.methods:
+            row = dict(method=method, batch=batch, prompt_tokens=int(lens.sum()))
+            elapsed = time.perf_counter() - start
+            if elapsed > args.budget_s:
+                row["skipped"] = f"time budget ({elapsed:.0f} s > --budget-s {args.budget_s:.0f})"
+            elif method == "cudnn" and jax.default_backend() != "gpu":
+                row["skipped"] = "cudnn needs a GPU"
+            else:
+                try:
+                    result = (bench.run_jaxinfer(prompts) if method == "jaxinfer"
+                              else bench.run_dense(prompts, "jnp" if method == "dense" else "cudnn"))
+                    firsts[method] = result.pop("first_tokens")
+                    row.update(result)
+                except Exception as e:  # a failing baseline must not lose the other rows
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for row in rows[-len(args.methods):]:
+            if "dense" in firsts and row["method"] in firsts and row["method"] != "dense":
+                row["first_token_agreement"] = float(np.mean(firsts[row["method"]] == firsts["dense"]))
+        with open(path, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+    print(f"total {time.perf_counter() - start:.0f} s; results in {path}")
+    print_table(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""A Llama-architecture decoder in Flax NNX whose attention runs on jaxinfer.
+
+RMSNorm, RoPE (Llama convention: rotate halves, rope_theta), grouped-query attention, SwiGLU
+MLP; random weights (nothing is downloaded). Layer weights are stacked [L, ...] and the layers
+run in one lax.scan, so a 32-layer model compiles once per input shape.
+
+Attention goes through an attention object passed to the model with the step's inputs:
+
+  PagedAttention  jaxinfer over one PagedKVCache that holds every layer's pages (layer l's page
+                  p is cache page l * pages_per_layer + p): new K/V written with
+                  append_paged_kv_cache, then BatchPrefillWithPagedKVCache (prompts),
+                  BatchDecodeWithPagedKVCache (one token per request) or
+                  MultiLevelCascadeAttention (shared prefixes) with one plan per step.
+  DenseAttention  the baseline: a dense padded cache [L, B, S, Hkv, D] and plain jnp attention
+                  (impl="jnp") or jax.nn.dot_product_attention(implementation="cudnn").
+"""
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxinfer as ji
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates halves), got {self.head_dim}")
+
+
+CONFIGS = {
+    # CPU: Pallas interpret mode is slow, so the test/demo model is tiny (float32).
+    "tiny": LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, dtype="float32"),
+    # Llama-3-8B shapes (random bfloat16 weights).
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128),
+}
+
+
+def get_config(name, num_layers=None):
+    """A named config, optionally with fewer layers (quick GPU runs)."""
+    if name not in CONFIGS:
+        raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {name!r}")
+    cfg = CONFIGS[name]
+    return cfg if num_layers is None else dataclasses.replace(cfg, num_layers=num_layers)
+
+
+def rms_norm(x, weight, eps):
+    """x [..., H] * rsqrt(mean(x^2) + eps) * weight, computed in float32."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions, head_dim, theta):
+    """cos, sin [N, D/2] of positions [N] for frequencies theta^(-2i/D)."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Llama (rotate-half) RoPE: x [N, H, D] with cos, sin [N, D/2]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+class Llama(nnx.Module):
+    """Llama decoder with per-layer weights stacked [L, ...] (one lax.scan over layers).
+
+        model = Llama(get_config("tiny"), rngs=nnx.Rngs(0))
+        logits, kv_cache = model(tokens, positions, kv_cache, attention, logits_index=last)
+    """
+
+    def __init__(self, cfg, *, rngs):
+        self.cfg = cfg
+        L, H, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        dtype = jnp.dtype(cfg.dtype)
+
+        def normal(shape, fan_in):
+            return nnx.Param((jax.random.normal(rngs.params(), shape, dtype) * fan_in ** -0.5).astype(dtype))
+
+        self.embed = normal((cfg.vocab_size, H), 1)                    # [V, H]
+        self.attn_norm = nnx.Param(jnp.ones((L, H), dtype))            # [L, H]
+        self.wq = normal((L, H, hq), H)                                # [L, H, Hq*D]
+        self.wk = normal((L, H, hkv), H)                               # [L, H, Hkv*D]
+        self.wv = normal((L, H, hkv), H)
+        self.wo = normal((L, hq, H), hq)                               # [L, Hq*D, H]
+        self.mlp_norm = nnx.Param(jnp.ones((L, H), dtype))
+        self.w_gate = normal((L, H, F), H)                             # [L, H, F]
+        self.w_up = normal((L, H, F), H)
+        self.w_down = normal((L, F, H), F)                             # [L, F, H]
+        self.norm = nnx.Param(jnp.ones((H,), dtype))
+        self.lm_head = normal((H, cfg.vocab_size), H)                  # [H, V]
+
+    def __call__(self, tokens, positions, kv_cache, attention, *, logits_index=None):
+        """tokens, positions int32[N] -> (logits [N or M, V] float32, updated kv_cache).
+
+        attention(layer, q, k, v, kv_cache) -> (o, kv_cache) writes the new K/V and attends
+        (PagedAttention or DenseAttention). logits_index int32[M] (optional) picks the rows
+        that need logits (each request's last prompt token), before the LM head.
+        """
+        cfg = self.cfg
+        n = tokens.shape[0]
+        x = jnp.take(self.embed[...], tokens, axis=0)                  # [N, H]
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        weights = {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+
+        def layer_fn(carry, xs):
+            x, kv_cache = carry
+            w, layer = xs
+            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            q = (h @ w["wq"]).reshape(n, cfg.num_heads, cfg.head_dim)      # [N, Hq, D]
+            k = (h @ w["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)   # [N, Hkv, D]
+            v = (h @ w["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o, kv_cache = attention(layer, q, k, v, kv_cache)              # [N, Hq, D]
+            x = x + o.reshape(n, -1) @ w["wo"]
+            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            return (x, kv_cache), None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, kv_cache), _ = jax.lax.scan(layer_fn, (x, kv_cache), (weights, layers))
+        if logits_index is not None:
+            x = x[logits_index]                                         # [M, H]
+        x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+        return jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32), kv_cache
+
+
+def layer_plan(plan, offset):
+    """The plan with its page ids shifted by `offset` (layer l reads pages l * P + p).
+
+    jaxinfer's run() takes one PagedKVCache and page ids into it; slicing one layer out
+    of a stacked cache would copy it every step, so each layer shifts the (small) page-id
+    section of the one shared plan instead."""
+    if isinstance(plan, ji.CascadePlan):
+        return ji.CascadePlan([layer_plan(level, offset) for level in plan.levels])
+    start = 0
+    for name, size in plan.layout.sections():
+        if name == "kv_indices":
+            break
+        start += size
+    else:
+        raise ValueError("plan has no kv_indices section")
+    buffer = plan.buffer.at[start:start + size].add(offset)
+    if isinstance(plan, ji.DecodePlan):
+        return ji.DecodePlan(buffer, plan.layout, plan.horizon)
+    return ji.PrefillPlan(buffer, plan.mask, plan.layout, plan.causal)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["plan", "batch_indices", "positions", "kv_indptr", "kv_indices", "kv_lens"],
+                   meta_fields=["wrapper", "pages_per_layer"])
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """One step of jaxinfer attention for all layers (a pytree: pass it to jitted steps).
+
+    wrapper: a BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache or
+    MultiLevelCascadeAttention, and plan its plan for this step (page ids of one layer).
+    batch_indices, positions int32[N]: where each token's K/V goes (-1: padding row).
+    kv_indptr int32[Bcap+1], kv_indices int32[cap]: the page table (padded) for the append.
+    kv_lens int32[B] (optional): live lengths at this step of a horizon plan.
+    """
+    wrapper: Any
+    pages_per_layer: int
+    plan: Any
+    batch_indices: jax.Array
+    positions: jax.Array
+    kv_indptr: jax.Array
+    kv_indices: jax.Array
+    kv_lens: Any = None
+
+    def __call__(self, layer, q, k, v, kv_cache):
+        offset = layer * self.pages_per_layer
+        kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, self.batch_indices, self.positions,
+                                            self.kv_indices + offset, self.kv_indptr)
+        plan = layer_plan(self.plan, offset)
+        if self.kv_lens is None:
+            return self.wrapper.run(q, kv_cache, plan), kv_cache
+        return self.wrapper.run(q, kv_cache, plan, kv_lens=self.kv_lens), kv_cache
+
+
+def paged_kv_cache(cfg, pages_per_layer, page_size):
+    """A zeroed PagedKVCache (NHD) with pages_per_layer pages for each of the cfg.num_layers layers."""
+    shape = (cfg.num_layers * pages_per_layer, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return ji.PagedKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DenseKVCache:
+    """Dense padded cache: k, v [L, B, S, Hkv, D]."""
+    k: jax.Array
+    v: jax.Array
+
+
+def dense_kv_cache(cfg, batch, max_len):
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return DenseKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+
+DENSE_IMPLS = ("jnp", "cudnn")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "positions"],
+                   meta_fields=["impl", "prefill"])
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """Baseline attention over a DenseKVCache; tokens come as a [Bc, T] block (N = Bc * T).
+
+    rows int32[Bc]: cache rows of the block's requests (None: all rows, in order).
+    positions int32[Bc, T]: each token's position (-1: padding). prefill: the block holds
+    each request's whole prompt from position 0 (attend causally to the block's own K/V);
+    otherwise T = 1 and each token attends to its request's cached positions <= its own.
+    impl: "jnp" (plain einsum softmax) or "cudnn" (jax.nn.dot_product_attention).
+    """
+    rows: Any
+    positions: jax.Array
+    impl: str = "jnp"
+    prefill: bool = False
+
+    def __post_init__(self):
+        if self.impl not in DENSE_IMPLS:
+            raise ValueError(f"impl must be one of {DENSE_IMPLS}, got {self.impl!r}")
+
+    def __call__(self, layer, q, k, v, kv_cache):
+        bc, t = self.positions.shape
+        q, k, v = (x.reshape(bc, t, *x.shape[1:]) for x in (q, k, v))   # [Bc, T, H, D]
+        max_len = kv_cache.k.shape[2]
+        pos = jnp.where(self.positions < 0, max_len, self.positions)     # padding: dropped
+        rows = jnp.arange(bc)[:, None] if self.rows is None else self.rows[:, None]
+        kv_cache = DenseKVCache(kv_cache.k.at[layer, rows, pos].set(k, mode="drop"),
+                                kv_cache.v.at[layer, rows, pos].set(v, mode="drop"))
+        if self.prefill:
+            keys, values = k, v                                          # [Bc, T, Hkv, D]
+            key_pos = jnp.arange(t)
+            lens = jnp.sum(self.positions >= 0, axis=1).astype(jnp.int32)  # [Bc]
+        else:
+            keys, values = kv_cache.k[layer], kv_cache.v[layer]          # [B, S, Hkv, D]
+            if self.rows is not None:
+                keys, values = keys[self.rows], values[self.rows]
+            key_pos = jnp.arange(max_len)
+            lens = self.positions[:, 0] + 1
+        if self.impl == "cudnn":
+            lens = jnp.maximum(lens, 1)  # padding rows: one (ignored) key instead of none
+            o = jax.nn.dot_product_attention(
+                q, keys, values, is_causal=self.prefill, query_seq_lengths=lens if self.prefill else None,
+                key_value_seq_lengths=lens, implementation="cudnn")
+        else:
+            visible = key_pos[None, None, :] <= self.positions[:, :, None]  # [Bc, T, S]
+            o = dense_attention(q, keys, values, visible)
+        return o.reshape(bc * t, *o.shape[2:]), kv_cache
+
+
+def dense_attention(q, k, v, visible):
+    """Plain jnp attention: q [B, T, Hq, D], k/v [B, S, Hkv, D], visible bool [B, T, S] -> o [B, T, Hq, D].
+    Rows that see no key give 0."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = (p / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def sample(logits, temperature, seeds, positions):
+    """Next tokens int32[M] from logits [M, V]: greedy where temperature == 0, otherwise a
+    sample (Gumbel-max) whose randomness depends only on (seeds[m], positions[m]), so a
+    request samples the same tokens alone or in any batch."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)
+    t = jnp.maximum(temperature, 1e-6)[:, None]
+    sampled = jnp.argmax(logits / t + gumbel, axis=-1)
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+def make_forward(graphdef):
+    """jit((params, tokens, positions, kv_cache, attention, logits_index) -> (logits, kv_cache)),
+    the cache donated (updated in place)."""
+    def forward(params, tokens, positions, kv_cache, attention, logits_index=None):
+        model = nnx.merge(graphdef, params)
+        return model(tokens, positions, kv_cache, attention, logits_index=logits_index)
+    return jax.jit(forward, donate_argnames="kv_cache")
+
+
+def make_step(graphdef):
+    """jit((params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds)
+    -> (next tokens int32[M], kv_cache)): one forward pass and sampling, the cache donated.
+    logits_index None: one token per row (decode); temperature, seeds [M] as in sample()."""
+    def step(params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds):
+        model = nnx.merge(graphdef, params)
+        logits, kv_cache = model(tokens, positions, kv_cache, attention, logits_index=logits_index)
+        last = positions if logits_index is None else positions[logits_index]
+        return sample(logits, temperature, seeds, last), kv_cache
+    return jax.jit(step, donate_argnames="kv_cache")
+
+
+def make_decode_scan(graphdef, wrapper, pages_per_layer, steps):
+    """jit((params, tokens int32[B], kv_cache, plan, kv_indptr, kv_indices, temperature, seeds)
+    -> (tokens int32[steps, B], kv_cache)): `steps` decode steps in one lax.scan over a horizon
+    plan (wrapper.plan(..., horizon=steps), the page table sized for the last step). Step s
+    runs with kv_lens = plan.kv_lens_at(s); rows with no KV are padding."""
+    def scan(params, tokens, kv_cache, plan, kv_indptr, kv_indices, temperature, seeds):
+        model = nnx.merge(graphdef, params)
+        rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+
+        def body(carry, s):
+            tokens, kv_cache = carry
+            lens = plan.kv_lens_at(s)                                   # [B] after this step's append
+            live = lens > 0
+            positions = jnp.where(live, lens - 1, -1)
+            attention = PagedAttention(wrapper, pages_per_layer, plan, jnp.where(live, rows, -1),
+                                       positions, kv_indptr, kv_indices, lens)
+            logits, kv_cache = model(tokens, positions, kv_cache, attention)
+            tokens = sample(logits, temperature, seeds, positions)
+            return (tokens, kv_cache), tokens
+
+        (_, kv_cache), out = jax.lax.scan(body, (tokens, kv_cache), jnp.arange(steps))
+        return out, kv_cache
+    return jax.jit(scan, donate_argnames="kv_cache")

@@ -1,0 +1,338 @@
+"""Continuous batching with prefix sharing: a small serving loop on jaxinfer.
+
+    python examples/serve.py                     # CPU: tiny random model, a scenario of requests
+    python examples/serve.py --check             # also run every request alone and compare
+    python examples/serve.py --config llama3-8b --page-size 16 --num-pages 4096 --max-batch 64
+
+Requests arrive over time (some share a system prompt; some ask for n > 1 parallel samples),
+join the running batch after their prefill and leave when done. The host side is NumPy:
+a PageAllocator (free list, reference counts) and a PrefixCache (planner.prefix.RadixTree
+over prompt pages, found again by content). Samples of a request, and requests with a
+cached system prompt, reference the same full pages: nothing is copied. A decode step whose
+batch shares pages runs two-level cascade attention (shared pages read once per group).
+A greedy request's output is identical to running it alone (--check, tests/test_examples.py).
+"""
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jaxinfer as ji
+import llama
+from planner.allocator import PageAllocator, PrefixCache, page_table, pad
+
+CASCADE_MODES = ("always", "auto", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """prompt int32[n]; n samples of max_new_tokens tokens each; arrives at engine step `arrival`.
+    temperature 0 is greedy; a sample's randomness depends only on (rid, sample, position)."""
+    rid: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    arrival: int = 0
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sample of a request: its page list (shared prefix pages first) and KV length."""
+    request: Request
+    sample: int
+    pages: np.ndarray
+    shared_pages: int       # leading pages shared through the prefix cache (locked there)
+    length: int             # tokens whose K/V are in the cache (or written by this step's prefill)
+    prefill_from: int       # first prompt position this sequence's prefill computes
+    tokens: list = dataclasses.field(default_factory=list)
+
+    @property
+    def seed(self):
+        return self.request.rid * 4096 + self.sample
+
+
+class Engine:
+    """Continuous batching over one paged KV cache. Compiles three steps once (prefill, decode,
+    cascade decode) and reuses them for every run().
+
+    page_size, num_pages: the cache (pages per layer). max_batch: sequences decoded together;
+    max_prefill_tokens: prompt tokens prefilled per step; max_len: KV tokens per sequence.
+    cascade: "always" (two-level cascade whenever pages are shared), "auto" (decode plan's
+    cost estimate decides) or "off".
+    """
+
+    def __init__(self, cfg, *, seed=0, page_size=8, num_pages=128, max_batch=8,
+                 max_prefill_tokens=256, max_len=128, cascade="always"):
+        if cascade not in CASCADE_MODES:
+            raise ValueError(f"cascade must be one of {CASCADE_MODES}, got {cascade!r}")
+        for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_batch", max_batch),
+                            ("max_prefill_tokens", max_prefill_tokens), ("max_len", max_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
+        self.max_batch, self.max_prefill_tokens, self.max_len = max_batch, max_prefill_tokens, max_len
+        self.cascade_mode = cascade
+        self.index_cap = max_batch * -(-max_len // page_size)  # page-table entries of a batch
+        graphdef, self.params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(seed)))
+        self.step_fn = llama.make_step(graphdef)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
+        opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode: small grid
+        self.prefill = ji.BatchPrefillWithPagedKVCache(
+            *heads, causal=True, max_batch_size=max_batch, max_num_tokens=max_prefill_tokens,
+            max_num_pages=self.index_cap, tile_rows=32, **opts)
+        self.decode = ji.BatchDecodeWithPagedKVCache(
+            *heads, max_batch_size=max_batch, max_num_pages=self.index_cap, **opts)
+        self.cascade = ji.MultiLevelCascadeAttention(
+            2, *heads, causal=False, max_batch_size=max_batch, max_num_tokens=max_batch,
+            max_num_pages=self.index_cap, tile_rows=16, **opts)
+
+    def check(self, request):
+        """Raises ValueError if the request can never run on this engine."""
+        total = len(request.prompt) + request.max_new_tokens - 1
+        if len(request.prompt) < 1 or request.max_new_tokens < 1 or request.n < 1:
+            raise ValueError(f"request {request.rid}: prompt, max_new_tokens and n must be >= 1")
+        if total > self.max_len:
+            raise ValueError(f"request {request.rid}: prompt + max_new_tokens - 1 = {total} > max_len={self.max_len}")
+        if request.n > self.max_batch:
+            raise ValueError(f"request {request.rid}: n={request.n} > max_batch={self.max_batch}")
+        if request.n * len(request.prompt) > self.max_prefill_tokens:
+            raise ValueError(f"request {request.rid}: n * prompt tokens > max_prefill_tokens={self.max_prefill_tokens}")
+        if request.n * -(-total // self.page_size) > self.num_pages:
+            raise ValueError(f"request {request.rid}: needs more pages than num_pages={self.num_pages}")
+        if np.any((request.prompt < 0) | (request.prompt >= self.cfg.vocab_size)):
+            raise ValueError(f"request {request.rid}: prompt holds token ids outside [0, {self.cfg.vocab_size})")
+
+    def run(self, requests, log=None):
+        """Serves `requests` to completion. Returns {rid: [n token lists]}; self.stats holds counters.
+        log: optional callable taking one line per engine step."""
+        for r in requests:
+            self.check(r)
+        if len({r.rid for r in requests}) != len(requests):
+            raise ValueError("requests must have distinct rid")
+        self.allocator = PageAllocator(self.num_pages)
+        self.prefix_cache = PrefixCache(self.allocator, self.page_size)
+        self.kv_cache = llama.paged_kv_cache(self.cfg, self.num_pages, self.page_size)
+        self.stats = dict(steps=0, prefill_tokens=0, cached_prompt_tokens=0, cascade_steps=0,
+                          page_reads_saved=0, peak_pages=0, peak_pages_unshared=0)
+        pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
+        waiting, running, outputs = [], [], {}
+        step = 0
+        while pending or waiting or running:
+            while pending and pending[0].arrival <= step:
+                waiting.append(pending.pop(0))
+            admitted = self._admit(waiting, running)
+            notes = [f"+r{s.request.rid}" for s in admitted if s.sample == 0]
+            if admitted:
+                self._prefill(admitted)
+                running.extend(admitted)
+            running, finished = self._retire(running, outputs)
+            if running:
+                notes.append(self._decode(running))
+                running, done = self._retire(running, outputs)
+                finished += done
+            notes += [f"-r{rid}" for rid in finished]
+            self._count_pages(running)
+            if log is not None and notes:
+                log(f"step {step:3d} | batch {len(running):2d} | free pages {self.allocator.num_free:4d} | "
+                    + " ".join(notes))
+            step += 1
+        self.stats["steps"] = step
+        return outputs
+
+    def _admit(self, waiting, running):
+        """Admits waiting requests (in arrival order) while batch slots, prefill tokens and pages
+        last. Returns the new sequences."""
+        ps, new, budget = self.page_size, [], self.max_prefill_tokens
+        while waiting:
+            r = waiting[0]
+            plen = len(r.prompt)
+            shared = (plen - 1) // ps  # full pages before the last prompt token: shareable
+            cached = self.prefix_cache.match(r.prompt, shared)
+            tail_from = shared * ps
+            prefill_tokens = (plen - len(cached) * ps) + (r.n - 1) * (plen - tail_from)
+            own = -(-(plen + r.max_new_tokens - 1) // ps) - shared  # each sample's own pages
+            need = shared - len(cached) + r.n * own
+            if len(running) + len(new) + r.n > self.max_batch or prefill_tokens > budget:
+                break
+            self.prefix_cache.lock(r.prompt, len(cached))  # keep the matched pages through eviction
+            if self.allocator.num_free < need:
+                self.prefix_cache.evict(need - self.allocator.num_free)
+            if self.allocator.num_free < need:
+                self.prefix_cache.lock(r.prompt, len(cached), -1)
+                break
+            waiting.pop(0)
+            budget -= prefill_tokens
+            prefix = np.concatenate([cached, self.allocator.alloc(shared - len(cached))])
+            self.allocator.ref(np.repeat(cached, r.n))        # every sample references the cached pages
+            self.allocator.ref(np.repeat(prefix[len(cached):], r.n - 1))  # and the new shared ones
+            self.prefix_cache.insert(r.prompt, prefix)
+            self.prefix_cache.lock(r.prompt, shared, r.n)      # one lock per sample
+            self.prefix_cache.lock(r.prompt, len(cached), -1)
+            self.stats["cached_prompt_tokens"] += len(cached) * ps
+            for j in range(r.n):
+                pages = np.concatenate([prefix, self.allocator.alloc(own)])
+                start = len(cached) * ps if j == 0 else tail_from
+                new.append(Sequence(r, j, pages, shared, plen, start))
+        return new
+
+    def _prefill(self, seqs):
+        """One prefill call: each sequence computes prompt[prefill_from:] and samples its first token."""
+        qo_lens = np.array([s.length - s.prefill_from for s in seqs])
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        nnz = int(qo_indptr[-1])
+        kv_indptr, kv_indices, last = page_table([s.pages for s in seqs], [s.length for s in seqs], self.page_size)
+        plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages)
+        tokens = np.concatenate([s.request.prompt[s.prefill_from:] for s in seqs]).astype(np.int32)
+        positions = np.concatenate([np.arange(s.prefill_from, s.length) for s in seqs]).astype(np.int32)
+        rows = np.repeat(np.arange(len(seqs)), qo_lens).astype(np.int32)
+        cap, bcap = self.max_prefill_tokens, self.max_batch
+        attention = llama.PagedAttention(
+            self.prefill, self.num_pages, plan, pad(rows, cap, -1), pad(positions, cap, -1),
+            pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap))
+        first, self.kv_cache = self.step_fn(
+            self.params, pad(tokens, cap), pad(positions, cap, -1), self.kv_cache, attention,
+            pad(qo_indptr[1:] - 1, bcap), *self._sampling(seqs))
+        for s, t in zip(seqs, np.asarray(first)):
+            s.tokens.append(int(t))
+        self.stats["prefill_tokens"] += nnz
+
+    def _decode(self, running):
+        """One decode step for every running sequence (sorted so that shared prefixes are adjacent)."""
+        running.sort(key=lambda s: (tuple(s.pages[:s.shared_pages]), s.request.rid, s.sample))
+        batch = len(running)
+        lens = np.array([s.length + 1 for s in running])  # after appending the last sampled token
+        kv_indptr, kv_indices, last = page_table([s.pages for s in running], lens, self.page_size)
+        plan, wrapper, note = self._decode_plan(kv_indptr, kv_indices, last)
+        positions = (lens - 1).astype(np.int32)
+        bcap = self.max_batch
+        attention = llama.PagedAttention(
+            wrapper, self.num_pages, plan, pad(np.arange(batch, dtype=np.int32), bcap, -1),
+            pad(positions, bcap, -1), pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap))
+        tokens = np.array([s.tokens[-1] for s in running], np.int32)
+        out, self.kv_cache = self.step_fn(self.params, pad(tokens, bcap), pad(positions, bcap, -1),
+                                          self.kv_cache, attention, None, *self._sampling(running))
+        for s, t in zip(running, np.asarray(out)):
+            s.length += 1
+            s.tokens.append(int(t))
+        return note
+
+    def _decode_plan(self, kv_indptr, kv_indices, last):
+        """(plan, wrapper, note): a two-level cascade where the batch shares pages (per cascade mode)."""
+        batch = kv_indptr.shape[0] - 1
+        if self.cascade_mode == "always":
+            levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices,
+                                                 last, self.page_size, causal=False)
+            if saved:
+                self.stats["cascade_steps"] += 1
+                self.stats["page_reads_saved"] += saved
+                groups = int(np.count_nonzero(np.diff(levels[0].kv_indptr)))
+                return (self.cascade.plan(levels, num_pages=self.num_pages), self.cascade,
+                        f"cascade ({groups} shared prefix group(s), {saved} page reads saved)")
+        plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
+                                cascade="auto" if self.cascade_mode == "auto" else None)
+        if isinstance(plan, ji.CascadePlan):
+            self.stats["cascade_steps"] += 1
+            return plan, self.decode, "cascade (auto)"
+        return plan, self.decode, "decode"
+
+    def _sampling(self, seqs):
+        """temperature float32[max_batch], seeds int32[max_batch] of the sequences (padded)."""
+        temperature = np.array([s.request.temperature for s in seqs], np.float32)
+        seeds = np.array([s.seed for s in seqs], np.int32)
+        return pad(temperature, self.max_batch), pad(seeds, self.max_batch)
+
+    def _retire(self, running, outputs):
+        """Removes finished sequences (freeing their page references and prefix locks). Returns
+        (still running, rids of requests whose last sample finished)."""
+        keep, finished = [], []
+        for s in running:
+            if len(s.tokens) < s.request.max_new_tokens:
+                keep.append(s)
+                continue
+            self.allocator.free(s.pages)
+            self.prefix_cache.lock(s.request.prompt, s.shared_pages, -1)
+            samples = outputs.setdefault(s.request.rid, [None] * s.request.n)
+            samples[s.sample] = s.tokens
+            if all(x is not None for x in samples):
+                finished.append(s.request.rid)
+        return keep, finished
+
+    def _count_pages(self, running):
+        """Peak pages in use, and what the same sequences would use without sharing."""
+        used = self.num_pages - self.allocator.num_free
+        unshared = sum(len(s.pages) for s in running)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], used)
+        self.stats["peak_pages_unshared"] = max(self.stats["peak_pages_unshared"], unshared)
+
+
+def make_requests(vocab_size, rng, num_requests=6, *, system_prompts=(40, 27), user_len=(3, 12),
+                  max_new_tokens=(4, 10), samples=(1, 3), arrivals=6, temperature=0.0):
+    """A scenario: each request is a random system prompt (shared between requests) plus its own
+    user tokens, with n in [samples] parallel samples, arriving at a random step < arrivals."""
+    systems = [rng.integers(0, vocab_size, n) for n in system_prompts]
+    requests = []
+    for rid in range(num_requests):
+        prompt = np.concatenate([systems[rid % len(systems)],
+                                 rng.integers(0, vocab_size, int(rng.integers(user_len[0], user_len[1] + 1)))])
+        requests.append(Request(rid, prompt.astype(np.int32),
+                                int(rng.integers(max_new_tokens[0], max_new_tokens[1] + 1)),
+                                n=int(rng.integers(samples[0], samples[1] + 1)), temperature=temperature,
+                                arrival=int(rng.integers(0, arrivals))))
+    return requests
+
+
+def mismatches_against_alone(engine, requests, outputs):
+    """rids whose batched outputs differ from serving the request alone on the same engine."""
+    bad = []
+    for r in requests:
+        alone = engine.run([dataclasses.replace(r, arrival=0)])
+        if alone[r.rid] != outputs[r.rid]:
+            bad.append(r.rid)
+    return bad
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--page-size", type=int, default=8)
+    ap.add_argument("--num-pages", type=int, default=128, help="cache pages per layer")
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-prefill-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--cascade", default="always", choices=CASCADE_MODES)
+    ap.add_argument("--check", action="store_true", help="also serve each request alone and compare")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cfg = llama.get_config(args.config, args.layers)
+    engine = Engine(cfg, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
+                    max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, cascade=args.cascade)
+    requests = make_requests(cfg.vocab_size, np.random.default_rng(args.seed), args.requests,
+                             temperature=args.temperature)
+    for r in requests:
+        print(f"r{r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt)} tokens, n={r.n}, "
+              f"{r.max_new_tokens} new tokens")
+    t = time.perf_counter()
+    outputs = engine.run(requests, log=print)
+    elapsed = time.perf_counter() - t
+    st = engine.stats
+    print(f"{st['steps']} steps in {elapsed:.1f} s (compiles included); prefilled {st['prefill_tokens']} "
+          f"tokens, {st['cached_prompt_tokens']} prompt tokens found in the prefix cache; cascade in "
+          f"{st['cascade_steps']} decode steps ({st['page_reads_saved']} page reads saved); peak pages "
+          f"{st['peak_pages']} (without sharing: {st['peak_pages_unshared']})")
+    for r in requests:
+        print(f"r{r.rid}: " + " | ".join(" ".join(map(str, s)) for s in outputs[r.rid]))
+    if args.check:
+        bad = mismatches_against_alone(engine, requests, outputs)
+        print("identical to serving each request alone" if not bad else f"differ when alone: {bad}")
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The model examples: the Flax Llama on jaxinfer against dense jnp attention, the serving loop
+against requests served alone, generate.py end to end, and the host page allocator."""
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from planner.allocator import PageAllocator, PrefixCache, page_table, pad
+
+nnx = pytest.importorskip("flax.nnx", reason="flax (test extra) needs Python >= 3.11")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import generate  # noqa: E402
+import llama  # noqa: E402
+import serve  # noqa: E402
+
+TINY = llama.get_config("tiny")  # float32
+
+
+def test_llama_logits_paged_equal_dense(rng):
+    """Prefill then 3 decode steps, 3 requests on random non-contiguous pages: logits with jaxinfer
+    (PagedAttention) equal those with plain jnp attention over a dense padded cache within
+    rtol = atol = 1e-4 (float32; the observed gap is ~2e-6 on logits of size ~4)."""
+    cfg, ps, steps = TINY, 4, 3
+    lens = np.array([5, 13, 9])
+    batch = len(lens)
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in lens]
+    need = -(-(lens + steps) // ps)
+    num_pages = int(need.sum()) + 3
+    perm = rng.permutation(num_pages).astype(np.int32)
+    page_lists = np.split(perm[:need.sum()], np.cumsum(need)[:-1])
+    graphdef, params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 16)))))
+    forward = llama.make_forward(graphdef)
+    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ps)
+
+    # Prefill: ragged tokens (paged) and a [B, T] padded block (dense).
+    paged = llama.paged_kv_cache(cfg, num_pages, ps)
+    prefill = ji.BatchPrefillWithPagedKVCache(*heads, num_ctas=4)
+    qo_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    attention = llama.PagedAttention(prefill, num_pages, prefill.plan(qo_indptr, kv_indptr, kv_indices, last,
+                                                                      num_pages=num_pages),
+                                     np.repeat(np.arange(batch), lens).astype(np.int32), positions,
+                                     kv_indptr, pad(kv_indices, num_pages))
+    logits, paged = forward(params, np.concatenate(prompts), positions, paged, attention, qo_indptr[1:] - 1)
+
+    t = int(lens.max())
+    dense = llama.dense_kv_cache(cfg, batch, t + steps)
+    block = np.zeros((batch, t), np.int32)
+    block_pos = np.full((batch, t), -1, np.int32)
+    for b, p in enumerate(prompts):
+        block[b, :len(p)], block_pos[b, :len(p)] = p, np.arange(len(p))
+    rows = np.arange(batch, dtype=np.int32)
+    want, dense = forward(params, block.reshape(-1), np.maximum(block_pos, 0).reshape(-1), dense,
+                          llama.DenseAttention(rows, block_pos, prefill=True), rows * t + lens - 1)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+
+    decode = ji.BatchDecodeWithPagedKVCache(*heads, num_ctas=4, max_batch_size=batch, max_num_pages=num_pages)
+    tokens = np.asarray(jnp.argmax(want, axis=-1), np.int32)
+    for s in range(steps):
+        kv_lens = lens + s + 1
+        pos = (kv_lens - 1).astype(np.int32)
+        kv_indptr, kv_indices, last = page_table(page_lists, kv_lens, ps)
+        plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages)
+        attention = llama.PagedAttention(decode, num_pages, plan, rows, pos, kv_indptr, pad(kv_indices, num_pages))
+        logits, paged = forward(params, tokens, pos, paged, attention)
+        want, dense = forward(params, tokens, pos, dense, llama.DenseAttention(None, pos[:, None]))
+        np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+        tokens = np.asarray(jnp.argmax(want, axis=-1), np.int32)
+
+
+def test_serve_batched_equals_alone(rng):
+    """Continuous batching with shared system prompts, n > 1 samples and cascade decode gives
+    every (greedy) request the tokens it gets when served alone."""
+    engine = serve.Engine(TINY, seed=int(rng.integers(1 << 16)), page_size=8, num_pages=96, max_batch=6)
+    requests = serve.make_requests(TINY.vocab_size, rng, 5, max_new_tokens=(3, 6), arrivals=4)
+    outputs = engine.run(requests)
+    st = engine.stats
+    assert st["cascade_steps"] > 0 and st["cached_prompt_tokens"] > 0
+    assert st["peak_pages"] < st["peak_pages_unshared"]
+    # Only the prefix cache still holds pages (one reference each).
+    assert engine.allocator.num_free + len(engine.prefix_cache) == engine.num_pages
+    for r in requests:
+        assert len(outputs[r.rid]) == r.n and all(len(s) == r.max_new_tokens for s in outputs[r.rid])
+    assert serve.mismatches_against_alone(engine, requests, outputs) == []
+
+
+def test_serve_rejects_requests_that_never_fit():
+    engine = serve.Engine(TINY, page_size=8, num_pages=8, max_batch=2, max_len=64)
+    with pytest.raises(ValueError, match="max_len"):
+        engine.check(serve.Request(0, np.zeros(60, np.int32), 10))
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.check(serve.Request(0, np.zeros(4, np.int32), 2, n=3))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.check(serve.Request(0, np.full(4, TINY.vocab_size, np.int32), 2))
+    with pytest.raises(ValueError, match="cascade"):
+        serve.Engine(TINY, cascade="sometimes")
+
+
+def test_generate_end_to_end_and_scan_horizon():
+    """generate.py runs; K decode steps per lax.scan (a horizon plan) give the per-step tokens,
+    including a last scan that runs past new_tokens."""
+    args = ["--batch", "3", "--prompt-len", "5", "20", "--new-tokens", "6", "--page-size", "4", "--quiet"]
+    step = generate.main(args)
+    assert step["tokens"].shape == (3, 6)
+    assert step["ttft_s"] > 0 and step["itl_s"] > 0
+    scanned = generate.main(args + ["--scan", "4"])
+    np.testing.assert_array_equal(scanned["tokens"], step["tokens"])
+    with pytest.raises(ValueError, match="--batch"):
+        generate.parse_args(["--batch", "0"])
+
+
+def test_page_allocator_refcounts_and_prefix_cache():
+    alloc = PageAllocator(6)
+    a = alloc.alloc(3)
+    alloc.ref(a[:2])
+    np.testing.assert_array_equal(alloc.free(a), [a[2]])  # a[:2] still referenced
+    assert alloc.num_free == 4
+    with pytest.raises(ValueError, match="more references"):
+        alloc.free(np.concatenate([a[:2], a[:2]]))
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.ref([a[2]])
+    with pytest.raises(ValueError, match="outside"):
+        alloc.free([6])
+    with pytest.raises(ValueError, match="n must lie"):
+        alloc.alloc(5)
+    alloc.free(a[:2])
+    assert alloc.num_free == 6
+
+    cache = PrefixCache(alloc, 2)
+    tokens = np.array([1, 2, 3, 4, 5])
+    pages = alloc.alloc(2)
+    cache.insert(tokens, pages)
+    np.testing.assert_array_equal(cache.match([1, 2, 3, 4, 9], 2), pages)
+    np.testing.assert_array_equal(cache.match([1, 2, 7, 7], 2), pages[:1])
+    alloc.free(pages)  # the writer is done: the cache's reference keeps them
+    cache.lock(tokens, 1)
+    assert cache.evict(2) == 1 and len(cache) == 1  # the locked first page stays
+    cache.lock(tokens, 1, -1)
+    assert cache.evict(2) == 1 and alloc.num_free == 6
+
+
+def test_page_table_and_pad():
+    indptr, indices, last = page_table([np.array([7, 3, 5]), np.array([2]), np.array([4, 1])], [9, 0, 4], 4)
+    np.testing.assert_array_equal(indptr, [0, 3, 3, 4])
+    np.testing.assert_array_equal(indices, [7, 3, 5, 4])
+    np.testing.assert_array_equal(last, [1, 1, 4])
+    with pytest.raises(ValueError, match=r"page_lists\[1\]"):
+        page_table([np.array([1]), np.array([2])], [3, 9], 4)
+    np.testing.assert_array_equal(pad(np.array([1, 2]), 4, -1), [1, 2, -1, -1])
+    with pytest.raises(ValueError, match="at most"):
+        pad(np.arange(5), 4)
