@@ -39,6 +39,7 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     softmax = variant is None or variant.use_softmax
     natural = variant is not None and variant.has_logits_transform
     scale = sm_scale if k_scale is None else sm_scale * k_scale
+    widen = k_ref.dtype != q.dtype
     if variant is not None and variant.has_query_transform:
         q = variant.query_transform(params, q.astype(jnp.float32), qo_pos, qo_head).astype(q.dtype)
 
@@ -55,12 +56,15 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
             page_ids = (_common.load_rows(kv_indices_ref, page_pos, valid) if masked
                         else kv_indices_ref[page_pos])
             rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-        if masked:
+        if masked and not widen:
             k = _common.load_rows(k_ref, rows, valid)  # [BK, D]; rows past the range read as 0
             v = _common.load_rows(v_ref, rows, valid)
+        elif masked:  # fp8: masked rows load undefined values; zero them once widened
+            zero = jnp.zeros((block_kv, d), q.dtype)
+            k = jnp.where(valid[:, None], _common.load_rows(k_ref, rows, valid, False).astype(q.dtype), zero)
+            v = jnp.where(valid[:, None], _common.load_rows(v_ref, rows, valid, False).astype(q.dtype), zero)
         else:
-            k, v = k_ref[rows], v_ref[rows]
-        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 pages widen here
+            k, v = k_ref[rows].astype(q.dtype), v_ref[rows].astype(q.dtype)  # fp8 pages widen here
         kv_pos = None
         if variant is not None:
             kv_pos = (page_ids * page_size + tok % page_size) if global_kv_pos else kv_pos_offset + tok

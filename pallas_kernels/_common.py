@@ -68,15 +68,17 @@ def store_rows(ref, rows, val, row_mask):
         plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=row_mask[:, None])
 
 
-def load_rows(ref, rows, row_mask):
-    """Gathers rows `rows` [M] of ref [R, D] where row_mask [M]; other rows read as 0. For a 1-D
-    ref, rows and row_mask may have any (matching) shape.
+def load_rows(ref, rows, row_mask, fill=True):
+    """Gathers rows `rows` [M] of ref [R, D] where row_mask [M]; other rows read as 0 (with
+    fill=False they are undefined: Triton cannot fill fp8 loads). For a 1-D ref, rows and
+    row_mask may have any (matching) shape.
 
     Masked-off rows access no memory on the GPU."""
+    other = 0 if fill else None
     if len(ref.shape) == 1:
-        return plgpu.load(ref.at[rows], mask=row_mask, other=0)
+        return plgpu.load(ref.at[rows], mask=row_mask, other=other)
     cols = jnp.arange(ref.shape[1])
-    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=row_mask[:, None], other=0)
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=row_mask[:, None], other=other)
 
 
 def flatten_params(params):
