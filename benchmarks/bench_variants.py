@@ -75,26 +75,41 @@ def window_pairs(S, w):
     return int(np.minimum(i + 1, w + 1).sum())
 
 
-def prefill(seqs=(1024, 4096, 16384)):
+def _soft_cap_exp(params, s, qo_pos, kv_pos, qo_head):
+    """cap * tanh(s / cap) as cap - 2 cap / (exp(2 s / cap) + 1): one exp2 instead of tanh."""
+    cap = params["logits_soft_cap"]
+    return cap - 2.0 * cap / (jnp.exp2(s * (2.0 * 1.4426950408889634 / cap)) + 1.0)
+
+
+PREFILL_ROWS = {
+    "causal": (None, None, {}),
+    "soft_cap": (V.soft_cap(), {"logits_soft_cap": jnp.float32(30.0)}, {}),
+    "alibi": (V.alibi(), {"alibi_slopes": jnp.asarray(V.alibi_slopes(16))}, {}),
+    "window": (V.sliding_window(), {"window_left": jnp.int32(1024)}, {"window_left": 1024}),
+}
+TUNE_ROWS = {
+    "soft_cap_exp": (V.AttentionVariant(logits_transform=_soft_cap_exp, param_names=("logits_soft_cap",)),
+                     {"logits_soft_cap": jnp.float32(30.0)}, {}),
+    "window_unplanned": (V.sliding_window(), {"window_left": jnp.int32(1024)}, {}),
+}
+
+
+def prefill(seqs=(1024, 4096, 16384), rows=PREFILL_ROWS):
     B, H = 16, 16
-    rows = {"causal": (None, None),
-            "soft_cap": (V.soft_cap(), {"logits_soft_cap": jnp.float32(30.0)}),
-            "alibi": (V.alibi(), {"alibi_slopes": jnp.asarray(V.alibi_slopes(H))}),
-            "window": (V.sliding_window(), {"window_left": jnp.int32(1024)})}
     for S in seqs:
         indptr = (np.arange(B + 1) * S).astype(np.int32)
         q = jax.random.normal(jax.random.key(0), (B * S, H, D), jnp.bfloat16)
         k = jax.random.normal(jax.random.key(1), (B * S, H, D), jnp.bfloat16)
         v = jax.random.normal(jax.random.key(2), (B * S, H, D), jnp.bfloat16)
-        for name, (var, params) in rows.items():
+        for name, (var, params, plan_kw) in rows.items():
             pre = ji.BatchPrefillWithRaggedKVCache(H, H, D, causal=True, variant=var)
-            plan = pre.plan(indptr, indptr)
+            plan = pre.plan(indptr, indptr, **plan_kw)
             run = jax.jit(lambda q, k, v, p, vp: pre.run(q, k, v, p, variant_params=vp))
             n = 256  # check the last 256 queries of request 0 against the reference
             got = run(q, k, v, plan, params)[S - n:S]
             want = ref.attention(q[S - n:S], k[:S], v[:S], causal=True, variant=var, params=params).o
             t = bench(run, q, k, v, plan, params, iters=3, reps=5)
-            pairs = window_pairs(S, 1024) if name == "window" else S * (S + 1) // 2
+            pairs = window_pairs(S, 1024) if name.startswith("window") else S * (S + 1) // 2
             record("variant_prefill", variant=name, B=B, S=S, H=H, us=t * 1e6,
                    TFLOPs=4 * B * H * D * pairs / t / 1e12, rel_err=rel_err(got, want))
 
@@ -122,11 +137,17 @@ def fp8(options=({}, {"block_kv": 256}, {"num_stages": 4}, {"block_kv": 256, "nu
                    GBps=nbytes / t / 1e9, speedup_vs_bf16=base / t, rel_err=err)
 
 
+def tune():
+    """Candidates: tanh as exp2, window without the plan hint, fp8 kernel options."""
+    prefill(seqs=(4096,), rows={k: PREFILL_ROWS[k] for k in ("soft_cap", "window")} | TUNE_ROWS)
+    fp8(options=({}, {"num_warps": 8}, {"num_warps": 8, "block_kv": 256}, {"block_kv": 64}))
+
+
 def main():
     stages = sys.argv[1:] or ["check", "prefill", "fp8"]
     print("jax", jax.__version__, jax.devices(), flush=True)
     for stage in stages:
-        {"check": check, "prefill": prefill, "fp8": fp8}[stage]()
+        {"check": check, "prefill": prefill, "fp8": fp8, "tune": tune}[stage]()
         save("variants_" + stage)
 
 

@@ -110,8 +110,10 @@ class _Prefill:
         self.variant, self.kernel_options = variant, kernel_options
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
-              max_num_pages=None, causal=None, **positions):
+              max_num_pages=None, causal=None, window_left=None, **positions):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        if window_left is not None and not (self.variant is not None and self.variant.has_bounds):
+            raise ValueError("window_left needs a variant with a sliding window (variants.sliding_window)")
         causal = self.causal if causal is None else causal
         mask, offsets = None, None
         if custom_mask is not None or packed_custom_mask is not None:
@@ -122,7 +124,8 @@ class _Prefill:
             qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
             num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size, max_num_pages=max_num_pages, rows=self.tile_rows,
-            mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, **positions)
+            mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
+            **positions)
         mask = None if mask is None else jax.device_put(mask, may_alias=True)
         return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, causal, info)
 
@@ -163,6 +166,8 @@ _DOC_COMMON = """
     variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
     parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
+    plan(..., window_left=w): a sliding window known at plan time (w >= the window passed in
+    variant_params): only keys inside it are planned and balanced across the grid.
     kernel_options (block_kv, num_warps, num_stages) tune the kernel."""
 
 
@@ -188,7 +193,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         self.page_size, self.layout, self.max_num_pages = page_size, check_layout(layout), max_num_pages
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None,
-             packed_custom_mask=None, num_pages=None, causal=None, cascade=None):
+             packed_custom_mask=None, num_pages=None, causal=None, cascade=None, window_left=None):
         """Plans one step from host arrays (int32 CSR page table, as for decode).
 
         custom_mask: each request's qo_len x kv_len boolean mask, row-major, concatenated;
@@ -212,7 +217,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         used = kv_indices[: kv_indptr[-1]]
         return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
-                          self.max_num_pages, causal)
+                          self.max_num_pages, causal, window_left)
 
     def plan_levels(self, levels, *, num_pages=None, causal=None):
         """A CascadePlan over levels (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of
@@ -277,10 +282,10 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
                          variant=variant, kernel_options=kernel_options)
 
-    def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None):
+    def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None, window_left=None):
         kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
         return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
-                          np.zeros(0, np.int32), custom_mask, packed_custom_mask)
+                          np.zeros(0, np.int32), custom_mask, packed_custom_mask, window_left=window_left)
 
     def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):

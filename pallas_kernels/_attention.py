@@ -30,8 +30,8 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
 
     Variant positions: qo_pos [M], qo_head [M]; a key's position is kv_pos_offset + t,
     or its global row page_id * page_size + slot with global_kv_pos (block-sparse).
-    K/V may be stored narrower than q (fp8): they are widened to q's dtype on load,
-    and k_scale (a scalar) multiplies the logits.
+    K/V may be stored narrower than q (fp8): they are widened to float16 on load (exact),
+    q is cast to float16 for the dots, and k_scale (a scalar) multiplies the logits.
     Returns (acc [M, D], m [M], l [M]) in base 2; see finalize.
     """
     rows_q, d = q.shape
@@ -39,9 +39,12 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     softmax = variant is None or variant.use_softmax
     natural = variant is not None and variant.has_logits_transform
     scale = sm_scale if k_scale is None else sm_scale * k_scale
-    widen = k_ref.dtype != q.dtype
     if variant is not None and variant.has_query_transform:
         q = variant.query_transform(params, q.astype(jnp.float32), qo_pos, qo_head).astype(q.dtype)
+    widen = k_ref.dtype != q.dtype
+    if widen:  # fp8 K/V widen exactly to float16 (cheaper than bfloat16); q follows, clamped
+        f16_max = float(jnp.finfo(jnp.float16).max)
+        q = jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
 
     def block(j, carry, masked):
         acc, m, l = carry

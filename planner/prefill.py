@@ -65,7 +65,7 @@ class PrefillLayout(PackedLayout):
 def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, num_cells,
                  max_num_tokens=None, max_batch_size=None, max_num_pages=None, rows=None,
                  mask_offsets=None, fixed_split_tokens=None, min_split_tokens=512, item_cost=64,
-                 kv_pos_offset=None, q_positions=None):
+                 kv_pos_offset=None, q_positions=None, window_left=None):
     """Builds the prefill work list. Returns (layout, buffer int32[layout.size], info).
 
     kv_lens int32[B]: keys per request; page_base int32[B]: each request's offset in
@@ -74,6 +74,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     request's offset in the flattened custom mask. Positions (for attention variants):
     request b's keys sit at kv_pos_offset[b] + j (default 0) and its queries at
     q_positions (int32[nnz]; default bottom-right: kv_pos_offset + kv_len - qo_len + i).
+    window_left (optional): a sliding window known at plan time; each tile's keys then start at
+    its first query's position minus the window, so only the window's keys are balanced.
     """
     if fixed_split_tokens is not None and fixed_split_tokens < 1:
         raise ValueError(f"fixed_split_tokens must be >= 1, got {fixed_split_tokens}")
@@ -107,19 +109,24 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if causal:  # keys visible to the tile's last token
         kv_hi = np.clip(np.minimum(tile_tok + tpt, qo_r) - 1 + kv_r - qo_r + 1, 0, kv_r)
 
+    kv_lo = np.zeros_like(kv_hi)
+    if window_left is not None and window_left >= 0:  # keys left of the first row's window
+        kv_lo = np.clip(tile_tok + kv_r - qo_r - int(window_left), 0, kv_hi)
+    span = kv_hi - kv_lo
+
     num_splits = int(num_cells)
     if fixed_split_tokens is not None:
         chunk = int(fixed_split_tokens)
         if max_num_tokens is None:  # shapes follow the inputs anyway: size for this split
-            num_splits = max(num_splits, -(-int(kv_hi.sum()) // chunk))
+            num_splits = max(num_splits, -(-int(span.sum()) // chunk))
     else:
-        chunk = scheduler.kv_chunk_size(kv_hi, num_cells, min_split_tokens)
+        chunk = scheduler.kv_chunk_size(span, num_cells, min_split_tokens)
     layout = PrefillLayout.for_capacities(num_tokens, bcap, icap, int(num_cells), rows, group, num_splits)
-    nchunks = np.maximum(-(-kv_hi // chunk), 1)
+    nchunks = np.maximum(-(-span // chunk), 1)
     split = nchunks > 1
     tile_of = np.repeat(np.arange(req.shape[0]), nchunks)
     chunk_idx = np.arange(tile_of.shape[0]) - (np.cumsum(nchunks) - nchunks)[tile_of]
-    kv_start = chunk_idx * chunk
+    kv_start = kv_lo[tile_of] + chunk_idx * chunk
     kv_end = np.minimum(kv_start + chunk, kv_hi[tile_of])
     tile_tokens = np.minimum(tpt, qo_r - tile_tok)  # real tokens in each tile
     part_size = np.where(split, tile_tokens * nchunks, 0)
