@@ -157,24 +157,9 @@ class Llama(nnx.Module):
 
 
 def layer_plan(plan, offset):
-    """The plan with its page ids shifted by `offset` (layer l reads pages l * P + p).
-
-    jaxinfer's run() takes one PagedKVCache and page ids into it; slicing one layer out
-    of a stacked cache would copy it every step, so each layer shifts the (small) page-id
-    section of the one shared plan instead."""
-    if isinstance(plan, ji.CascadePlan):
-        return ji.CascadePlan([layer_plan(level, offset) for level in plan.levels])
-    start = 0
-    for name, size in plan.layout.sections():
-        if name == "kv_indices":
-            break
-        start += size
-    else:
-        raise ValueError("plan has no kv_indices section")
-    buffer = plan.buffer.at[start:start + size].add(offset)
-    if isinstance(plan, ji.DecodePlan):
-        return ji.DecodePlan(buffer, plan.layout, plan.horizon)
-    return ji.PrefillPlan(buffer, plan.mask, plan.layout, plan.causal)
+    """The plan with its page ids shifted by `offset` (layer l reads pages l * P + p): slicing
+    one layer out of the stacked cache would copy it every step."""
+    return plan.with_page_offset(offset)
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -37,6 +37,13 @@ class DecodePlan:
         """int32[B]: live lengths at step `step` (0-based, may be traced) of the horizon."""
         return jnp.maximum(self.kv_lens - (self.horizon - 1 - step), 0)
 
+    def with_page_offset(self, offset):
+        """This plan reading page offset + p for each listed page p (offset may be traced): one
+        plan serves every layer of a stacked cache of L x P pages (layer l: offset l * P).
+        The caller keeps offset + p inside the cache."""
+        start, stop = self.layout.section_range("kv_indices")
+        return DecodePlan(self.buffer.at[start:stop].add(offset), self.layout, self.horizon, self.info)
+
     def tree_flatten(self):
         return (self.buffer,), (self.layout, self.horizon)
 

@@ -26,6 +26,12 @@ class PrefillPlan:
     def sections(self):
         return self.layout.unpack(self.buffer)
 
+    def with_page_offset(self, offset):
+        """This plan reading page offset + p for each listed page p (see DecodePlan)."""
+        start, stop = self.layout.section_range("kv_indices")
+        return PrefillPlan(self.buffer.at[start:stop].add(offset), self.mask, self.layout, self.causal,
+                           self.info)
+
     def tree_flatten(self):
         return (self.buffer, self.mask), (self.layout, self.causal)
 
@@ -41,6 +47,10 @@ class CascadePlan:
 
     def __init__(self, levels, info=None):
         self.levels, self.info = tuple(levels), info or {}
+
+    def with_page_offset(self, offset):
+        """Every level reading page offset + p (see DecodePlan)."""
+        return CascadePlan([level.with_page_offset(offset) for level in self.levels], self.info)
 
     def tree_flatten(self):
         return self.levels, None

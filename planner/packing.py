@@ -13,6 +13,15 @@ class PackedLayout:
     def size(self):
         return sum(n for _, n in self.sections())
 
+    def section_range(self, name):
+        """(start, stop) of a named section in the buffer."""
+        off = 0
+        for n, size in self.sections():
+            if n == name:
+                return off, off + size
+            off += size
+        raise KeyError(name)
+
     def unpack(self, buf):
         """Splits the packed buffer (NumPy or jax array) into its named sections (views)."""
         out, off = {}, 0

@@ -67,14 +67,7 @@ class RadixTree:
         """Adds a page sequence, splitting an edge where it diverges. Returns the pages already cached."""
         pages = tuple(int(p) for p in pages)
         node, depth, matched = self._walk(pages, touch=True)
-        if depth < len(node.edge):  # split node's edge at depth
-            head = _Node(node.edge[:depth], node.parent)
-            head.last_used, head.locks = node.last_used, node.locks
-            node.parent.children[head.edge[0]] = head
-            node.edge = node.edge[depth:]
-            node.parent = head
-            head.children[node.edge[0]] = node
-            node = head
+        node = self._split(node, depth)
         if matched < len(pages):
             leaf = _Node(pages[matched:], node)
             leaf.last_used = next(self._clock)
@@ -82,13 +75,26 @@ class RadixTree:
             self.num_pages += len(leaf.edge)
         return matched
 
+    def _split(self, node, depth):
+        """Splits node's edge after `depth` pages (if inside it); returns the node ending there."""
+        if depth >= len(node.edge):
+            return node
+        head = _Node(node.edge[:depth], node.parent)
+        head.last_used, head.locks = node.last_used, node.locks
+        node.parent.children[head.edge[0]] = head
+        node.edge = node.edge[depth:]
+        node.parent = head
+        head.children[node.edge[0]] = node
+        return head
+
     def lock(self, pages, delta=1):
-        """Adds delta to the lock count of every node on the path of `pages` (which must be cached):
-        locked nodes are never evicted. Use delta=-1 to unlock."""
+        """Adds delta to the lock count of every node on the path of `pages` (a cached prefix,
+        e.g. what match() found): locked nodes are never evicted. Use delta=-1 to unlock."""
         pages = tuple(int(p) for p in pages)
         node, depth, matched = self._walk(pages, touch=False)
-        if matched != len(pages) or depth != len(node.edge):
-            raise ValueError("pages must be exactly a cached sequence (insert it first)")
+        if matched != len(pages):
+            raise ValueError("pages must be a cached prefix (insert it first)")
+        node = self._split(node, depth)
         while node is not self.root:
             node.locks += delta
             if node.locks < 0:

@@ -202,3 +202,19 @@ def test_run_inside_shard_map(rng):
                        check_vma=False)
     o = jax.jit(fn)(q, cache, plan)
     assert rel_err(o, ref.decode(q, cache, indptr, indices, last).o) < 2e-5
+
+
+def test_with_page_offset_reads_a_stacked_cache(rng):
+    """One plan, shifted by l * P, attends layer l of a cache stacking L layers of P pages."""
+    lens = np.array([40, 7])
+    indptr, indices, last, num_pages = page_table(rng, lens, 8)
+    layers = [random_cache(rng, num_pages, 8, 2, 64, jnp.float32) for _ in range(3)]
+    stacked = ji.PagedKVCache(jnp.concatenate([c.k_pages for c in layers]),
+                              jnp.concatenate([c.v_pages for c in layers]))
+    q = randn(rng, (2, 4, 64), jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(4, 2, 64, 8, num_ctas=4)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    run = jax.jit(lambda q, c, p, l: dec.run(q, c, p.with_page_offset(l * num_pages)))
+    for l in (0, 2):
+        want = ref.decode(q, layers[l], indptr, indices, last)
+        assert rel_err(run(q, stacked, plan, l), want.o) < TOL[jnp.float32]

@@ -101,3 +101,15 @@ def test_groups_on_random_tree_shaped_tables(data):
         for m in members:  # the prefix is common, and made of full pages only
             assert lists[m][:s] == lists[gi[grp]][:s]
             assert s <= len(lists[m]) - (last[m] < 4)
+
+
+def test_lock_a_prefix_that_ends_inside_an_edge():
+    """match() may end mid-edge; locking that prefix splits the edge and protects only it."""
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4])
+    assert tree.match([1, 2, 9]) == 2
+    tree.lock([1, 2])
+    assert sorted(tree.evict(10)) == [3, 4]  # the unlocked tail goes, the locked prefix stays
+    assert tree.match([1, 2]) == 2
+    tree.lock([1, 2], -1)
+    assert sorted(tree.evict(10)) == [1, 2]
