@@ -31,7 +31,7 @@ def shared_prefix_batch(rng, batch, prefix):
     return cache, indptr, np.concatenate(lists), last
 
 
-def run_row(rng, batch, prefix, calls):
+def run_row(rng, batch, prefix, calls, explicit=True):
     """calls: independent calls per jitted program, so host dispatch does not hide GPU time."""
     cache, indptr, indices, last = shared_prefix_batch(rng, batch, prefix)
     q = jax.random.normal(jax.random.key(1), (batch, HQ, D), jnp.bfloat16)
@@ -46,6 +46,8 @@ def run_row(rng, batch, prefix, calls):
         times[name] = bench(f, qs, cache, plan) / calls
         record("jaxinfer_shared_prefix_decode", B=batch, prefix=prefix, mode=name,
                plan=type(plan).__name__, us=times[name] * 1e6, rel_err=err)
+    if not explicit:
+        return
     levels, _ = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), indptr, indices, last, PAGE,
                                      causal=False)
     cas = ji.MultiLevelCascadeAttention(2, HQ, HKV, D, PAGE, causal=False)
@@ -60,9 +62,16 @@ def run_row(rng, batch, prefix, calls):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke run)")
+    ap.add_argument("--auto-rows", action="store_true",
+                    help="short prefixes, where cascade='auto' should keep single format")
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
+    if args.auto_rows:
+        for batch, prefix in [(64, 16), (64, 128), (16, 512), (64, 1024), (8, 2048)]:
+            run_row(rng, batch, prefix, calls=10, explicit=False)
+        save("cascade_auto")
+        return
     rows = [(4, 256)] if args.small else [(16, 8192), (64, 8192), (64, 32768)]
     for batch, prefix in rows:
         run_row(rng, batch, prefix, calls=1 if args.small else 10)
