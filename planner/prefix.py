@@ -178,23 +178,36 @@ def _common_prefix(kv_indices, kv_indptr, a, b, limit):
 
 
 def attention_cost_us(group_rows, group_pages, *, page_size, num_qo_heads, num_kv_heads, head_dim,
-                      itemsize, bandwidth=3.0e12, tensor_flops=3.0e14):
+                      itemsize, bandwidth=3.0e12, tensor_flops=3.0e14, pages_read=None):
     """Roofline estimate (µs) of attention where group g's group_rows[g] query rows read
-    group_pages[g] pages: max(K/V bytes / bandwidth, FLOPs / tensor-core rate). The
-    default rates are what one H100 reached here (BENCHMARKS.md)."""
+    group_pages[g] pages: max(K/V bytes / bandwidth, FLOPs / tensor-core rate). pages_read
+    (default: all listed pages) counts the pages that reach HBM. The default rates are what
+    one H100 reached here (BENCHMARKS.md)."""
     rows = np.asarray(group_rows, np.float64)
     pages = np.asarray(group_pages, np.float64)
-    kv_bytes = 2.0 * pages.sum() * page_size * num_kv_heads * head_dim * itemsize
+    read = pages.sum() if pages_read is None else pages_read
+    kv_bytes = 2.0 * read * page_size * num_kv_heads * head_dim * itemsize
     flops = 4.0 * float(np.dot(rows, pages)) * page_size * num_qo_heads * head_dim
     return max(kv_bytes / bandwidth, flops / tensor_flops) * 1e6
 
 
-def cascade_pays(qo_lens, pages, levels_groups, *, launch_overhead_us=10.0, **shape):
+# Calibrated on one H100 (BENCHMARKS.md, cascade section): single-format decode re-reads a page
+# that n requests share about n / 2.6 times (the rest hit L2); a two-level cascade costs about
+# 33 µs of fixed overhead (two prefill launches and a merge) against 10 µs, and its shared
+# level runs at about 200 TFLOP/s. The cascade must win by 20% (margin) to be chosen.
+L2_REUSE, SINGLE_OVERHEAD_US, CASCADE_OVERHEAD_US, CASCADE_FLOPS, MARGIN = 2.6, 10.0, 33.0, 2.0e14, 0.8
+
+
+def cascade_pays(qo_lens, pages, levels_groups, **shape):
     """Whether a two-level cascade beats one level: levels_groups is
     ((rows per shared group, shared pages per group), (rows per request, suffix pages))."""
-    single = attention_cost_us(qo_lens, pages, **shape)
-    cascade = sum(attention_cost_us(rows, pg, **shape) for rows, pg in levels_groups)
-    return cascade + launch_overhead_us < single
+    (_, shared_pages), (_, suffix_pages) = levels_groups
+    shared_listed = float(np.sum(pages) - np.sum(suffix_pages))  # shared pages, once per request
+    reads = float(np.sum(suffix_pages)) + max(shared_listed / L2_REUSE, float(np.sum(shared_pages)))
+    single = SINGLE_OVERHEAD_US + attention_cost_us(qo_lens, pages, pages_read=reads, **shape)
+    cascade = CASCADE_OVERHEAD_US + sum(attention_cost_us(rows, pg, tensor_flops=CASCADE_FLOPS, **shape)
+                                        for rows, pg in levels_groups)
+    return cascade < MARGIN * single
 
 
 def level_positions(qo_indptrs, kv_lens):
