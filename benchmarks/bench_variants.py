@@ -137,6 +137,11 @@ def fp8(options=({}, {"block_kv": 256}, {"num_stages": 4}, {"block_kv": 256, "nu
                    GBps=nbytes / t / 1e9, speedup_vs_bf16=base / t, rel_err=err)
 
 
+def softcap():
+    """The built-in soft-cap against the causal baseline."""
+    prefill(seqs=(4096, 16384), rows={k: PREFILL_ROWS[k] for k in ("causal", "soft_cap")})
+
+
 def tune():
     """Candidates: tanh as exp2, window without the plan hint, fp8 kernel options."""
     prefill(seqs=(4096,), rows={k: PREFILL_ROWS[k] for k in ("soft_cap", "window")} | TUNE_ROWS)
@@ -147,7 +152,7 @@ def main():
     stages = sys.argv[1:] or ["check", "prefill", "fp8"]
     print("jax", jax.__version__, jax.devices(), flush=True)
     for stage in stages:
-        {"check": check, "prefill": prefill, "fp8": fp8, "tune": tune}[stage]()
+        {"check": check, "prefill": prefill, "fp8": fp8, "tune": tune, "softcap": softcap}[stage]()
         save("variants_" + stage)
 
 
