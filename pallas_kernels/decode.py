@@ -86,8 +86,10 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
 def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                          page_size, num_kv_heads, layout, sm_scale, block_kv, interpret, scales=None,
-                         variant=None, params=None, num_warps=4, num_stages=3):
+                         variant=None, params=None, num_warps=4, num_stages=None):
     batch, num_qo_heads, d = q.shape
+    if num_stages is None:  # measured on H100: 3 for 16-bit pages, 2 for fp8 (220 vs 226 µs)
+        num_stages = 2 if k_rows.dtype.itemsize == 1 else 3
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
     num_cells = cell_indptr.shape[0] - 1
