@@ -185,6 +185,7 @@ _DOC_COMMON = """
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
     plan(..., window_left=w): a sliding window known at plan time (w >= the window passed in
     variant_params): only keys inside it are planned and balanced across the grid.
+    num_ctas (default 16 x SM count on the GPU) sets the grid: cells = num_ctas // num_kv_heads.
     kernel_options (block_kv, num_warps, num_stages) tune the kernel."""
 
 
