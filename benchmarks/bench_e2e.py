@@ -124,7 +124,7 @@ class Bench:
                                              pad(kv_indices, num_pages))
             return (self.params, tokens, positions, kv_cache, attention, qo_indptr[1:] - 1, *sampling)
 
-        def decode_args(tokens, step):
+        def decode_args(tokens, step, kv_cache):
             kv_lens = lens + step + 1
             kv_indptr, kv_indices, last = page_table(page_lists, kv_lens, ps)
             plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages)
@@ -140,15 +140,21 @@ class Bench:
         first, kv_cache = prefill_fn(*prefill_args())
         first = np.asarray(first)
         ttft = time.perf_counter() - t
-        decode_fn, decode_compile = aot(self.step, *decode_args(first, 0))
+        decode_compile, itl = self.decode_loop(decode_args, first, kv_cache, out)
+        return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
+                    **latency_stats(ttft, itl))
+
+    def decode_loop(self, decode_args, first, kv_cache, out):
+        """Compiles the decode step, then runs out - 1 steps; returns (compile s, per-step s).
+        decode_args(tokens, step, kv_cache) -> the step's arguments."""
+        decode_fn, compile_s = aot(self.step, *decode_args(first, 0, kv_cache))
         itl, tok = [], first
         for step in range(out - 1):
             t = time.perf_counter()
-            tok, kv_cache = decode_fn(*decode_args(tok, step))
+            tok, kv_cache = decode_fn(*decode_args(tok, step, kv_cache))
             tok = np.asarray(tok)
             itl.append(time.perf_counter() - t)
-        return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
-                    **latency_stats(ttft, itl))
+        return compile_s, itl
 
     def run_dense(self, prompts, impl):
         cfg, out, chunk = self.cfg, self.args.out_tokens, self.args.dense_prefill_chunk
@@ -173,7 +179,7 @@ class Bench:
             return (self.params, block[sl].reshape(-1), np.maximum(block_pos[sl], 0).reshape(-1), kv_cache,
                     attention, last.astype(np.int32), *sampling)
 
-        def decode_args(tokens, step):
+        def decode_args(tokens, step, kv_cache):
             pos = (lens + step).astype(np.int32)
             attention = llama.DenseAttention(None, pos[:, None], impl=impl)
             return self.params, tokens, pos, kv_cache, attention, None, *self.sampling(batch)
@@ -188,13 +194,7 @@ class Bench:
             firsts.append(first)
         first = np.concatenate([np.asarray(f) for f in firsts])[:batch]
         ttft = time.perf_counter() - t
-        decode_fn, decode_compile = aot(self.step, *decode_args(first, 0))
-        itl, tok = [], first
-        for step in range(out - 1):
-            t = time.perf_counter()
-            tok, kv_cache = decode_fn(*decode_args(tok, step))
-            tok = np.asarray(tok)
-            itl.append(time.perf_counter() - t)
+        decode_compile, itl = self.decode_loop(decode_args, first, kv_cache, out)
         return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
                     prefill_chunk=chunk, **latency_stats(ttft, itl))
 
