@@ -1,5 +1,6 @@
 """Helpers shared by the kernel modules."""
 import math
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,34 @@ def fit_block_kv(block_kv, head_dim, itemsize, num_stages, smem_budget=192 * 102
     while block_kv > 16 and num_stages * 2 * block_kv * head_dim * itemsize > smem_budget:
         block_kv //= 2
     return block_kv
+
+
+def _ptx_f32(x):
+    """A Python float as a PTX f32 literal (0fXXXXXXXX)."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def exp2(x, fast):
+    """2 ** x (f32). fast (compiled on the GPU): one ex2.approx.ftz (MUFU.EX2) per element instead
+    of libdevice's exp2f, whose denormal handling costs a compare and two multiplies more; results
+    below 2^-126 flush to 0 (harmless here: they are weights next to a maximum weight of 1)."""
+    if not fast:
+        return jnp.exp2(x)
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def exp2_scaled(s, scale, m, fast):
+    """2 ** (s * scale - m) for s [M, N], a static Python float scale and m [M]; fast: one fused
+    multiply-add and one MUFU.EX2 per element."""
+    if not fast:
+        return jnp.exp2(s * scale - m[:, None])
+    asm = ("{ .reg .f32 t; fma.rn.ftz.f32 t, $1, %s, $2; ex2.approx.ftz.f32 $0, t; }"
+           % _ptx_f32(scale))
+    return plgpu.elementwise_inline_asm(
+        asm, args=[s, jnp.broadcast_to(-m[:, None], s.shape)], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])[0]
 
 
 def dot_precision(dtype):

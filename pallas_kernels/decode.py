@@ -99,7 +99,7 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         group_pad=group_pad, has_scales=scales is not None, variant=variant,
         param_tree=(treedef, scalar), page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale)
+        sm_scale=sm_scale, fast_math=not interpret)
     return pl.pallas_call(
         kernel,
         grid=(num_cells, num_kv_heads),

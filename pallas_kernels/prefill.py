@@ -146,7 +146,7 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
         has_scales=scales is not None, variant=variant, param_tree=(treedef, scalar),
         global_kv_pos=global_kv_pos, page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale)
+        sm_scale=sm_scale, fast_math=not interpret)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)
     if kv_indices is None:

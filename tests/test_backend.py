@@ -52,3 +52,21 @@ def test_interpret_mode_poisons_outputs():
     out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((4, 8), jnp.float32),
                          interpret=True)(jnp.ones((4, 8)))
     assert np.all(np.isnan(np.asarray(out)))
+
+
+def test_ptx_float_literals_round_trip():
+    """The softmax scale is baked into the GPU kernels' inline PTX as an f32 literal."""
+    from pallas_kernels import _common
+    assert _common._ptx_f32(1.0) == "0f3F800000"
+    assert _common._ptx_f32(-2.5) == "0fC0200000"
+    scale = 0.08838834764831845 * _common.LOG2E
+    bits = int(_common._ptx_f32(scale)[2:], 16)
+    assert np.float32(scale) == np.frombuffer(np.uint32(bits).tobytes(), np.float32)[0]
+
+
+def test_exp2_helpers_without_fast_math_are_exact_jnp(rng):
+    from pallas_kernels import _common
+    s = randn(rng, (8, 16), jnp.float32).at[0, :3].set(-jnp.inf)
+    m = randn(rng, (8,), jnp.float32)
+    np.testing.assert_array_equal(_common.exp2(s, False), jnp.exp2(s))
+    np.testing.assert_array_equal(_common.exp2_scaled(s, 0.25, m, False), jnp.exp2(s * 0.25 - m[:, None]))
