@@ -16,7 +16,7 @@ from pallas_kernels import _common
 def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *, page_size,
            num_kv_heads, layout, block_kv, sm_scale, visible_fn=None, n_head=0, n_plain=0,
            variant=None, params=None, qo_pos=None, qo_head=None, kv_pos_offset=0,
-           global_kv_pos=False, k_scale=None, fast_math=False):
+           global_kv_pos=False, k_scale=None):
     """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
@@ -32,9 +32,9 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     or its global row page_id * page_size + slot with global_kv_pos (block-sparse).
     K/V may be stored narrower than q (fp8): they are widened to float16 on load (exact),
     q is cast to float16 for the dots, and k_scale (a scalar) multiplies the logits.
-    fast_math (compiled GPU kernels): exponentials as one MUFU.EX2 each (_common.exp2). Where the
-    scale is a static positive float it is folded into the exponent (2 ** (s * c - m): one
-    multiply-add) rather than applied to the logits first.
+    Exponentials go through _common.exp2 (one MUFU.EX2 each when compiled); where the scale is
+    a static positive float it is folded into the exponent (2 ** (s * c - m): one multiply-add)
+    rather than applied to the logits first.
     Returns (acc [M, D], m [M], l [M]) in base 2; see finalize.
     """
     rows_q, d = q.shape
@@ -107,9 +107,9 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
             m_blk = m_blk * (scale * _common.LOG2E)
         m_new = jnp.maximum(m, m_blk)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = _common.exp2(m - m_safe, fast_math)
-        p = (_common.exp2_scaled(s, scale * _common.LOG2E, m_safe, fast_math) if fused_scale
-             else _common.exp2(s - m_safe[:, None], fast_math))
+        alpha = _common.exp2(m - m_safe)
+        p = (_common.exp2_scaled(s, scale * _common.LOG2E, m_safe) if fused_scale
+             else _common.exp2(s - m_safe[:, None]))
         pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 

@@ -1,4 +1,6 @@
 """Helpers shared by the kernel modules."""
+import contextlib
+import contextvars
 import math
 import struct
 
@@ -36,27 +38,47 @@ def _ptx_f32(x):
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-def exp2(x, fast):
-    """2 ** x (f32). fast (compiled on the GPU): one ex2.approx.ftz (MUFU.EX2) per element instead
-    of libdevice's exp2f, whose denormal handling costs a compare and two multiplies more; results
-    below 2^-126 flush to 0 (harmless here: they are weights next to a maximum weight of 1)."""
-    if not fast:
-        return jnp.exp2(x)
+_FAST_MATH = contextvars.ContextVar("jaxinfer_fast_math", default=False)
+
+
+@contextlib.contextmanager
+def kernel_math(fast):
+    """Wraps the tracing of a kernel body: fast (compiled on the GPU) lets exp2 / exp2_scaled /
+    tanh use single approximate PTX instructions; otherwise (interpret mode, or outside any
+    kernel, as in jaxinfer.reference) they are the jnp functions."""
+    token = _FAST_MATH.set(bool(fast))
+    try:
+        yield
+    finally:
+        _FAST_MATH.reset(token)
+
+
+def _asm(asm, *args):
     return plgpu.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+        asm, args=list(args), constraints=",".join(["=f"] + ["f"] * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
 
 
-def exp2_scaled(s, scale, m, fast):
-    """2 ** (s * scale - m) for s [M, N], a static Python float scale and m [M]; fast: one fused
+def exp2(x):
+    """2 ** x (f32). Fast: one ex2.approx.ftz (MUFU.EX2) per element instead of libdevice's
+    exp2f, whose denormal handling costs a compare and two multiplies more; results below
+    2^-126 flush to 0 (harmless here: weights next to a maximum weight of 1)."""
+    return _asm("ex2.approx.ftz.f32 $0, $1;", x) if _FAST_MATH.get() else jnp.exp2(x)
+
+
+def exp2_scaled(s, scale, m):
+    """2 ** (s * scale - m) for s [M, N], a static Python float scale and m [M]. Fast: one fused
     multiply-add and one MUFU.EX2 per element."""
-    if not fast:
+    if not _FAST_MATH.get():
         return jnp.exp2(s * scale - m[:, None])
-    asm = ("{ .reg .f32 t; fma.rn.ftz.f32 t, $1, %s, $2; ex2.approx.ftz.f32 $0, t; }"
-           % _ptx_f32(scale))
-    return plgpu.elementwise_inline_asm(
-        asm, args=[s, jnp.broadcast_to(-m[:, None], s.shape)], constraints="=f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])[0]
+    asm = "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, %s, $2; ex2.approx.ftz.f32 $0, t; }" % _ptx_f32(scale)
+    return _asm(asm, s, jnp.broadcast_to(-m[:, None], s.shape))
+
+
+def tanh(x):
+    """tanh (f32). Fast: one tanh.approx.f32 (MUFU.TANH, max relative error about 2^-11, as
+    FlashInfer's soft-cap uses) instead of libdevice's tanhf."""
+    return _asm("tanh.approx.f32 $0, $1;", x) if _FAST_MATH.get() else jnp.tanh(x)
 
 
 def dot_precision(dtype):

@@ -99,8 +99,8 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         group_pad=group_pad, has_scales=scales is not None, variant=variant,
         param_tree=(treedef, scalar), page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale, fast_math=not interpret)
-    return pl.pallas_call(
+        sm_scale=sm_scale)
+    call = pl.pallas_call(
         kernel,
         grid=(num_cells, num_kv_heads),
         out_shape=(
@@ -112,8 +112,10 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
         compiler_params=_common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_paged_decode",
-    )(items, cell_indptr, kv_lens, kv_indices, q.reshape(batch * num_qo_heads, d), k_rows, v_rows,
-      *(scales or ()), *leaves)
+    )
+    with _common.kernel_math(fast=not interpret):
+        return call(items, cell_indptr, kv_lens, kv_indices, q.reshape(batch * num_qo_heads, d), k_rows,
+                    v_rows, *(scales or ()), *leaves)
 
 
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,

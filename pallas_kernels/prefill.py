@@ -146,13 +146,13 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
         has_scales=scales is not None, variant=variant, param_tree=(treedef, scalar),
         global_kv_pos=global_kv_pos, page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale, fast_math=not interpret)
+        sm_scale=sm_scale)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)
     if kv_indices is None:
         kv_indices = jnp.zeros((1,), jnp.int32)
     extra = [*(scales or ())] + ([q_pos] if variant is not None else []) + leaves
-    return pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1, num_kv_heads),
         out_shape=(jax.ShapeDtypeStruct((nnz * num_qo_heads, d), q.dtype),
@@ -162,7 +162,10 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         compiler_params=_common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_prefill",
-    )(items, cell_indptr, kv_indices, mask, q.reshape(nnz * num_qo_heads, d), k_rows, v_rows, *extra)
+    )
+    with _common.kernel_math(fast=not interpret):
+        return call(items, cell_indptr, kv_indices, mask, q.reshape(nnz * num_qo_heads, d), k_rows, v_rows,
+                    *extra)
 
 
 def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,

@@ -64,9 +64,17 @@ def test_ptx_float_literals_round_trip():
     assert np.float32(scale) == np.frombuffer(np.uint32(bits).tobytes(), np.float32)[0]
 
 
-def test_exp2_helpers_without_fast_math_are_exact_jnp(rng):
+def test_math_helpers_are_jnp_outside_compiled_kernels_and_asm_inside(rng):
+    import jax
     from pallas_kernels import _common
     s = randn(rng, (8, 16), jnp.float32).at[0, :3].set(-jnp.inf)
     m = randn(rng, (8,), jnp.float32)
-    np.testing.assert_array_equal(_common.exp2(s, False), jnp.exp2(s))
-    np.testing.assert_array_equal(_common.exp2_scaled(s, 0.25, m, False), jnp.exp2(s * 0.25 - m[:, None]))
+    np.testing.assert_array_equal(_common.exp2(s), jnp.exp2(s))
+    np.testing.assert_array_equal(_common.exp2_scaled(s, 0.25, m), jnp.exp2(s * 0.25 - m[:, None]))
+    np.testing.assert_array_equal(ji.variants.tanh(s), jnp.tanh(s))
+    for fast in (False, True):
+        with _common.kernel_math(fast):
+            for fn in (lambda x: _common.exp2(x), lambda x: _common.tanh(x),
+                       lambda x: _common.exp2_scaled(x, 0.25, m)):  # fresh functions: traces are cached
+                jaxpr = str(jax.make_jaxpr(fn)(s))
+                assert ("elementwise_inline_asm" in jaxpr) == fast
