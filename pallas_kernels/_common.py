@@ -76,9 +76,11 @@ def exp2_scaled(s, scale, m):
 
 
 def tanh(x):
-    """tanh (f32). Fast: one tanh.approx.f32 (MUFU.TANH, max relative error about 2^-11, as
+    """tanh. Fast: one tanh.approx.f32 (MUFU.TANH, max relative error about 2^-11, as
     FlashInfer's soft-cap uses) instead of libdevice's tanhf."""
-    return _asm("tanh.approx.f32 $0, $1;", x) if _FAST_MATH.get() else jnp.tanh(x)
+    if not _FAST_MATH.get():
+        return jnp.tanh(x)
+    return _asm("tanh.approx.f32 $0, $1;", x.astype(jnp.float32)).astype(x.dtype)
 
 
 def dot_precision(dtype):
