@@ -8,6 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
+# Private modules, for one scalar lowering rule (see uniform).
+from jax._src import core as jax_core
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas.triton import lowering as triton_lowering
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -81,6 +86,27 @@ def tanh(x):
     if not _FAST_MATH.get():
         return jnp.tanh(x)
     return _asm("tanh.approx.f32 $0, $1;", x.astype(jnp.float32)).astype(x.dtype)
+
+
+def uniform(x):
+    """An int32 scalar, marked warp-uniform. Fast: redux.sync.min over the warp (the value is
+    the same in every lane already), whose result ptxas knows to be uniform. Loop bounds loaded
+    from a work list are otherwise per-lane values to ptxas: it then keeps loop counters and
+    the wgmma descriptors derived from them in ordinary registers (spills, R2UR per block)."""
+    return _uniform_p.bind(x) if _FAST_MATH.get() else x
+
+
+# A scalar primitive: Pallas' elementwise_inline_asm lowers only tensors (a 0-d result would
+# come back through a cross-warp reduction, which ptxas cannot see through).
+_uniform_p = jax_core.Primitive("jaxinfer_uniform")
+_uniform_p.def_abstract_eval(lambda x: jax_core.ShapedArray((), jnp.int32))
+
+
+@triton_lowering.register_lowering(_uniform_p)
+def _uniform_lowering(ctx, x):
+    return tt_dialect.elementwise_inline_asm(
+        [ir.IntegerType.get_signless(32)], "redux.sync.min.s32 $0, $1, -1;", constraints="=r,r",
+        pure=True, packed_element=1, args=[x])
 
 
 def dot_precision(dtype):

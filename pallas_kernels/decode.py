@@ -44,10 +44,9 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
     block_kv = attend_kw["block_kv"]
 
     def item(w, carry):
-        req = items_ref[w, 0]
-        page_base, tok_start = items_ref[w, 1], items_ref[w, 2]
-        tok_end, part_slot = items_ref[w, 3], items_ref[w, 4]
-        kv_len = kv_lens_ref[req]
+        req, page_base, tok_start, tok_end, part_slot = (
+            _common.uniform(items_ref[w, i]) for i in range(ITEM_FIELDS))
+        kv_len = _common.uniform(kv_lens_ref[req])
         n_tok = jnp.maximum(jnp.minimum(tok_end, kv_len) - tok_start, 0)
         q = q_ref[req * num_qo_heads + heads]  # [Gp, D]
         n_head, n_plain, var_kw = 0, n_tok // block_kv, {}
@@ -81,7 +80,8 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
         return carry
 
-    lax.fori_loop(cell_indptr_ref[cell], cell_indptr_ref[cell + 1], item, 0)
+    first, end = (_common.uniform(cell_indptr_ref[cell + i]) for i in (0, 1))
+    lax.fori_loop(first, end, item, 0)
 
 
 def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,

@@ -50,6 +50,10 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     k_scale, v_scale = (None, None) if not has_scales else (scale_refs[0][head], scale_refs[1][head])
     params = None if variant is None else _common.unflatten_params(param_refs, *param_tree)
     block_kv = attend_kw["block_kv"]
+
+    def field(w, i):
+        return _common.uniform(items_ref[w, i])
+
     r = jnp.arange(rows)
     tokens_per_tile = rows // group
     t_local = r // group
@@ -58,15 +62,15 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     def query_rows(w):
         """The tile's query positions (clamped), flat rows of q, and which rows are real. Called
         before and after the KV loop, so these [rows] vectors are not kept live across it."""
-        q_row_start, tile_tok, qo_len = items_ref[w, 0], items_ref[w, 1], items_ref[w, 2]
+        q_row_start, tile_tok, qo_len = field(w, 0), field(w, 1), field(w, 2)
         q_tok = tile_tok + t_local
         q_tok_c = jnp.minimum(q_tok, qo_len - 1)
         row_ok = (t_local < tokens_per_tile) & (q_tok < qo_len)
         return q_tok_c, (q_row_start + q_tok_c) * num_qo_heads + q_head, row_ok
 
     def item(w, carry):
-        tile_tok, qo_len, page_base, kv_len = (items_ref[w, i] for i in (1, 2, 3, 4))
-        kv_start, kv_end, mask_base = items_ref[w, 5], items_ref[w, 6], items_ref[w, 10]
+        tile_tok, qo_len, page_base, kv_len = (field(w, i) for i in (1, 2, 3, 4))
+        kv_start, kv_end, mask_base = field(w, 5), field(w, 6), field(w, 10)
         q = q_ref[query_rows(w)[1]]  # [rows, D]
         offset = kv_len - qo_len
         kv_hi = kv_end
@@ -78,8 +82,8 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
         tok_start, n_tok, n_head, var_kw = kv_start, kv_hi - kv_start, 0, {}
         if variant is not None:
             q_tok_c, _, row_ok = query_rows(w)
-            qo_pos = _common.load_rows(q_pos_ref, items_ref[w, 0] + q_tok_c, row_ok)  # [rows]
-            pos_offset = items_ref[w, 11]
+            qo_pos = _common.load_rows(q_pos_ref, field(w, 0) + q_tok_c, row_ok)  # [rows]
+            pos_offset = field(w, 11)
             var_kw = dict(variant=variant, params=params, qo_pos=qo_pos, qo_head=q_head,
                           kv_pos_offset=pos_offset, global_kv_pos=global_kv_pos)
             if variant.has_bounds and not global_kv_pos:
@@ -111,7 +115,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
         o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
                                      v_scale=v_scale)
         q_tok_c, q_rows, row_ok = query_rows(w)
-        part_base = items_ref[w, 7]
+        part_base = field(w, 7)
 
         @pl.when(part_base < 0)
         def _():
@@ -120,7 +124,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
         @pl.when(part_base >= 0)
         def _():
-            num_chunks, chunk = items_ref[w, 8], items_ref[w, 9]
+            num_chunks, chunk = field(w, 8), field(w, 9)
             t = q_tok_c - tile_tok  # token index within the tile
             part_rows = (part_base + t * num_chunks + chunk) * num_qo_heads + q_head
             _common.store_rows(o_part_ref, part_rows, o, row_ok)
@@ -128,7 +132,8 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
         return carry
 
-    lax.fori_loop(cell_indptr_ref[cell], cell_indptr_ref[cell + 1], item, 0)
+    first, end = (_common.uniform(cell_indptr_ref[cell + i]) for i in (0, 1))
+    lax.fori_loop(first, end, item, 0)
 
 
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,

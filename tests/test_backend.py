@@ -78,3 +78,33 @@ def test_math_helpers_are_jnp_outside_compiled_kernels_and_asm_inside(rng):
                        lambda x: _common.exp2_scaled(x, 0.25, m)):  # fresh functions: traces are cached
                 jaxpr = str(jax.make_jaxpr(fn)(s))
                 assert ("elementwise_inline_asm" in jaxpr) == fast
+
+
+def test_uniform_marks_scalars_only_inside_compiled_kernels():
+    import jax
+    from pallas_kernels import _common
+    x = jnp.int32(7)
+    assert _common.uniform(x) is x
+    for fast in (False, True):
+        with _common.kernel_math(fast):
+            jaxpr = str(jax.make_jaxpr(lambda v: _common.uniform(v) + 1)(x))
+            assert ("jaxinfer_uniform" in jaxpr) == fast
+
+
+def test_gpu_kernels_lower_for_cuda_on_any_host():
+    """The compiled (non-interpret) decode and prefill kernels lower to Triton IR for CUDA; this
+    runs the Pallas-Triton lowering rules (inline PTX, the uniform scalar rule) without a GPU."""
+    import jax
+    from benchmarks.common import random_paged_cache
+    b, s, hq, hkv, d, page = 2, 40, 8, 2, 64, 16
+    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
+                                                      jnp.bfloat16)
+    q = jnp.ones((b, hq, d), jnp.bfloat16)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
+    plan = dec.plan(indptr, indices, last)
+    jax.jit(dec.run).trace(q, cache, plan).lower(lowering_platforms=("cuda",))
+    qo_indptr = (np.arange(b + 1) * 7).astype(np.int32)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu")
+    plan = pre.plan(qo_indptr, indptr, indices, last)
+    qp = jnp.ones((b * 7, hq, d), jnp.bfloat16)
+    jax.jit(pre.run).trace(qp, cache, plan).lower(lowering_platforms=("cuda",))
