@@ -1,6 +1,6 @@
 """Causal batch prefill on the GPU: TFLOP/s (causal FLOPs = 2 B Hq S^2 D) for paged and ragged KV.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill.py [--sweep]
+    PYTHONPATH=. python3 benchmarks/bench_prefill.py [--sweep] [--impl triton,mosaic]
 """
 import argparse
 
@@ -60,6 +60,7 @@ def run_row(B, S, hq, hkv, variants, kinds=("paged", "ragged"), check=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="vary kernel options on the first row (paged)")
+    ap.add_argument("--impl", default="triton", help="kernel implementations to run, comma-separated")
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     if args.sweep:
@@ -67,8 +68,9 @@ def main():
         run_row(*ROWS[0], sweep, check=False)
         save("prefill_sweep")
         return
+    impls = [{} if impl == "triton" else {"impl": impl} for impl in args.impl.split(",")]
     for row in ROWS:
-        run_row(*row, [{}])
+        run_row(*row, impls)
     save("prefill")
 
 

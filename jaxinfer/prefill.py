@@ -70,7 +70,9 @@ def run_prefill_sections(q, k_rows, v_rows, plan, *, page_size, num_kv_heads, ca
         q, k_rows, v_rows, None if contiguous else sec["kv_indices"], sec["items"], sec["cell_indptr"],
         mask=plan.mask, num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads,
         layout=cache_layout, sm_scale=sm_scale, causal=plan.causal, rows=lay.rows,
-        q_pos=sec["q_pos"], interpret=interpret, **kernel_options)
+        q_pos=sec["q_pos"], interpret=interpret,
+        **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}),
+        **kernel_options)
     return merge_kernels.merge_varlen(
         o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
         sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
@@ -125,9 +127,14 @@ class _Prefill:
         self.num_cells = max(1, ctas // num_kv_heads)
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
         self.variant, self.kernel_options = variant, kernel_options
+        # impl="mosaic" (pallas_kernels/prefill_mosaic.py) runs 128-token tiles of one query head,
+        # one per cell, and stores whole tiles: the plan gives it tails and no KV split.
+        self.tails = kernel_options.get("impl", "triton") == "mosaic"
+        if self.tails:
+            self.tile_rows = prefill_kernels.MOSAIC_TILE_TOKENS * self.group
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
-              max_num_pages=None, causal=None, window_left=None, **positions):
+              max_num_pages=None, causal=None, window_left=None, contiguous_kv=False, **positions):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
         if window_left is not None and not (self.variant is not None and self.variant.has_bounds):
             raise ValueError("window_left needs a variant with a sliding window (variants.sliding_window)")
@@ -142,7 +149,7 @@ class _Prefill:
             num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size, max_num_pages=max_num_pages, rows=self.tile_rows,
             mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
-            **positions)
+            tails=self.tails, contiguous_kv=contiguous_kv, **positions)
         mask = None if mask is None else jax.device_put(mask, may_alias=True)
         return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, causal, info)
 
@@ -186,7 +193,11 @@ _DOC_COMMON = """
     plan(..., window_left=w): a sliding window known at plan time (w >= the window passed in
     variant_params): only keys inside it are planned and balanced across the grid.
     num_ctas (default 16 x SM count on the GPU) sets the grid: cells = num_ctas // num_kv_heads.
-    kernel_options (block_kv, num_warps, num_stages) tune the kernel."""
+    kernel_options (block_kv, num_warps, num_stages) tune the kernel. impl="mosaic" selects the
+    Hopper kernel (Mosaic GPU: TMA, wgmma, warp-specialized; 16-bit q/K/V, NHD, head_dim a
+    multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no variant,
+    custom mask or fp8; ValueError otherwise): 128-token tiles of one query head, one per CTA,
+    KV never split. Measured faster on H100 (BENCHMARKS.md, issue 4)."""
 
 
 class BatchPrefillWithPagedKVCache(_Prefill):
@@ -303,7 +314,8 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
     def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None, window_left=None):
         kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
         return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
-                          np.zeros(0, np.int32), custom_mask, packed_custom_mask, window_left=window_left)
+                          np.zeros(0, np.int32), custom_mask, packed_custom_mask, window_left=window_left,
+                          contiguous_kv=True)
 
     def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):

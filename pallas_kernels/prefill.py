@@ -5,7 +5,10 @@ cell_indptr[c+1]] (balanced by the planner's Algorithm 1). An item is one
 query tile of one request against one chunk of its KV:
 
     items[w] = (q_row_start, tile_tok, qo_len, page_base, kv_len,
-                kv_start, kv_end, part_base, num_chunks, chunk, mask_base, kv_pos_offset)
+                kv_start, kv_end, part_base, num_chunks, chunk, mask_base, kv_pos_offset, tail,
+                kv_first)
+
+(tail and kv_first serve impl="mosaic": see prefill_mosaic.py and planner/prefill.py.)
 
 q_row_start is the request's first row in q [nnz, Hq, D]; the tile covers its
 query tokens [tile_tok, tile_tok + tokens_per_tile) and keys [kv_start, kv_end).
@@ -32,7 +35,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
 
-ITEM_FIELDS = 12
+ITEM_FIELDS = 14
+MOSAIC_TILE_TOKENS = 128  # query tokens per tile of impl="mosaic" (prefill_mosaic.TILE_TOKENS)
 
 
 def tile_rows(group, block_q):
@@ -173,6 +177,45 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
                     *extra)
 
 
+def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
+                    num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, scales=None,
+                    variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
+                    lse_src=None, **tuning):
+    """The Mosaic GPU kernel (prefill_mosaic.py) behind the same outputs; its partial tiles are
+    scattered into o through tail_dest, its lse rows gathered through lse_src."""
+    from pallas_kernels import prefill_mosaic
+    nnz, num_qo_heads, d = q.shape
+    unsupported = {"variant": variant is not None, "custom mask": mask is not None,
+                   "fp8 / k_scale, v_scale": scales is not None, "block-sparse": global_kv_pos,
+                   "a plan without tails": tail_dest is None or lse_src is None}
+    for what, present in unsupported.items():
+        if present:
+            raise ValueError(f"prefill impl='mosaic' does not support {what}")
+    group = num_qo_heads // num_kv_heads
+    if rows != MOSAIC_TILE_TOKENS * group:
+        raise ValueError(f"prefill impl='mosaic': rows must be {MOSAIC_TILE_TOKENS * group}, got {rows}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_rows.dtype != q.dtype:
+        raise ValueError(f"prefill impl='mosaic': q, k, v must all be bfloat16 or float16, got "
+                         f"{q.dtype} / {k_rows.dtype}")
+    if d % 64:
+        raise ValueError(f"prefill impl='mosaic': head_dim must be a multiple of 64, got {d}")
+    if sm_scale <= 0:
+        raise ValueError(f"prefill impl='mosaic': sm_scale must be > 0, got {sm_scale}")
+    block_kv = tuning.pop("block_kv_mosaic", 128)
+    if kv_indices is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
+        raise ValueError(f"prefill impl='mosaic': page_size must be a multiple of 8 dividing {block_kv} "
+                         f"(or a multiple of it), got {page_size}")
+    o, lse_items, o_tail = prefill_mosaic.prefill_mosaic(
+        q, k_rows, v_rows, kv_indices, items, cell_indptr, tail_dest.shape[0], page_size=page_size,
+        num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, block_kv=block_kv,
+        interpret=interpret, **tuning)
+    o = o.at[tail_dest].set(o_tail, mode="drop")
+    lse = lse_items[:, lse_src[:nnz]].T  # [nnz, Hq]
+    return (o.reshape(nnz * num_qo_heads, d), lse.reshape(-1),
+            jnp.zeros((num_parts * num_qo_heads, d), jnp.float32),
+            jnp.zeros((num_parts * num_qo_heads,), jnp.float32))
+
+
 def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
             num_kv_heads, layout, sm_scale, causal, rows, block_kv=64, interpret, impl="triton",
             scales=None, variant=None, params=None, q_pos=None, global_kv_pos=False, **tuning):
@@ -180,14 +223,17 @@ def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num
 
     q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
     or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
-    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 12];
+    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 13];
     cell_indptr int32[cells + 1]; rows: the tile height (see tile_rows); scales: (k_scale,
     v_scale) f32[Hkv] or None; variant / params / q_pos int32[nnz]: an attention variant, its
     parameters and each query token's position.
+    impl: "triton" (every feature), or "mosaic" (Hopper: wgmma, TMA, warp-specialized; 16-bit
+    K/V, no variant or custom mask; needs a plan with tails, one item per cell, unsplit KV, and
+    tail_dest= and lse_src=).
     Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
     """
-    fn = _common.dispatch({"triton": _prefill_triton}, impl, "prefill")
+    fn = _common.dispatch({"triton": _prefill_triton, "mosaic": _prefill_mosaic}, impl, "prefill")
     return fn(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, num_parts=num_parts,
               page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
               causal=causal, rows=rows, block_kv=block_kv, interpret=interpret, scales=scales,

@@ -108,3 +108,13 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
     plan = pre.plan(qo_indptr, indptr, indices, last)
     qp = jnp.ones((b * 7, hq, d), jnp.bfloat16)
     jax.jit(pre.run).trace(qp, cache, plan).lower(lowering_platforms=("cuda",))
+    # impl="mosaic" (Mosaic GPU): its Python lowering passes (layouts, TMA descriptors) run here too.
+    for paged in (True, False):
+        if paged:
+            pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic")
+            args = (qp, cache, pre.plan(qo_indptr, indptr, indices, last))
+        else:
+            k = jnp.ones((b * s, hkv, d), jnp.bfloat16)
+            pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu", impl="mosaic")
+            args = (qp, k, k, pre.plan(qo_indptr, (np.arange(b + 1) * s).astype(np.int32)))
+        jax.jit(pre.run).trace(*args).lower(lowering_platforms=("cuda",))

@@ -96,3 +96,45 @@ def test_capacity_errors(rng):
         decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, max_num_pages=3)
     with pytest.raises(ValueError, match="fixed_split_pages"):
         decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, fixed_split_pages=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 400)), min_size=1, max_size=6),
+       st.booleans(), st.booleans(), st.integers(0, 50), st.sampled_from([1, 4]))
+def test_tails_plan_aligns_tiles_and_maps_every_token_once(lens, causal, contiguous, spare, group):
+    """impl='mosaic' plans: every tile (and, for contiguous K/V, every request's keys) starts
+    at a row divisible by ROW_ALIGN; each token of q is stored exactly once, by its tile in
+    place or through tail_dest; lse_src points at the token's row of its tile's item slot."""
+    from planner import prefill as prefill_planner
+    qo_lens = np.array([q for q, _ in lens], np.int64)
+    kv_lens = np.array([k for _, k in lens], np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_base = (np.cumsum(kv_lens) - kv_lens).astype(np.int32)  # contiguous rows, unaligned
+    num_tokens = int(qo_indptr[-1]) + spare
+    layout, buf, _ = prefill_planner.plan_prefill(
+        qo_indptr, kv_lens, kv_base, np.zeros(0, np.int32), group=group, causal=causal, num_cells=8,
+        max_num_tokens=num_tokens, rows=128 * group, tails=True, contiguous_kv=contiguous)
+    sec = layout.unpack(buf)
+    tpt, align = 128, prefill_planner.ROW_ALIGN
+    cells = np.diff(sec["cell_indptr"])
+    assert cells.max() <= 1  # one item per cell
+    items = sec["items"][:int(cells.sum())]
+    written = np.zeros(num_tokens, np.int64)
+    for w, (q0, t0, qo, base, kv, k0, k1, *_, tail, kv_first) in enumerate(items):
+        assert (q0 + t0) % align == 0 and -align < t0 < max(qo, 1)
+        if contiguous and kv:
+            assert base % align == 0 and kv_first == kv_base[np.searchsorted(qo_indptr, q0, "right") - 1] % align
+        else:
+            assert kv_first == 0
+        tok = np.arange(t0, t0 + tpt)
+        mine = (tok >= 0) & (tok < qo)
+        if tail < 0:
+            assert mine.all()
+            written[q0 + tok] += 1
+        else:
+            dest = sec["tail_dest"][tail * tpt:(tail + 1) * tpt]
+            np.testing.assert_array_equal(dest, np.where(mine, q0 + tok, num_tokens))
+        np.testing.assert_array_equal(sec["lse_src"][q0 + tok[mine]], w * tpt + np.flatnonzero(mine))
+    live = sec["tail_dest"][sec["tail_dest"] < num_tokens]
+    np.add.at(written, live, 1)
+    np.testing.assert_array_equal(written, 1)

@@ -179,3 +179,46 @@ def test_prefill_rejects_bad_input(rng):
     with pytest.raises(ValueError, match="plan"):
         x = randn(rng, (8, 8, 64), jnp.float32)
         ji.BlockSparseAttention(8, 8, 64).run(x, x, x, plan)
+
+
+MOSAIC_CASES = [  # (qo_lens, kv_lens, page, hq, hkv, causal): unaligned request starts, a partial
+    ([5, 70], [20, 90], 8, 2, 1, True),  # first tile, qo > kv rows with no visible key
+    ([3, 130], [1, 200], 16, 2, 2, False),
+    ([129, 64, 1], [40, 64, 300], 32, 4, 2, True),
+]
+
+
+@pytest.mark.parametrize("case", [0] + [pytest.param(i, marks=pytest.mark.slow) for i in (1, 2)])
+def test_mosaic_prefill_matches_reference(rng, case):
+    """impl="mosaic" (the Mosaic GPU kernel, in its interpreter): paged and ragged, bf16."""
+    qo, kv, page, hq, hkv, causal = MOSAIC_CASES[case]
+    qo, kv, d = np.array(qo), np.array(kv), 64
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16, "NHD")
+    qo_indptr = _indptr(qo)
+    q = randn(rng, (qo_indptr[-1], hq, d), jnp.bfloat16)
+    want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=causal)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=causal, impl="mosaic")
+    o, lse = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last), return_lse=True)
+    assert rel_err(o, want.o) < TOL[jnp.bfloat16]
+    assert_lse_close(lse, want.lse, 1e-2)
+    k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)
+    pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, causal=causal, impl="mosaic")
+    o, lse = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr), return_lse=True)
+    assert rel_err(o, want.o) < TOL[jnp.bfloat16]
+    assert_lse_close(lse, want.lse, 1e-2)
+
+
+def test_mosaic_prefill_rejects_what_it_does_not_support(rng):
+    qo_indptr, kv_indptr = _indptr([4]), _indptr([8])
+    q = randn(rng, (4, 2, 64), jnp.float32)
+    pre = ji.BatchPrefillWithRaggedKVCache(2, 2, 64, impl="mosaic")
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        pre.run(q, q, q, pre.plan(qo_indptr, kv_indptr))
+    with pytest.raises(ValueError, match="custom mask"):
+        pre.run(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
+                pre.plan(qo_indptr, kv_indptr, custom_mask=np.ones(32, bool)))
+    with pytest.raises(ValueError, match="head_dim"):
+        ji.BatchPrefillWithRaggedKVCache(2, 2, 32, impl="mosaic").run(
+            q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16),
+            pre.plan(qo_indptr, kv_indptr))

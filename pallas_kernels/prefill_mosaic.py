@@ -1,0 +1,302 @@
+"""Prefill attention on Mosaic GPU (Hopper): TMA loads, wgmma, warp specialization.
+
+The second implementation behind pallas_kernels.prefill (impl="mosaic"), after JAX's
+FlashAttention-3 kernel (jax/experimental/pallas/ops/gpu/attention_mgpu.py), reading
+the same work list as the Triton kernel (see prefill.py) with:
+- tiles of 128 query tokens of one query head (two compute warpgroups of 64 rows each;
+  plan with rows = 128 x group), one work item per cell and KV never split;
+- a memory warpgroup streaming K/V blocks of block_kv tokens through
+  max_concurrent_steps shared-memory slots: a paged block is block_kv / page_size TMA
+  copies of whole pages (only pages of the request's list: slots past its last page
+  copy the last page again, and the mask hides them), a contiguous block one copy;
+- TMA copies rows in groups of 8: the planner starts each request's tiles at the 8-aligned
+  row at or below its first row (tile_tok may be negative; those rows are computed and
+  dropped), and with contiguous K/V its keys likewise, masking the kv_first (item field
+  13) keys before its own;
+- whole-tile TMA stores: a tile that is not wholly the request's rows goes to its tail slot
+  (item field 12) of a side buffer, which the caller scatters into o; lse rows go to the
+  work item's slot (TMA's plain bulk copies need 16-byte aligned addresses), which the
+  caller gathers.
+
+Grid (Hq, num_cells). Keys past the item's range, or causally hidden, are masked to
+-inf; rows that see no key give o = 0, lse = -inf. Unused slots of a listed page are
+loaded (and masked): they must hold finite values (JAX arrays always do).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG_ROWS = 64  # query rows per compute warpgroup
+TILE_TOKENS = 2 * WG_ROWS  # = prefill.MOSAIC_TILE_TOKENS
+LOG2E = math.log2(math.e)
+ITEM_FIELDS = 14  # = prefill.ITEM_FIELDS
+
+
+def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+            o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
+            max_steps, sm_scale, interpret):
+    head = lax.axis_index("heads")
+    cell = lax.axis_index("cells")
+    num_qo_heads = q_ref.shape[1]
+    kv_head = lax.div(head, jnp.int32(num_qo_heads // k_ref.shape[-2]))
+    (q_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    wg = lax.axis_index("wg")
+    w = cell_indptr_ref[cell]
+    has_item = cell_indptr_ref[cell + 1] > w
+    w = jnp.where(has_item, w, 0)
+    fields = ITEM_FIELDS
+    q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end = (
+        items_ref[w * fields + i] for i in range(7))  # items flattened: 1-D scalar loads
+    tail, kv_first = items_ref[w * fields + 12], items_ref[w * fields + 13]
+    offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
+    kv_hi = kv_end
+    if causal:
+        kv_hi = jnp.clip(jnp.minimum(tile_tok + TILE_TOKENS, qo_len) - 1 + offset + 1, kv_start, kv_end)
+    # Blocks the memory warpgroup loads (the tile's), 0 for an empty cell.
+    tile_steps = jnp.where(has_item, pl.cdiv(kv_hi - kv_start, jnp.int32(block_kv)), 0)
+    slots = k_smem.shape[0]
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+        first_tok = tile_tok + wg * WG_ROWS  # this warpgroup's first query token
+        wg_hi = kv_end
+        if causal:
+            last = jnp.minimum(first_tok + WG_ROWS, qo_len) - 1
+            wg_hi = jnp.clip(last + offset + 1, kv_start, kv_end)
+        has_rows = has_item & (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
+        steps = jnp.where(has_rows, pl.cdiv(wg_hi - kv_start, jnp.int32(block_kv)), 0)
+        # Blocks wholly visible to every row of the warpgroup (and inside the range).
+        full_end = jnp.minimum(kv_end, first_tok + offset + 1) if causal else kv_end
+        n_full = jnp.clip(lax.div(full_end - kv_start, jnp.int32(block_kv)), 0, steps)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], q_smem,
+                                q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        # (The interpreter has no register layouts: plain arrays there.)
+        cast = (lambda x, _: x) if interpret else plgpu.layout_cast
+        m_i = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = cast(jnp.full((WG_ROWS, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+        iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
+                functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+
+        @pl.when(tile_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(step, carry, masked):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(slots))
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            if interpret:  # the interpreter's wgmma takes no transposed operand: plain dots there
+                s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                schedule_barrier()
+            else:
+                s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))  # [64, BK]
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                q_tok = iota(s.shape, 0) + first_tok
+                kv_tok = iota(s.shape, 1) + kv_start + step * block_kv
+                visible = (kv_tok >= kv_first) & (kv_tok < kv_end)
+                if causal:
+                    visible = visible & (kv_tok <= q_tok + offset)
+                s = jnp.where(visible, s, -jnp.inf)
+            c = sm_scale * LOG2E  # base 2, the scale folded into the exponent's multiply-add
+            m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(q_ref.dtype)
+            if not interpret:
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            plgpu.barrier_arrive(sched)  # done with softmax
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)  # the tensor cores are free
+
+            def wait_next_k():
+                nxt = step + 1
+
+                @pl.when(nxt < steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(slots))])
+
+            if interpret:  # the interpreter's wgmma takes refs only: a plain dot
+                acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                wait_next_k()
+            else:
+                def pv_state(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next_k()
+                acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        # Masked: a first block holding keys before the request's (kv_first > 0: contiguous K
+        # loaded from an aligned row), and the blocks from n_full on.
+        lead = jnp.minimum(jnp.where(kv_first > kv_start, 1, 0), steps)
+        unmasked_end = jnp.maximum(n_full, lead)
+        carry = lax.fori_loop(0, lead, functools.partial(kv_step, masked=True), (acc, m_i, l_i))
+        carry = lax.fori_loop(lead, unmasked_end, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True), carry)
+
+        def drain(step, _):  # release the blocks loaded for the other warpgroup's longer range
+            slot = lax.rem(step, jnp.int32(slots))
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            schedule_barrier()
+            schedule_barrier()
+
+        lax.fori_loop(steps, tile_steps, drain, None)
+        pl.when(wg == 0)(schedule_barrier)
+
+        nonempty = l_i > 0
+        l_safe = jnp.where(nonempty, l_i, 1.0)
+        o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        q_smem[...] = o.astype(q_ref.dtype)
+        lse_smem[...] = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
+        plgpu.commit_smem()
+        @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
+        def _():
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head])
+
+        @pl.when(has_item & (tail >= 0))
+        def _():
+            plgpu.copy_smem_to_gmem(q_smem, o_tail_ref.at[pl.ds(tail * TILE_TOKENS + wg * WG_ROWS, WG_ROWS), head])
+
+        # lse rows by item slot: a contiguous TMA store needs a 16-byte aligned destination.
+        @pl.when(has_item)
+        def _():
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * TILE_TOKENS + wg * WG_ROWS, WG_ROWS)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+        pages_per_block = max(1, block_kv // page_size)
+        rows_per_copy = min(page_size, block_kv)
+        last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
+
+        def load(step, slot):
+            tok = kv_start + step * block_kv
+            if contiguous:
+                src = (pl.ds(page_base + tok, block_kv), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+                return
+            for i in range(pages_per_block):  # static: one TMA per page (or page part)
+                t = tok + i * rows_per_copy
+                page = kv_indices_ref[jnp.minimum(page_base + lax.div(t, jnp.int32(page_size)), last_page)]
+                src = (page, pl.ds(lax.rem(t, jnp.int32(page_size)), rows_per_copy), kv_head)
+                dst = pl.ds(i * rows_per_copy, rows_per_copy)
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
+
+        for i in range(max_steps):
+            @pl.when(i < tile_steps)
+            def _():
+                load(i, i)
+
+        @pl.loop(0, jnp.maximum(tile_steps - max_steps, 0))
+        def _(step):
+            nxt = step + max_steps
+            slot = lax.rem(step, jnp.int32(slots))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            load(nxt, slot)
+
+
+def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
+                   num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
+                   interpret=False):
+    """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
+    contiguous [tokens * Hkv, D] with kv_indices None. Returns (o [nnz, Hq, D],
+    lse_items [Hq, num_items * 128] (item slot w's tokens in rows w * 128 + i),
+    o_tail [num_tail_rows, Hq, D])."""
+    nnz, num_qo_heads, d = q.shape
+    # TMA views token dimensions in tiles of 8 rows: arrays are padded to a multiple of 8 tokens
+    # (a copy only when they are not one already), o and lse are allocated so and sliced.
+    nnz_pad = _round_up(nnz, 8)
+    # TMA zero-fills reads past an array's end; the interpreter rejects them.
+    q_in = _pad_rows(q, nnz_pad + (TILE_TOKENS if interpret else 0))
+    if layout != "NHD":
+        raise ValueError(f"prefill impl='mosaic': layout must be 'NHD', got {layout!r}")
+    contiguous = kv_indices is None
+    if contiguous:
+        k = k_rows.reshape(-1, num_kv_heads, d)
+        v = v_rows.reshape(-1, num_kv_heads, d)
+        kv_pad = _round_up(k.shape[0], 8) + (block_kv if interpret else 0)
+        k, v = _pad_rows(k, kv_pad), _pad_rows(v, kv_pad)
+        kv_indices = jnp.zeros((1,), jnp.int32)
+    else:
+        k = k_rows.reshape(-1, page_size, num_kv_heads, d)
+        v = v_rows.reshape(-1, page_size, num_kv_heads, d)
+    num_cells = cell_indptr.shape[0] - 1
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret_params = InterpretGPUParams()
+
+    def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+              o_tail_ref):
+        tiling = plgpu.TilingTransform((8, 64))
+        swizzle = plgpu.SwizzleTransform(128)
+        smem = [plgpu.SMEM((2, WG_ROWS, d), q.dtype, transforms=(tiling, swizzle)),
+                plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
+                plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
+                plgpu.SMEM((2, WG_ROWS), jnp.float32)]
+        copies = 1 if contiguous else max(1, block_kv // page_size)
+        loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
+                  plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
+                  plgpu.Barrier(num_barriers=2))
+        freed = (plgpu.Barrier(num_arrivals=2, num_barriers=max_concurrent_steps),) * 2
+        pl.run_scoped(
+            lambda *scoped: _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref,
+                                    o_ref, lse_ref, o_tail_ref, scoped, causal=causal,
+                                    contiguous=contiguous, page_size=page_size, block_kv=block_kv,
+                                    max_steps=max_concurrent_steps, sm_scale=sm_scale,
+                                    interpret=interpret),
+            smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+
+    out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),
+                 jax.ShapeDtypeStruct((num_qo_heads, items.shape[0] * TILE_TOKENS), jnp.float32),
+                 jax.ShapeDtypeStruct((num_tail_rows, num_qo_heads, d), q.dtype))
+    kw = dict(interpret=interpret_params) if interpret else {}
+    o, lse_items, o_tail = plgpu.kernel(entry, out_type=out_shape, grid=(num_qo_heads, num_cells),
+                        grid_names=("heads", "cells"), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(
+                            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), **kw)(
+        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v)
+    return o[:nnz], lse_items, o_tail
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _pad_rows(x, rows):
+    """x [n, ...] padded with zeros to [rows, ...] (x itself when n == rows)."""
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
