@@ -200,33 +200,39 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
         rows_per_copy = min(page_size, block_kv)
         last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
 
-        def load(step, slot):
+        def sources(step):
+            """(K/V source index, slot rows) of each copy of KV block `step`: the page-index
+            loads, issued before waiting for the slot."""
             tok = kv_start + step * block_kv
             if contiguous:
-                src = (pl.ds(page_base + tok, block_kv), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
-                return
+                return [((pl.ds(page_base + tok, block_kv), kv_head), pl.ds(0, block_kv))]
+            srcs = []
             for i in range(pages_per_block):  # static: one TMA per page (or page part)
                 t = tok + i * rows_per_copy
                 page = kv_indices_ref[jnp.minimum(page_base + lax.div(t, jnp.int32(page_size)), last_page)]
-                src = (page, pl.ds(lax.rem(t, jnp.int32(page_size)), rows_per_copy), kv_head)
-                dst = pl.ds(i * rows_per_copy, rows_per_copy)
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
+                srcs.append(((page, pl.ds(lax.rem(t, jnp.int32(page_size)), rows_per_copy), kv_head),
+                             pl.ds(i * rows_per_copy, rows_per_copy)))
+            return srcs
+
+        def copy(srcs, slot, ref, smem, bar):
+            for src, dst in srcs:
+                plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot, dst], bar.at[slot])
 
         for i in range(max_steps):
             @pl.when(i < tile_steps)
             def _():
-                load(i, i)
+                srcs = sources(i)
+                copy(srcs, i, k_ref, k_smem, k_bar)
+                copy(srcs, i, v_ref, v_smem, v_bar)
 
         @pl.loop(0, jnp.maximum(tile_steps - max_steps, 0))
         def _(step):
-            nxt = step + max_steps
             slot = lax.rem(step, jnp.int32(slots))
+            srcs = sources(step + max_steps)
             plgpu.barrier_wait(k_free.at[slot])
+            copy(srcs, slot, k_ref, k_smem, k_bar)
             plgpu.barrier_wait(v_free.at[slot])
-            load(nxt, slot)
+            copy(srcs, slot, v_ref, v_smem, v_bar)
 
 
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
