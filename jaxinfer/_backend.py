@@ -28,3 +28,14 @@ def num_sms(default=132):
         return int(getattr(dev, "core_count", None) or default)
     except RuntimeError:
         return default
+
+
+def mosaic_available(interpret):
+    """Whether compiled Mosaic GPU kernels (wgmma, TMA: Hopper, compute capability 9.x) can run."""
+    if interpret:
+        return False
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")

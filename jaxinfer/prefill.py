@@ -1,6 +1,7 @@
 """Batch prefill over paged, ragged and block-sparse KV: plan() on the host, run() compiled once."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, variants
@@ -19,9 +20,10 @@ class PrefillPlan:
     """A prefill plan: one packed int32 buffer (and an int8 custom mask, if any) plus its
     static layout and causal flag. Plans with the same layout share one compiled run()."""
 
-    def __init__(self, buffer, mask, layout, causal, info=None):
+    def __init__(self, buffer, mask, layout, causal, info=None, alt=None):
         self.buffer, self.mask, self.layout, self.causal = buffer, mask, layout, causal
         self.info = info or {}
+        self.alt = alt  # impl="auto": the Triton kernel's plan beside a Mosaic GPU kernel's
 
     def sections(self):
         return self.layout.unpack(self.buffer)
@@ -29,15 +31,17 @@ class PrefillPlan:
     def with_page_offset(self, offset):
         """This plan reading page offset + p for each listed page p (see DecodePlan)."""
         start, stop = self.layout.section_range("kv_indices")
+        alt = None if self.alt is None else self.alt.with_page_offset(offset)
         return PrefillPlan(self.buffer.at[start:stop].add(offset), self.mask, self.layout, self.causal,
-                           self.info)
+                           self.info, alt)
 
     def tree_flatten(self):
-        return (self.buffer, self.mask), (self.layout, self.causal)
+        return (self.buffer, self.mask, self.alt), (self.layout, self.causal)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        buffer, mask, alt = children
+        return cls(buffer, mask, *aux, alt=alt)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -103,12 +107,15 @@ def _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, max_mask_len):
 PREFILL_CTAS_PER_SM = 16
 
 
+IMPLS = ("auto", "triton", "mosaic")  # prefill kernels; see _DOC_COMMON
+
+
 class _Prefill:
     """Shared plan/run machinery of the prefill wrappers."""
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal, max_batch_size, max_num_tokens,
                  sm_scale, num_ctas, fixed_split_tokens, max_mask_len, backend, tile_rows, variant,
-                 kernel_options):
+                 kernel_options, mosaic_fits=True):
         variants.check_variant(variant)
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -126,12 +133,18 @@ class _Prefill:
         ctas = num_ctas or (2 if self.interpret else PREFILL_CTAS_PER_SM) * _backend.num_sms()
         self.num_cells = max(1, ctas // num_kv_heads)
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
-        self.variant, self.kernel_options = variant, kernel_options
-        # impl="mosaic" (pallas_kernels/prefill_mosaic.py) runs 128-token tiles of one query head,
-        # one per cell, and stores whole tiles: the plan gives it tails and no KV split.
-        self.tails = kernel_options.get("impl", "triton") == "mosaic"
-        if self.tails:
-            self.tile_rows = prefill_kernels.MOSAIC_TILE_TOKENS * self.group
+        self.kernel_options = dict(kernel_options)
+        self.impl = self.kernel_options.pop("impl", "auto")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        self.variant = variant
+        # The Mosaic GPU kernel (pallas_kernels/prefill_mosaic.py) runs 128-token tiles of one query
+        # head, one per cell, KV unsplit, and stores whole tiles: it needs plans with tails.
+        # impl="auto" plans for it where it can run (a Hopper GPU, no variant, shapes it takes;
+        # masks and windows are checked per plan, dtypes per run), with a Triton plan beside.
+        self.mosaic_plans = self.impl == "mosaic" or (
+            self.impl == "auto" and mosaic_fits and variant is None and head_dim % 64 == 0
+            and _backend.mosaic_available(self.interpret))
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
               max_num_pages=None, causal=None, window_left=None, contiguous_kv=False, **positions):
@@ -144,14 +157,23 @@ class _Prefill:
             mask, offsets = _flat_mask(custom_mask, packed_custom_mask, np.diff(qo_indptr), kv_lens,
                                        self.max_mask_len)
             causal = False  # the custom mask replaces the causal mask
-        layout, buf, info = prefill_planner.plan_prefill(
-            qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
-            num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
-            max_batch_size=self.max_batch_size, max_num_pages=max_num_pages, rows=self.tile_rows,
-            mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
-            tails=self.tails, contiguous_kv=contiguous_kv, **positions)
-        mask = None if mask is None else jax.device_put(mask, may_alias=True)
-        return PrefillPlan(jax.device_put(buf, may_alias=True), mask, layout, causal, info)
+        tails = self.impl == "mosaic" or (self.mosaic_plans and mask is None and window_left is None)
+
+        def plan_for(tails):
+            layout, buf, info = prefill_planner.plan_prefill(
+                qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
+                num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
+                max_batch_size=self.max_batch_size, max_num_pages=max_num_pages,
+                rows=prefill_kernels.MOSAIC_TILE_TOKENS * self.group if tails else self.tile_rows,
+                mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
+                tails=tails, contiguous_kv=contiguous_kv, **positions)
+            dev_mask = None if mask is None else jax.device_put(mask, may_alias=True)
+            return PrefillPlan(jax.device_put(buf, may_alias=True), dev_mask, layout, causal, info)
+
+        plan = plan_for(tails)
+        if tails and self.impl == "auto":
+            plan.alt = plan_for(False)
+        return plan
 
     def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, **cache_kw):
         """(o, lse) of one PrefillPlan, before the variant's output transform."""
@@ -160,10 +182,20 @@ class _Prefill:
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
+        impl = "triton"
+        if plan.layout.tail_cap:  # a plan for the Mosaic GPU kernel
+            fits = (q.dtype in (jnp.bfloat16, jnp.float16) and k_rows.dtype == q.dtype and scales is None
+                    and not cache_kw.get("global_kv_pos", False))
+            if self.impl == "mosaic" or (fits and self.impl == "auto"):
+                impl = "mosaic"  # (with impl="mosaic", the kernel names what it does not take)
+            elif plan.alt is not None:
+                plan = plan.alt
+            else:
+                raise ValueError("plan was made for impl='mosaic'; run it with this wrapper's impl")
         return run_prefill_sections(
             q, k_rows, v_rows, plan, num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale,
             interpret=self.interpret, scales=scales, variant=self.variant, params=variant_params,
-            **cache_kw, **self.kernel_options)
+            impl=impl, **cache_kw, **self.kernel_options)
 
     def _params(self, variant_params, return_lse):
         variants.check_variant(self.variant, return_lse)
@@ -193,11 +225,14 @@ _DOC_COMMON = """
     plan(..., window_left=w): a sliding window known at plan time (w >= the window passed in
     variant_params): only keys inside it are planned and balanced across the grid.
     num_ctas (default 16 x SM count on the GPU) sets the grid: cells = num_ctas // num_kv_heads.
-    kernel_options (block_kv, num_warps, num_stages) tune the kernel. impl="mosaic" selects the
-    Hopper kernel (Mosaic GPU: TMA, wgmma, warp-specialized; 16-bit q/K/V, NHD, head_dim a
+    kernel_options (block_kv, num_warps, num_stages) tune the kernel. impl picks it: "mosaic",
+    the Hopper kernel (Mosaic GPU: TMA, wgmma, warp-specialized; 16-bit q/K/V, NHD, head_dim a
     multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no variant,
-    custom mask or fp8; ValueError otherwise): 128-token tiles of one query head, one per CTA,
-    KV never split. Measured faster on H100 (BENCHMARKS.md, issue 4)."""
+    custom mask, window or fp8; ValueError otherwise): 128-token tiles of one query head, one
+    per CTA, KV never split, 1.2-1.5x the Triton kernel on H100 (BENCHMARKS.md, issue 4);
+    "triton", the Pallas-Triton kernel, every feature; "auto" (default): the Mosaic kernel
+    where it can run (compiled on a Hopper GPU; plans then hold a Triton plan too, which run()
+    uses for other dtypes), else Triton."""
 
 
 class BatchPrefillWithPagedKVCache(_Prefill):
@@ -218,7 +253,9 @@ class BatchPrefillWithPagedKVCache(_Prefill):
                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         variant=variant, kernel_options=kernel_options)
+                         variant=variant, kernel_options=kernel_options,
+                         mosaic_fits=layout == "NHD" and page_size % 8 == 0
+                         and (128 % page_size == 0 or page_size % 128 == 0))
         self.page_size, self.layout, self.max_num_pages = page_size, check_layout(layout), max_num_pages
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None,
@@ -345,7 +382,8 @@ class BlockSparseAttention(_Prefill):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=False, max_batch_size=None,
                          max_num_tokens=None, sm_scale=sm_scale, num_ctas=num_ctas,
                          fixed_split_tokens=None, max_mask_len=None, backend=backend,
-                         tile_rows=tile_rows, variant=variant, kernel_options=kernel_options)
+                         tile_rows=tile_rows, variant=variant, kernel_options=kernel_options,
+                         mosaic_fits=False)
         self.block_width = None  # C of the last plan: the kernel's (static) page size
 
     def plan(self, bsr):

@@ -223,7 +223,7 @@ def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num
 
     q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
     or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
-    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 13];
+    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 14];
     cell_indptr int32[cells + 1]; rows: the tile height (see tile_rows); scales: (k_scale,
     v_scale) f32[Hkv] or None; variant / params / q_pos int32[nnz]: an attention variant, its
     parameters and each query token's position.
@@ -234,6 +234,9 @@ def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
     """
     fn = _common.dispatch({"triton": _prefill_triton, "mosaic": _prefill_mosaic}, impl, "prefill")
+    # Each kernel's tuning options; the other kernel's are dropped (a wrapper may pick either).
+    other = {"triton": ("block_kv_mosaic", "max_concurrent_steps"), "mosaic": ("num_warps", "num_stages")}
+    tuning = {k: v for k, v in tuning.items() if k not in other[impl]}
     return fn(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, num_parts=num_parts,
               page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
               causal=causal, rows=rows, block_kv=block_kv, interpret=interpret, scales=scales,

@@ -222,3 +222,34 @@ def test_mosaic_prefill_rejects_what_it_does_not_support(rng):
         ji.BatchPrefillWithRaggedKVCache(2, 2, 32, impl="mosaic").run(
             q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16),
             pre.plan(qo_indptr, kv_indptr))
+
+
+def test_auto_impl_plans_for_mosaic_and_falls_back_to_triton(rng, monkeypatch):
+    """impl="auto" where the Mosaic GPU kernel can run (faked here; it then runs in its
+    interpreter): bf16 runs it, fp8 K/V and float32 run the Triton plan kept beside it, and a
+    plan with a custom mask is a Triton plan."""
+    from jaxinfer import _backend
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
+    qo, kv, page, hq, hkv, d = np.array([5, 70]), np.array([20, 90]), 8, 2, 1, 64
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16, "NHD")
+    qo_indptr = _indptr(qo)
+    q = randn(rng, (qo_indptr[-1], hq, d), jnp.bfloat16)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, num_ctas=8, num_warps=4)
+    plan = pre.plan(qo_indptr, indptr, indices, last)
+    assert plan.layout.tail_cap > 0 and plan.alt is not None and plan.alt.layout.tail_cap == 0
+    want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True)
+    assert rel_err(pre.run(q, cache, plan), want.o) < TOL[jnp.bfloat16]
+    fp8 = ji.PagedKVCache(cache.k_pages.astype(jnp.float8_e4m3fn), cache.v_pages.astype(jnp.float8_e4m3fn))
+    want8 = ref.paged_attention(q, fp8, qo_indptr, indptr, indices, last, causal=True, k_scale=0.5, v_scale=2.0)
+    assert rel_err(pre.run(q, fp8, plan, k_scale=0.5, v_scale=2.0), want8.o) < TOL[jnp.bfloat16]
+    c32 = ji.PagedKVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32))
+    want32 = ref.paged_attention(q.astype(jnp.float32), c32, qo_indptr, indptr, indices, last, causal=True)
+    assert rel_err(pre.run(q.astype(jnp.float32), c32, plan), want32.o) < TOL[jnp.float32]
+    masked = pre.plan(qo_indptr, indptr, indices, last, custom_mask=np.ones(int((qo * kv).sum()), bool))
+    assert masked.layout.tail_cap == 0 and masked.alt is None
+    # Not on a Hopper GPU, or with impl="triton": Triton plans only.
+    assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl="triton").plan(
+        qo_indptr, indptr, indices, last).alt is None
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: False)
+    assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page).plan(qo_indptr, indptr, indices, last).alt is None
