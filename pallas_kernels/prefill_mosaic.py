@@ -163,7 +163,14 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
 
         def drain(step, _):  # release the blocks loaded for the other warpgroup's longer range
             slot = lax.rem(step, jnp.int32(slots))
+            # Every load is awaited once by each warpgroup, so each sees every barrier phase (block
+            # 0's K was awaited before the loop).
+            @pl.when(step > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[slot])
+
             plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             schedule_barrier()
             schedule_barrier()
@@ -233,6 +240,12 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
             copy(srcs, slot, k_ref, k_smem, k_bar)
             plgpu.barrier_wait(v_free.at[slot])
             copy(srcs, slot, v_ref, v_smem, v_bar)
+
+        @pl.loop(jnp.maximum(tile_steps - max_steps, 0), tile_steps)
+        def _(step):  # the last blocks' releases: every barrier phase is awaited by its waiters
+            slot = lax.rem(step, jnp.int32(slots))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
 
 
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
