@@ -277,7 +277,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     interpret_params = None
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        interpret_params = InterpretGPUParams()
+        interpret_params = InterpretGPUParams(uninitialized_memory="nan")  # outputs poisoned
 
     def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
               o_tail_ref):
