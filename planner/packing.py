@@ -1,5 +1,8 @@
 """One int32 buffer holding all of a plan's arrays: one host-to-device copy per step."""
 
+SECTION_ALIGN = 64  # int32 entries: every section starts 256-byte aligned (Mosaic GPU kernels
+# take their inputs only at such addresses, and XLA may hand a section to a kernel in place)
+
 
 class PackedLayout:
     """Base for plan layouts: subclasses list (name, size) sections and their item width."""
@@ -9,24 +12,27 @@ class PackedLayout:
     def sections(self):
         raise NotImplementedError
 
+    def _ranges(self):
+        """[(name, start, stop)] of the sections, each start a multiple of SECTION_ALIGN."""
+        out, off = [], 0
+        for name, n in self.sections():
+            out.append((name, off, off + n))
+            off += -(-n // SECTION_ALIGN) * SECTION_ALIGN
+        return out
+
     @property
     def size(self):
-        return sum(n for _, n in self.sections())
+        return max((stop for _, _, stop in self._ranges()), default=0)
 
     def section_range(self, name):
         """(start, stop) of a named section in the buffer."""
-        off = 0
-        for n, size in self.sections():
+        for n, start, stop in self._ranges():
             if n == name:
-                return off, off + size
-            off += size
+                return start, stop
         raise KeyError(name)
 
     def unpack(self, buf):
         """Splits the packed buffer (NumPy or jax array) into its named sections (views)."""
-        out, off = {}, 0
-        for name, n in self.sections():
-            out[name] = buf[off:off + n]
-            off += n
+        out = {name: buf[start:stop] for name, start, stop in self._ranges()}
         out["items"] = out["items"].reshape(-1, self.ITEM_FIELDS)
         return out
