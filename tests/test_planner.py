@@ -138,3 +138,22 @@ def test_tails_plan_aligns_tiles_and_maps_every_token_once(lens, causal, contigu
     live = sec["tail_dest"][sec["tail_dest"] < num_tokens]
     np.add.at(written, live, 1)
     np.testing.assert_array_equal(written, 1)
+
+
+def test_plan_sections_start_256_byte_aligned(rng):
+    """Every section of a packed plan starts at a multiple of 64 int32 entries (Mosaic GPU
+    kernels take inputs only at 256-byte aligned addresses), and unpack returns exactly it."""
+    from planner import packing
+    from planner import prefill as prefill_planner
+    indptr, indices, last, _ = page_table(rng, np.array([5, 70, 33]), 16)
+    layout, buf, _ = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=8)
+    qo_indptr = np.array([0, 3, 10, 11], np.int32)
+    kv_lens = np.array([5, 70, 33], np.int32)
+    p_layout, p_buf, _ = prefill_planner.plan_prefill(qo_indptr, kv_lens, indptr[:-1], indices,
+                                                      group=2, causal=True, num_cells=8)
+    for lay, b in ((layout, buf), (p_layout, p_buf)):
+        assert b.shape == (lay.size,)
+        sec = lay.unpack(b)
+        for name, n in lay.sections():
+            start, stop = lay.section_range(name)
+            assert start % packing.SECTION_ALIGN == 0 and stop - start == n == sec[name].size
