@@ -140,11 +140,11 @@ class _Prefill:
         self.variant = variant
         # The Mosaic GPU kernel (pallas_kernels/prefill_mosaic.py) runs 128-token tiles of one query
         # head, one per cell, KV unsplit, and stores whole tiles: it needs plans with tails.
-        # impl="auto" plans for it where it can run (a Hopper GPU, no variant, shapes it takes;
-        # masks and windows are checked per plan, dtypes per run), with a Triton plan beside.
+        # impl="auto" plans for it where it can run (a Hopper GPU, built-in variants only, shapes
+        # it takes; custom masks are checked per plan, dtypes per run), with a Triton plan beside.
         self.mosaic_plans = self.impl == "mosaic" or (
-            self.impl == "auto" and mosaic_fits and variant is None and head_dim % 64 == 0
-            and _backend.mosaic_available(self.interpret))
+            self.impl == "auto" and mosaic_fits and variants.mosaic_ready(variant)
+            and head_dim % 64 == 0 and _backend.mosaic_available(self.interpret))
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
               max_num_pages=None, causal=None, window_left=None, contiguous_kv=False, **positions):
@@ -157,7 +157,7 @@ class _Prefill:
             mask, offsets = _flat_mask(custom_mask, packed_custom_mask, np.diff(qo_indptr), kv_lens,
                                        self.max_mask_len)
             causal = False  # the custom mask replaces the causal mask
-        tails = self.impl == "mosaic" or (self.mosaic_plans and mask is None and window_left is None)
+        tails = self.impl == "mosaic" or (self.mosaic_plans and mask is None)
 
         def plan_for(tails):
             layout, buf, info = prefill_planner.plan_prefill(
@@ -227,12 +227,13 @@ _DOC_COMMON = """
     num_ctas (default 16 x SM count on the GPU) sets the grid: cells = num_ctas // num_kv_heads.
     kernel_options (block_kv, num_warps, num_stages) tune the kernel. impl picks it: "mosaic",
     the Hopper kernel (Mosaic GPU: TMA, wgmma, warp-specialized; 16-bit q/K/V, NHD, head_dim a
-    multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no variant,
-    custom mask, window or fp8; ValueError otherwise): 128-token tiles of one query head, one
-    per CTA, KV never split, 1.2-1.5x the Triton kernel on H100 (BENCHMARKS.md, issue 4);
-    "triton", the Pallas-Triton kernel, every feature; "auto" (default): the Mosaic kernel
-    where it can run (compiled on a Hopper GPU; plans then hold a Triton plan too, which run()
-    uses for other dtypes), else Triton."""
+    multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no custom
+    mask, fp8, or variant query / key transforms (RoPE); ValueError otherwise): 128-token tiles
+    of one query head, one per CTA, KV never split, 1.2-1.5x the Triton kernel on H100
+    (BENCHMARKS.md, issues 4 and 6); "triton", the Pallas-Triton kernel, every feature;
+    "auto" (default): the Mosaic kernel where it can run (compiled on a Hopper GPU, no variant
+    or built-in ones only: soft-cap, window, ALiBi, sigmoid, sinks; plans then hold a Triton
+    plan too, which run() uses for other dtypes), else Triton."""
 
 
 class BatchPrefillWithPagedKVCache(_Prefill):

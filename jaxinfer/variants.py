@@ -175,7 +175,7 @@ def tanh(x):
 def _soft_cap(params, s, qo_pos, kv_pos, qo_head):
     cap = params["logits_soft_cap"]
     safe = jnp.where(cap > 0, cap, 1.0)
-    return jnp.where(cap > 0, safe * tanh(s / safe), s)
+    return jnp.where(cap > 0, safe * tanh(s * (1.0 / safe)), s)  # one reciprocal, then multiplies
 
 
 def soft_cap():
@@ -277,6 +277,22 @@ def sinks():
     """Attention sinks: a per-head logit (natural units) added to each softmax denominator.
     Params: sinks f32[Hq]. A row that sees no key then gives o = 0 and lse = sink."""
     return AttentionVariant(output_transform=_sinks, param_names=("sinks",), name="sinks")
+
+
+# Hooks the Mosaic GPU prefill kernel is known to lower (checked on the GPU, BENCHMARKS.md):
+# prefill impl="auto" picks it for variants made of these only. Output transforms run outside
+# the kernels.
+_MOSAIC_HOOKS = frozenset([_soft_cap, _window_mask, _window_bounds, _alibi, _sigmoid])
+
+
+def mosaic_ready(variant):
+    """Whether impl="auto" may run `variant` on the Mosaic GPU prefill kernel: no variant, or
+    built-in logits transforms and masks (other hooks run there with impl="mosaic" only)."""
+    if variant is None:
+        return True
+    hooks = (variant.query_transforms + variant.key_transforms + variant.logits_transforms
+             + tuple(f for pair in variant.logits_masks for f in pair if f is not None))
+    return all(f in _MOSAIC_HOOKS for f in hooks)
 
 
 def default_params(variant, num_qo_heads, **overrides):

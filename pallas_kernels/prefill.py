@@ -6,9 +6,10 @@ query tile of one request against one chunk of its KV:
 
     items[w] = (q_row_start, tile_tok, qo_len, page_base, kv_len,
                 kv_start, kv_end, part_base, num_chunks, chunk, mask_base, kv_pos_offset, tail,
-                kv_first)
+                kv_first, q_pos_min, q_pos_max)
 
-(tail and kv_first serve impl="mosaic": see prefill_mosaic.py and planner/prefill.py.)
+(tail and kv_first serve impl="mosaic": see prefill_mosaic.py and planner/prefill.py;
+q_pos_min / q_pos_max bound the tile's query positions.)
 
 q_row_start is the request's first row in q [nnz, Hq, D]; the tile covers its
 query tokens [tile_tok, tile_tok + tokens_per_tile) and keys [kv_start, kv_end).
@@ -35,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
 
-ITEM_FIELDS = 14
+ITEM_FIELDS = 16
 MOSAIC_TILE_TOKENS = 128  # query tokens per tile of impl="mosaic" (prefill_mosaic.TILE_TOKENS)
 
 
@@ -185,7 +186,7 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
     scattered into o through tail_dest, its lse rows gathered through lse_src."""
     from pallas_kernels import prefill_mosaic
     nnz, num_qo_heads, d = q.shape
-    unsupported = {"variant": variant is not None, "custom mask": mask is not None,
+    unsupported = {"custom mask": mask is not None,
                    "fp8 / k_scale, v_scale": scales is not None, "block-sparse": global_kv_pos,
                    "a plan without tails": tail_dest is None or lse_src is None}
     for what, present in unsupported.items():
@@ -208,7 +209,7 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
     o, lse_items, o_tail = prefill_mosaic.prefill_mosaic(
         q, k_rows, v_rows, kv_indices, items, cell_indptr, tail_dest.shape[0], page_size=page_size,
         num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, block_kv=block_kv,
-        interpret=interpret, **tuning)
+        variant=variant, params=params, q_pos=q_pos, interpret=interpret, **tuning)
     o = o.at[tail_dest].set(o_tail, mode="drop")
     lse = lse_items[:, lse_src[:nnz]].T  # [nnz, Hq]
     return (o.reshape(nnz * num_qo_heads, d), lse.reshape(-1),
@@ -228,7 +229,7 @@ def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num
     v_scale) f32[Hkv] or None; variant / params / q_pos int32[nnz]: an attention variant, its
     parameters and each query token's position.
     impl: "triton" (every feature), or "mosaic" (Hopper: wgmma, TMA, warp-specialized; 16-bit
-    K/V, no variant or custom mask; needs a plan with tails, one item per cell, unsplit KV, and
+    K/V, no custom mask, variants without query / key transforms; needs a plan with tails, one item per cell, unsplit KV, and
     tail_dest= and lse_src=).
     Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.

@@ -21,9 +21,17 @@ the same work list as the Triton kernel (see prefill.py) with:
 Grid (Hq, num_cells). Keys past the item's range, or causally hidden, are masked to
 -inf; rows that see no key give o = 0, lse = -inf. Unused slots of a listed page are
 loaded (and masked): they must hold finite values (JAX arrays always do).
+
+Variants (jaxinfer.variants): logits transforms, logits masks and use_softmax=False, not
+query / key transforms (they would need q and K in registers). Hooks see full [64, BK] tiles
+of query and key positions and the query head as a scalar. A mask with kv_bounds (a sliding
+window) moves the tile's first KV block to the block holding the first key any of its rows
+sees (item fields 14, 15 bound its query positions); blocks before full_lo are masked.
 """
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,20 +39,40 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _common
+
 WG_ROWS = 64  # query rows per compute warpgroup
 TILE_TOKENS = 2 * WG_ROWS  # = prefill.MOSAIC_TILE_TOKENS
 LOG2E = math.log2(math.e)
-ITEM_FIELDS = 14  # = prefill.ITEM_FIELDS
+ITEM_FIELDS = 16  # = prefill.ITEM_FIELDS
+NUM_WARPGROUPS = 3  # two compute warpgroups and one memory warpgroup
 
 
-def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-            o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
-            max_steps, sm_scale, interpret):
+def _warn_if_interpreter_pool_too_small():
+    """Warns when XLA's CPU thread pool may be too small for the Mosaic GPU interpreter.
+
+    The interpreter runs each warpgroup as an XLA CPU computation; a warpgroup waiting on a
+    barrier holds a thread of XLA's intra-op pool (PJRT_NPROC or NPROC threads, else one per
+    CPU). With fewer threads than warpgroups the one that would arrive may never run: a
+    deadlock, seen on 2-core machines.
+    """
+    env = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
+    threads = int(env) if env and env.isdigit() else len(os.sched_getaffinity(0))
+    if threads <= NUM_WARPGROUPS:
+        warnings.warn(f"Mosaic GPU interpreter: XLA's CPU pool has {threads} threads for "
+                      f"{NUM_WARPGROUPS} warpgroups and can deadlock; set PJRT_NPROC=8 before "
+                      "JAX starts", RuntimeWarning, stacklevel=3)
+
+
+def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
+            o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
+            max_steps, sm_scale, variant, interpret):
     head = lax.axis_index("heads")
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
     kv_head = lax.div(head, jnp.int32(num_qo_heads // k_ref.shape[-2]))
-    (q_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    (q_smem2, k_smem, v_smem, lse_smem2, *pos_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    pos_smem2 = pos_smem2[0] if pos_smem2 else None  # [2, 64] int32 with a variant
     wg = lax.axis_index("wg")
     w = cell_indptr_ref[cell]
     has_item = cell_indptr_ref[cell + 1] > w
@@ -52,13 +80,25 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
     fields = ITEM_FIELDS
     q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end = (
         items_ref[w * fields + i] for i in range(7))  # items flattened: 1-D scalar loads
-    tail, kv_first = items_ref[w * fields + 12], items_ref[w * fields + 13]
+    pos_offset, tail, kv_first = (items_ref[w * fields + i] for i in (11, 12, 13))
     offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
     kv_hi = kv_end
     if causal:
         kv_hi = jnp.clip(jnp.minimum(tile_tok + TILE_TOKENS, qo_len) - 1 + offset + 1, kv_start, kv_end)
+    softmax = variant is None or variant.use_softmax
+    bounded = variant is not None and variant.has_bounds
+    masked_variant = variant is not None and variant.has_mask
+    # The tile's blocks start at a multiple of block_kv (whole pages, 8-aligned rows): at its
+    # first key, or at the first key the variant's mask shows to any of its rows.
+    kv_begin = kv_start
+    if bounded:
+        pos_min, pos_max = items_ref[w * fields + 14], items_ref[w * fields + 15]
+        lo, full_lo = variant.kv_bounds(params, pos_min, pos_max)
+        kv_begin = jnp.clip(lo - pos_offset, kv_start, kv_hi)
+    kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
+    kv_visible = jnp.maximum(kv_start, kv_first)  # keys before it are loaded, never shown
     # Blocks the memory warpgroup loads (the tile's), 0 for an empty cell.
-    tile_steps = jnp.where(has_item, pl.cdiv(kv_hi - kv_start, jnp.int32(block_kv)), 0)
+    tile_steps = jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0)
     slots = k_smem.shape[0]
 
     def schedule_barrier():
@@ -76,13 +116,23 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
             last = jnp.minimum(first_tok + WG_ROWS, qo_len) - 1
             wg_hi = jnp.clip(last + offset + 1, kv_start, kv_end)
         has_rows = has_item & (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
-        steps = jnp.where(has_rows, pl.cdiv(wg_hi - kv_start, jnp.int32(block_kv)), 0)
+        steps = jnp.where(has_rows, pl.cdiv(jnp.maximum(wg_hi - kv_begin, 0), jnp.int32(block_kv)), 0)
         # Blocks wholly visible to every row of the warpgroup (and inside the range).
         full_end = jnp.minimum(kv_end, first_tok + offset + 1) if causal else kv_end
-        n_full = jnp.clip(lax.div(full_end - kv_start, jnp.int32(block_kv)), 0, steps)
+        n_full = jnp.clip(lax.div(full_end - kv_begin, jnp.int32(block_kv)), 0, steps)
+        # Leading blocks that need the mask: keys before kv_visible, or not all inside the variant's.
+        lead = jnp.where(kv_visible > kv_begin, 1, 0)
+        if bounded:
+            lead = jnp.maximum(lead, pl.cdiv(full_lo - pos_offset - kv_begin, jnp.int32(block_kv)))
+        elif masked_variant:
+            lead = steps  # no bounds: every block masked
+        lead = jnp.clip(lead, 0, steps)
 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], q_smem,
                                 q_bar.at[wg])
+        if variant is not None:  # the rows' query positions, by the same barrier
+            plgpu.copy_gmem_to_smem(q_pos_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS)],
+                                    pos_smem2.at[wg], q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         # (The interpreter has no register layouts: plain arrays there.)
         cast = (lambda x, _: x) if interpret else plgpu.layout_cast
@@ -91,6 +141,9 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
         acc = cast(jnp.full((WG_ROWS, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
         iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
                 functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+        if variant is not None:  # the rows' query positions [64]
+            q_pos = (pos_smem2[wg] if interpret else
+                     plgpu.load(pos_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
 
         @pl.when(tile_steps > 0)
         def _():
@@ -114,20 +167,35 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
             else:
                 s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))  # [64, BK]
             plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                q_tok = iota(s.shape, 0) + first_tok
-                kv_tok = iota(s.shape, 1) + kv_start + step * block_kv
-                visible = (kv_tok >= kv_first) & (kv_tok < kv_end)
-                if causal:
-                    visible = visible & (kv_tok <= q_tok + offset)
-                s = jnp.where(visible, s, -jnp.inf)
+            if masked or variant is not None:
+                kv_tok = iota(s.shape, 1) + kv_begin + step * block_kv
             c = sm_scale * LOG2E  # base 2, the scale folded into the exponent's multiply-add
-            m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
+            if variant is not None:
+                qo_pos = lax.broadcast_in_dim(q_pos, s.shape, [0])
+                kv_pos = kv_tok + pos_offset
+            if variant is not None and variant.has_logits_transform:
+                s = variant.logits_transform(params, s * sm_scale, qo_pos, kv_pos, head)
+                c = LOG2E
+            visible = None
+            if masked:
+                visible = (kv_tok >= kv_visible) & (kv_tok < kv_end)
+                if causal:
+                    visible = visible & (kv_tok <= iota(s.shape, 0) + first_tok + offset)
+                if masked_variant:
+                    visible = visible & variant.logits_mask(params, qo_pos, kv_pos, head)
+            if softmax:
+                if visible is not None:
+                    s = jnp.where(visible, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_safe)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+            else:  # o = sum_j f(s_ij) v_j (the transform is f)
+                p, m_new = s, m_i
+                if visible is not None:
+                    p = jnp.where(visible, p, 0.0)
             p16 = p.astype(q_ref.dtype)
             if not interpret:
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
@@ -153,9 +221,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        # Masked: a first block holding keys before the request's (kv_first > 0: contiguous K
-        # loaded from an aligned row), and the blocks from n_full on.
-        lead = jnp.minimum(jnp.where(kv_first > kv_start, 1, 0), steps)
+        # Masked: the lead blocks, and the blocks from n_full on.
         unmasked_end = jnp.maximum(n_full, lead)
         carry = lax.fori_loop(0, lead, functools.partial(kv_step, masked=True), (acc, m_i, l_i))
         carry = lax.fori_loop(lead, unmasked_end, functools.partial(kv_step, masked=False), carry)
@@ -178,11 +244,15 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
         lax.fori_loop(steps, tile_steps, drain, None)
         pl.when(wg == 0)(schedule_barrier)
 
-        nonempty = l_i > 0
-        l_safe = jnp.where(nonempty, l_i, 1.0)
-        o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        if softmax:
+            nonempty = l_i > 0
+            l_safe = jnp.where(nonempty, l_i, 1.0)
+            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
+        else:  # plain sums: lse 0 (see _attention.finalize)
+            o, lse = acc, l_i
         q_smem[...] = o.astype(q_ref.dtype)
-        lse_smem[...] = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
+        lse_smem[...] = lse
         plgpu.commit_smem()
         @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
         def _():
@@ -210,7 +280,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
         def sources(step):
             """(K/V source index, slot rows) of each copy of KV block `step`: the page-index
             loads, issued before waiting for the slot."""
-            tok = kv_start + step * block_kv
+            tok = kv_begin + step * block_kv
             if contiguous:
                 return [((pl.ds(page_base + tok, block_kv), kv_head), pl.ds(0, block_kv))]
             srcs = []
@@ -250,9 +320,11 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_r
 
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
-                   interpret=False):
+                   variant=None, params=None, q_pos=None, interpret=False):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
-    contiguous [tokens * Hkv, D] with kv_indices None. Returns (o [nnz, Hq, D],
+    contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
+    attention variant (no query / key transforms), its parameters and each query token's
+    position. Returns (o [nnz, Hq, D],
     lse_items [Hq, num_items * 128] (item slot w's tokens in rows w * 128 + i),
     o_tail [num_tail_rows, Hq, D])."""
     nnz, num_qo_heads, d = q.shape
@@ -274,30 +346,41 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         k = k_rows.reshape(-1, page_size, num_kv_heads, d)
         v = v_rows.reshape(-1, page_size, num_kv_heads, d)
     num_cells = cell_indptr.shape[0] - 1
+    if variant is not None and (variant.has_query_transform or variant.has_key_transform):
+        raise ValueError(f"prefill impl='mosaic': variant {variant.name!r} has query / key transforms")
+    leaves, treedef, scalar = _common.flatten_params(params)
+    extra = []
+    if variant is not None:  # rows are loaded 64 at a time from 8-aligned starts: padded
+        extra = [_pad_rows(q_pos.astype(jnp.int32), nnz_pad + TILE_TOKENS)] + leaves
     interpret_params = None
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        _warn_if_interpreter_pool_too_small()
         interpret_params = InterpretGPUParams(uninitialized_memory="nan")  # outputs poisoned
 
-    def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-              o_tail_ref):
+    def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, *refs):
+        q_pos_ref, param_refs = (refs[0], refs[1:-3]) if variant is not None else (None, ())
+        o_ref, lse_ref, o_tail_ref = refs[-3:]
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         smem = [plgpu.SMEM((2, WG_ROWS, d), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((2, WG_ROWS), jnp.float32)]
+        if variant is not None:
+            smem.append(plgpu.SMEM((2, WG_ROWS), jnp.int32))
         copies = 1 if contiguous else max(1, block_kv // page_size)
         loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
                   plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
-                  plgpu.Barrier(num_barriers=2))
+                  plgpu.Barrier(num_arrivals=1 if variant is None else 2, num_barriers=2))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=max_concurrent_steps),) * 2
         pl.run_scoped(
-            lambda *scoped: _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref,
-                                    o_ref, lse_ref, o_tail_ref, scoped, causal=causal,
-                                    contiguous=contiguous, page_size=page_size, block_kv=block_kv,
-                                    max_steps=max_concurrent_steps, sm_scale=sm_scale,
-                                    interpret=interpret),
+            lambda *scoped: _kernel(
+                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref,
+                None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
+                o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
+                page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
+                sm_scale=sm_scale, variant=variant, interpret=interpret),
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),
@@ -305,10 +388,10 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                  jax.ShapeDtypeStruct((num_tail_rows, num_qo_heads, d), q.dtype))
     kw = dict(interpret=interpret_params) if interpret else {}
     o, lse_items, o_tail = plgpu.kernel(entry, out_type=out_shape, grid=(num_qo_heads, num_cells),
-                        grid_names=("heads", "cells"), num_threads=3, thread_name="wg",
+                        grid_names=("heads", "cells"), num_threads=NUM_WARPGROUPS, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(
                             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), **kw)(
-        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v)
+        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v, *extra)
     return o[:nnz], lse_items, o_tail
 
 

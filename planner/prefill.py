@@ -12,7 +12,7 @@ import numpy as np
 from planner import scheduler, validate
 from planner.packing import PackedLayout
 
-ITEM_FIELDS = 14  # see pallas_kernels/prefill.py
+ITEM_FIELDS = 16  # see pallas_kernels/prefill.py
 ROW_ALIGN = 8  # tails plans: TMA copies rows in groups of 8
 TILE_ROWS = (16, 32, 64, 128)
 
@@ -89,7 +89,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     which tail_dest maps to rows of o (num_tokens: none); lse is stored per work item, in rows
     [slot * tokens_per_tile, ...), and lse_src maps each token to its row there. With
     contiguous_kv (page_base is a row of K), each request's keys likewise start at an aligned
-    row: kv_first (item field 13) keys before its own are loaded and masked.
+    row: kv_first (item field 13) keys before its own are loaded and masked. Item fields 14, 15:
+    the smallest and largest query position of the tile's rows (for variants' mask bounds).
     """
     if fixed_split_tokens is not None and fixed_split_tokens < 1:
         raise ValueError(f"fixed_split_tokens must be >= 1, got {fixed_split_tokens}")
@@ -132,8 +133,6 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
 
     num_splits = int(num_cells)
     if tails:  # whole-tile kernels: one unsplit item per cell, longest first
-        if window_left is not None and window_left >= 0:
-            raise ValueError("plans with tails (impl='mosaic') take no window_left")
         num_splits, num_cells = 0, -(-num_tokens // tpt) + 2 * (bcap + 1)
         chunk = max(int(span.max(initial=0)), 1)
     elif fixed_split_tokens is not None:
@@ -167,14 +166,14 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
     items[:, 3] = np.append(page_base, 0)[r_of] - kv_off[r_of]
     items[:, 4] = all_kv[r_of] + kv_off[r_of]
-    items[:, 5] = kv_start  # 0 with tails (no window, no split): an aligned row
+    items[:, 5] = np.where(kv_start > 0, kv_start + kv_off[r_of], 0)  # tails, no window: aligned
     items[:, 6] = kv_end + kv_off[r_of]
     items[:, 7] = np.where(split[tile_of], part_base[tile_of], -1)
     items[:, 8] = nchunks[tile_of]
     items[:, 9] = chunk_idx
     items[:, 10] = -1 if mask_offsets is None else np.append(mask_offsets, 0)[r_of]
     pos_off = np.zeros(batch, np.int64) if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
-    items[:, 11] = np.append(pos_off, 0)[r_of]
+    items[:, 11] = np.append(pos_off, 0)[r_of] - kv_off[r_of]  # key t's position: field 11 + t
     # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
     is_tail = (tile_tok < 0) | (tile_tok + tpt > qo_r)
     tail_slot = np.where(is_tail, np.cumsum(is_tail) - 1, -1)
@@ -183,6 +182,14 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if q_positions is None:
         tok_req = np.repeat(np.arange(batch), qo_lens)
         q_positions = (pos_off + kv_lens - qo_lens)[tok_req] + np.arange(nnz) - qo_indptr[:-1][tok_req]
+    # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from its
+    # first real row.
+    all_pos = np.zeros(num_tokens, np.int64)
+    all_pos[:nnz] = q_positions
+    if req.shape[0]:
+        first_row = qo_start[req] + np.maximum(tile_tok, 0)
+        items[:, 14] = np.minimum.reduceat(all_pos, first_row)[tile_of]
+        items[:, 15] = np.maximum.reduceat(all_pos, first_row)[tile_of]
 
     order, cell_indptr = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells)
 

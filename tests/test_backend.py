@@ -118,3 +118,10 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
             pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu", impl="mosaic")
             args = (qp, k, k, pre.plan(qo_indptr, (np.arange(b + 1) * s).astype(np.int32)))
         jax.jit(pre.run).trace(*args).lower(lowering_platforms=("cuda",))
+    # ... and with variants: the built-ins' hooks traced into the Mosaic kernel.
+    from jaxinfer import variants as V
+    for var in (V.compose(V.soft_cap(), V.alibi(), V.sliding_window(), V.sinks()), V.sigmoid()):
+        pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", variant=var)
+        plan = pre.plan(qo_indptr, indptr, indices, last)
+        run = jax.jit(lambda q, c, p, vp: pre.run(q, c, p, variant_params=vp))
+        run.trace(qp, cache, plan, V.default_params(var, hq)).lower(lowering_platforms=("cuda",))

@@ -100,11 +100,14 @@ def test_capacity_errors(rng):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 400)), min_size=1, max_size=6),
-       st.booleans(), st.booleans(), st.integers(0, 50), st.sampled_from([1, 4]))
-def test_tails_plan_aligns_tiles_and_maps_every_token_once(lens, causal, contiguous, spare, group):
+       st.booleans(), st.booleans(), st.integers(0, 50), st.sampled_from([1, 4]),
+       st.sampled_from([None, 0, 37, 200]))
+def test_tails_plan_aligns_tiles_and_maps_every_token_once(lens, causal, contiguous, spare, group, window):
     """impl='mosaic' plans: every tile (and, for contiguous K/V, every request's keys) starts
     at a row divisible by ROW_ALIGN; each token of q is stored exactly once, by its tile in
-    place or through tail_dest; lse_src points at the token's row of its tile's item slot."""
+    place or through tail_dest; lse_src points at the token's row of its tile's item slot.
+    Positions: key t of an item sits at field 11 + t, fields 14 / 15 bound its rows' query
+    positions, and a window plan starts no later than the first key the window shows."""
     from planner import prefill as prefill_planner
     qo_lens = np.array([q for q, _ in lens], np.int64)
     kv_lens = np.array([k for _, k in lens], np.int32)
@@ -113,15 +116,22 @@ def test_tails_plan_aligns_tiles_and_maps_every_token_once(lens, causal, contigu
     num_tokens = int(qo_indptr[-1]) + spare
     layout, buf, _ = prefill_planner.plan_prefill(
         qo_indptr, kv_lens, kv_base, np.zeros(0, np.int32), group=group, causal=causal, num_cells=8,
-        max_num_tokens=num_tokens, rows=128 * group, tails=True, contiguous_kv=contiguous)
+        max_num_tokens=num_tokens, rows=128 * group, tails=True, contiguous_kv=contiguous,
+        window_left=window)
     sec = layout.unpack(buf)
     tpt, align = 128, prefill_planner.ROW_ALIGN
     cells = np.diff(sec["cell_indptr"])
     assert cells.max() <= 1  # one item per cell
     items = sec["items"][:int(cells.sum())]
     written = np.zeros(num_tokens, np.int64)
-    for w, (q0, t0, qo, base, kv, k0, k1, *_, tail, kv_first) in enumerate(items):
+    for w, (q0, t0, qo, base, kv, k0, k1, *_, pos_off, tail, kv_first, pos_min, pos_max) in enumerate(items):
         assert (q0 + t0) % align == 0 and -align < t0 < max(qo, 1)
+        assert pos_off == -kv_first  # key t of the item is the request's key t - kv_first
+        req_q = (np.arange(max(t0, 0), min(t0 + tpt, qo)) + kv - kv_first - qo)  # bottom-right
+        if qo and q0 < qo_indptr[-1]:  # (not the padding request)
+            assert (pos_min, pos_max) == (req_q.min(), req_q.max())
+        if window is not None and k0 > 0:
+            assert pos_off + k0 <= max(0, pos_min - window)
         if contiguous and kv:
             assert base % align == 0 and kv_first == kv_base[np.searchsorted(qo_indptr, q0, "right") - 1] % align
         else:

@@ -211,6 +211,43 @@ def test_mosaic_prefill_matches_reference(rng, case, kind):
     assert_lse_close(lse, want.lse, 1e-2)
 
 
+MOSAIC_VARIANTS = {  # name: (variant, parameter overrides)
+    "cap_alibi_window": (lambda V: V.compose(V.soft_cap(), V.alibi(), V.sliding_window()),
+                         dict(logits_soft_cap=30.0, window_left=33)),
+    "window": (lambda V: V.sliding_window(), dict(window_left=13)),
+    "sigmoid": (lambda V: V.sigmoid(), dict(sigmoid_bias=-2.0)),
+    "cap_sinks": (lambda V: V.compose(V.soft_cap(), V.sinks()), dict(logits_soft_cap=1.0, sinks=[0.5, -1.0])),
+}
+
+
+@pytest.mark.parametrize("name, kind", [("cap_alibi_window", "ragged")] + [
+    pytest.param(n, k, marks=pytest.mark.slow) for n in MOSAIC_VARIANTS for k in ("paged", "ragged")
+    if (n, k) != ("cap_alibi_window", "ragged")])
+def test_mosaic_prefill_variants_match_reference(rng, name, kind):
+    """impl="mosaic" with variants traced in (its interpreter), bf16, against the reference
+    applying the same functions; a window of 33 on 300 keys skips whole KV blocks."""
+    from jaxinfer import variants as V
+    make, overrides = MOSAIC_VARIANTS[name]
+    var = make(V)
+    qo, kv, page, hq, hkv, d = np.array([70, 5]), np.array([300, 40]), 16, 2, 1, 64
+    params = V.default_params(var, hq, **{k: jnp.asarray(v) for k, v in overrides.items()})
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16, "NHD")
+    qo_indptr = _indptr(qo)
+    q = randn(rng, (qo_indptr[-1], hq, d), jnp.bfloat16)
+    want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True,
+                               variant=var, params=params)
+    if kind == "paged":
+        pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl="mosaic", variant=var)
+        o = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last), variant_params=params)
+    else:
+        k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)
+        pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, impl="mosaic", variant=var)
+        o = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr), variant_params=params)
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    assert rel_err(o, want.o) < TOL[jnp.bfloat16]
+
+
 def test_mosaic_prefill_rejects_what_it_does_not_support(rng):
     qo_indptr, kv_indptr = _indptr([4]), _indptr([8])
     q = randn(rng, (4, 2, 64), jnp.float32)
@@ -220,6 +257,11 @@ def test_mosaic_prefill_rejects_what_it_does_not_support(rng):
     with pytest.raises(ValueError, match="custom mask"):
         pre.run(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
                 pre.plan(qo_indptr, kv_indptr, custom_mask=np.ones(32, bool)))
+    from jaxinfer import variants as V
+    rope = ji.BatchPrefillWithRaggedKVCache(2, 2, 64, impl="mosaic", variant=V.rope())
+    x = q.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="query / key transforms"):
+        rope.run(x, x, x, rope.plan(qo_indptr, kv_indptr), variant_params=V.default_params(V.rope(), 2))
     with pytest.raises(ValueError, match="head_dim"):
         ji.BatchPrefillWithRaggedKVCache(2, 2, 32, impl="mosaic").run(
             q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16),
@@ -247,6 +289,12 @@ def test_auto_impl_plans_for_mosaic_and_falls_back_to_triton(rng, monkeypatch):
     assert rel_err(pre.run(q, fp8, plan, k_scale=0.5, v_scale=2.0), want8.o) < TOL[jnp.bfloat16]
     masked = pre.plan(qo_indptr, indptr, indices, last, custom_mask=np.ones(int((qo * kv).sum()), bool))
     assert masked.layout.tail_cap == 0 and masked.alt is None
+    # Built-in logits transforms and masks plan for Mosaic; RoPE and user hooks for Triton.
+    from jaxinfer import variants as V
+    for var, mosaic in ((V.compose(V.soft_cap(), V.sliding_window()), True), (V.rope(), False),
+                        (V.AttentionVariant(logits_transform=lambda p, s, *_: s * 0.5), False)):
+        vplan = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, variant=var).plan(qo_indptr, indptr, indices, last)
+        assert (vplan.layout.tail_cap > 0) == mosaic and (vplan.alt is not None) == mosaic
     # Not on a Hopper GPU, or with impl="triton": Triton plans only.
     assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl="triton").plan(
         qo_indptr, indptr, indices, last).alt is None
