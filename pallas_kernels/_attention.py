@@ -16,7 +16,7 @@ from pallas_kernels import _common
 def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *, page_size,
            num_kv_heads, layout, block_kv, sm_scale, visible_fn=None, n_head=0, n_plain=0,
            variant=None, params=None, qo_pos=None, qo_head=None, kv_pos_offset=0,
-           global_kv_pos=False, k_scale=None):
+           global_kv_pos=False, k_scale=None, v_pairs=None):
     """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
@@ -31,7 +31,9 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     Variant positions: qo_pos [M], qo_head [M]; a key's position is kv_pos_offset + t,
     or its global row page_id * page_size + slot with global_kv_pos (block-sparse).
     K/V may be stored narrower than q (fp8): they are widened to float16 on load (exact),
-    q is cast to float16 for the dots, and k_scale (a scalar) multiplies the logits.
+    q is cast to float16 for the dots, and k_scale (a scalar) multiplies the logits. With v_pairs
+    (an fp8 dtype), v_ref holds fp8 V as uint16 column pairs (_common.fp8_pairs): its even and
+    odd columns are widened and multiplied separately (two [M, D / 2] accumulators).
     Exponentials go through _common.exp2 (one MUFU.EX2 each when compiled); where the scale is
     a static positive float it is folded into the exponent (2 ** (s * c - m): one multiply-add)
     rather than applied to the logits first.
@@ -41,16 +43,25 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     prec = _common.dot_precision(q.dtype)
     softmax = variant is None or variant.use_softmax
     natural = variant is not None and variant.has_logits_transform
+    if variant is not None and variant.has_query_transform:
+        q = variant.query_transform(params, q.astype(jnp.float32), qo_pos, qo_head).astype(q.dtype)
     scale = sm_scale if k_scale is None else sm_scale * k_scale
     # Raw logits are kept and the scale applied inside exp2's multiply-add (max(s) * c is the max
     # of the scaled logits for c > 0).
     fused_scale = softmax and not natural and k_scale is None and sm_scale > 0
-    if variant is not None and variant.has_query_transform:
-        q = variant.query_transform(params, q.astype(jnp.float32), qo_pos, qo_head).astype(q.dtype)
     widen = k_ref.dtype != q.dtype
     if widen:  # fp8 K/V widen exactly to float16 (cheaper than bfloat16); q follows, clamped
         f16_max = float(jnp.finfo(jnp.float16).max)
         q = jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
+
+    def load(ref, rows, valid, masked):  # [BK, C]; masked rows past the range read as 0
+        if not masked:                   # (fp8: undefined, Triton cannot fill 8-bit loads)
+            return ref[rows]
+        return _common.load_rows(ref, rows, valid, fill=ref.dtype.itemsize > 1)
+
+    def widened(x, valid, masked):  # fp8 -> float16; masked rows zeroed
+        x = x.astype(jnp.float16)
+        return jnp.where(valid[:, None], x, jnp.zeros_like(x)) if masked else x
 
     def block(j, carry, masked):
         acc, m, l = carry
@@ -65,15 +76,13 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
             page_ids = (_common.load_rows(kv_indices_ref, page_pos, valid) if masked
                         else kv_indices_ref[page_pos])
             rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-        if masked and not widen:
-            k = _common.load_rows(k_ref, rows, valid)  # [BK, D]; rows past the range read as 0
-            v = _common.load_rows(v_ref, rows, valid)
-        elif masked:  # fp8: masked rows load undefined values; zero them once widened
-            zero = jnp.zeros((block_kv, d), q.dtype)
-            k = jnp.where(valid[:, None], _common.load_rows(k_ref, rows, valid, False).astype(q.dtype), zero)
-            v = jnp.where(valid[:, None], _common.load_rows(v_ref, rows, valid, False).astype(q.dtype), zero)
+        k, v = load(k_ref, rows, valid, masked), load(v_ref, rows, valid, masked)  # [BK, D]
+        if widen:
+            k = widened(k, valid, masked)
+        if v_pairs is not None:  # [BK, D / 2] pairs (zero-filled) -> even, odd columns
+            vs = _common.widen_fp8_pairs(v, v_pairs)
         else:
-            k, v = k_ref[rows].astype(q.dtype), v_ref[rows].astype(q.dtype)  # fp8 pages widen here
+            vs = (widened(v, valid, masked) if widen else v,)
         kv_pos = None
         if variant is not None:
             kv_pos = (page_ids * page_size + tok % page_size) if global_kv_pos else kv_pos_offset + tok
@@ -98,8 +107,7 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
                                                         qo_head[:, None])
         if not softmax:  # o = sum_j f(s_ij) v_j
             p = s if visible is None else jnp.where(visible, s, 0.0)
-            pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-            return acc + pv, m, l
+            return tuple(a + pv for a, pv in zip(acc, pv_dots(p, vs))), m, l
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         m_blk = jnp.max(s, axis=1)
@@ -110,16 +118,23 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         alpha = _common.exp2(m - m_safe)
         p = (_common.exp2_scaled(s, scale * _common.LOG2E, m_safe) if fused_scale
              else _common.exp2(s - m_safe[:, None]))
-        pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+        acc = tuple(a * alpha[:, None] + pv for a, pv in zip(acc, pv_dots(p, vs)))
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    carry = (jnp.zeros((rows_q, d), jnp.float32), jnp.full((rows_q,), -jnp.inf, jnp.float32),
-             jnp.zeros((rows_q,), jnp.float32))
+    def pv_dots(p, vs):  # p [M, BK] times each V tile [BK, C]
+        return [jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+                for v in vs]
+
+    parts = 1 if v_pairs is None else 2
+    carry = (tuple(jnp.zeros((rows_q, d // parts), jnp.float32) for _ in range(parts)),
+             jnp.full((rows_q,), -jnp.inf, jnp.float32), jnp.zeros((rows_q,), jnp.float32))
     masked_block = functools.partial(block, masked=True)
     if not (isinstance(n_head, int) and n_head == 0):
         carry = lax.fori_loop(0, n_head, masked_block, carry)
     carry = lax.fori_loop(n_head, n_head + n_plain, functools.partial(block, masked=False), carry)
-    return lax.fori_loop(n_head + n_plain, pl.cdiv(n_tok, block_kv), masked_block, carry)
+    acc, m, l = lax.fori_loop(n_head + n_plain, pl.cdiv(n_tok, block_kv), masked_block, carry)
+    acc = acc[0] if parts == 1 else jnp.stack(acc, axis=-1).reshape(rows_q, d)  # interleave columns
+    return acc, m, l
 
 
 def skip_to_bounds(variant, params, pos_min, pos_max, kv_pos_offset, tok_start, n_tok, block_kv):

@@ -88,6 +88,38 @@ def tanh(x):
     return _asm("tanh.approx.f32 $0, $1;", x.astype(jnp.float32)).astype(x.dtype)
 
 
+def fp8_pairs(rows):
+    """fp8 K/V rows [R, D] viewed as uint16 [R, D / 2]: each element a pair of adjacent columns
+    (the even one in the low byte). The kernels read fp8 V this way (see widen_fp8_pairs)."""
+    return lax.bitcast_convert_type(rows.reshape(rows.shape[0], rows.shape[1] // 2, 2), jnp.uint16)
+
+
+_CVT_F16X2 = {jnp.dtype(jnp.float8_e4m3fn): "e4m3x2", jnp.dtype(jnp.float8_e5m2): "e5m2x2"}
+
+
+def widen_fp8_pairs(pairs, fp8_dtype):
+    """uint16 pairs [N, C] of fp8 values (see fp8_pairs) -> float16 (even, odd) [N, C] each:
+    the even and odd columns of the fp8 tile, exactly.
+
+    Why pairs: the P.V product reduces over tokens, V's strided axis. An 8-bit V tile must then
+    be read from shared memory a byte at a time (no 8-bit transposing ldmatrix before sm_100);
+    16-bit pairs transpose like bf16 does. Fast: per two pairs one byte permute and two
+    cvt.rn.f16x2 (sm_89+); the reference splits the bytes with jnp."""
+    if not _FAST_MATH.get():
+        lo = lax.bitcast_convert_type((pairs & 0xFF).astype(jnp.uint8), fp8_dtype)
+        hi = lax.bitcast_convert_type((pairs >> 8).astype(jnp.uint8), fp8_dtype)
+        return lo.astype(jnp.float16), hi.astype(jnp.float16)
+    cvt = _CVT_F16X2[jnp.dtype(fp8_dtype)]
+    # One asm per half (Triton would clone a two-result asm into two layouts): each takes bytes
+    # 0 and 2 (even) or 1 and 3 (odd) of two pairs and widens them to one f16x2.
+    return tuple(plgpu.elementwise_inline_asm(
+        "{ .reg .b32 t; .reg .b16 lo, hi; "
+        f"prmt.b32 t, $1, 0, {sel}; mov.b32 {{lo, hi}}, t; cvt.rn.f16x2.{cvt} $0, lo; }}",
+        args=[pairs], constraints="=r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(pairs.shape, jnp.float16)])[0]
+        for sel in ("0x0020", "0x0031"))
+
+
 def uniform(x):
     """An int32 scalar, marked warp-uniform. Fast: redux.sync.min over the warp (the value is
     the same in every lane already), whose result ptxas knows to be uniform. Loop bounds loaded

@@ -103,6 +103,9 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
     dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
     plan = dec.plan(indptr, indices, last)
     jax.jit(dec.run).trace(q, cache, plan).lower(lowering_platforms=("cuda",))
+    for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # V read as byte pairs, widened by inline PTX
+        c8 = ji.PagedKVCache(cache.k_pages.astype(fp8), cache.v_pages.astype(fp8))
+        jax.jit(dec.run).trace(q, c8, plan).lower(lowering_platforms=("cuda",))
     qo_indptr = (np.arange(b + 1) * 7).astype(np.int32)
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu")
     plan = pre.plan(qo_indptr, indptr, indices, last)
