@@ -225,7 +225,7 @@ _DOC_COMMON = """
     plan(..., window_left=w): a sliding window known at plan time (w >= the window passed in
     variant_params): only keys inside it are planned and balanced across the grid.
     num_ctas (default 16 x SM count on the GPU) sets the grid: cells = num_ctas // num_kv_heads.
-    kernel_options (block_kv, num_warps, num_stages) tune the kernel. impl picks it: "mosaic",
+    kernel_options (block_kv, num_warps, num_stages, fp8_pairs) tune the kernel. impl picks it: "mosaic",
     the Hopper kernel (Mosaic GPU: TMA, wgmma, warp-specialized; 16-bit q/K/V, NHD, head_dim a
     multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no custom
     mask, fp8, or variant query / key transforms (RoPE); ValueError otherwise): 128-token tiles

@@ -16,7 +16,7 @@ from pallas_kernels import _common
 def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *, page_size,
            num_kv_heads, layout, block_kv, sm_scale, visible_fn=None, n_head=0, n_plain=0,
            variant=None, params=None, qo_pos=None, qo_head=None, kv_pos_offset=0,
-           global_kv_pos=False, k_scale=None, v_pairs=None):
+           global_kv_pos=False, k_scale=None, kv_pairs=None):
     """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
@@ -31,9 +31,10 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     Variant positions: qo_pos [M], qo_head [M]; a key's position is kv_pos_offset + t,
     or its global row page_id * page_size + slot with global_kv_pos (block-sparse).
     K/V may be stored narrower than q (fp8): they are widened to float16 on load (exact),
-    q is cast to float16 for the dots, and k_scale (a scalar) multiplies the logits. With v_pairs
-    (an fp8 dtype), v_ref holds fp8 V as uint16 column pairs (_common.fp8_pairs): its even and
-    odd columns are widened and multiplied separately (two [M, D / 2] accumulators).
+    q is cast to float16 for the dots, and k_scale (a scalar) multiplies the logits. With
+    kv_pairs (an fp8 dtype), k_ref and v_ref hold fp8 K/V as uint16 column pairs
+    (_common.fp8_pairs): the even and odd columns are widened and multiplied separately (q's
+    halves against K's, two [M, D / 2] accumulators for V's).
     Exponentials go through _common.exp2 (one MUFU.EX2 each when compiled); where the scale is
     a static positive float it is folded into the exponent (2 ** (s * c - m): one multiply-add)
     rather than applied to the logits first.
@@ -53,6 +54,8 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     if widen:  # fp8 K/V widen exactly to float16 (cheaper than bfloat16); q follows, clamped
         f16_max = float(jnp.finfo(jnp.float16).max)
         q = jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
+    pairs = kv_pairs is not None
+    q_parts = jnp.unstack(q.reshape(rows_q, d // 2, 2), axis=-1) if pairs else (q,)  # even, odd
 
     def load(ref, rows, valid, masked):  # [BK, C]; masked rows past the range read as 0
         if not masked:                   # (fp8: undefined, Triton cannot fill 8-bit loads)
@@ -77,19 +80,17 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
                         else kv_indices_ref[page_pos])
             rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
         k, v = load(k_ref, rows, valid, masked), load(v_ref, rows, valid, masked)  # [BK, D]
-        if widen:
-            k = widened(k, valid, masked)
-        if v_pairs is not None:  # [BK, D / 2] pairs (zero-filled) -> even, odd columns
-            vs = _common.widen_fp8_pairs(v, v_pairs)
+        if pairs:  # [BK, D / 2] pairs (zero-filled) -> even, odd columns
+            ks, vs = _common.widen_fp8_pairs(k, kv_pairs), _common.widen_fp8_pairs(v, kv_pairs)
         else:
-            vs = (widened(v, valid, masked) if widen else v,)
+            ks, vs = ((widened(k, valid, masked),), (widened(v, valid, masked),)) if widen else ((k,), (v,))
         kv_pos = None
         if variant is not None:
             kv_pos = (page_ids * page_size + tok % page_size) if global_kv_pos else kv_pos_offset + tok
-            if variant.has_key_transform:
-                k = variant.key_transform(params, k.astype(jnp.float32), kv_pos, head).astype(q.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                            preferred_element_type=jnp.float32)  # [M, BK]
+            if variant.has_key_transform:  # (callers pass no pairs with a key transform)
+                ks = (variant.key_transform(params, ks[0].astype(jnp.float32), kv_pos, head).astype(q.dtype),)
+        s = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=prec,
+                                preferred_element_type=jnp.float32) for qp, kp in zip(q_parts, ks))  # [M, BK]
         if natural:
             s = variant.logits_transform(params, s * scale, qo_pos[:, None], kv_pos[None, :],
                                          qo_head[:, None])
@@ -125,7 +126,7 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         return [jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
                 for v in vs]
 
-    parts = 1 if v_pairs is None else 2
+    parts = len(q_parts)
     carry = (tuple(jnp.zeros((rows_q, d // parts), jnp.float32) for _ in range(parts)),
              jnp.full((rows_q,), -jnp.inf, jnp.float32), jnp.zeros((rows_q,), jnp.float32))
     masked_block = functools.partial(block, masked=True)

@@ -86,23 +86,24 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
 def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                          page_size, num_kv_heads, layout, sm_scale, block_kv, interpret, scales=None,
-                         variant=None, params=None, num_warps=4, num_stages=None, fp8_v_pairs=True):
+                         variant=None, params=None, num_warps=4, num_stages=None, fp8_pairs=True):
     batch, num_qo_heads, d = q.shape
-    if num_stages is None:  # measured on H100: 3 for 16-bit pages, 2 for fp8 (220 vs 226 µs)
-        num_stages = 2 if k_rows.dtype.itemsize == 1 else 3
+    if num_stages is None:  # measured on H100: 3 (fp8 as pairs: 205.6 vs 208.4 µs with 2)
+        num_stages = 3
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
     num_cells = cell_indptr.shape[0] - 1
     block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
-    v_pairs = None  # fp8 V is read as uint16 column pairs (_common.widen_fp8_pairs)
-    if fp8_v_pairs and v_rows.dtype.itemsize == 1:
-        v_pairs, v_rows = v_rows.dtype, _common.fp8_pairs(v_rows)
+    kv_pairs = None  # fp8_pairs: fp8 K/V read as uint16 column pairs (_common.widen_fp8_pairs)
+    key_transform = variant is not None and variant.has_key_transform
+    if fp8_pairs and v_rows.dtype.itemsize == 1 and not key_transform:
+        kv_pairs, k_rows, v_rows = v_rows.dtype, _common.fp8_pairs(k_rows), _common.fp8_pairs(v_rows)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         group_pad=group_pad, has_scales=scales is not None, variant=variant,
         param_tree=(treedef, scalar), page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale, v_pairs=v_pairs)
+        sm_scale=sm_scale, kv_pairs=kv_pairs)
     call = pl.pallas_call(
         kernel,
         grid=(num_cells, num_kv_heads),

@@ -144,22 +144,23 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
                     num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, scales=None,
                     variant=None, params=None, q_pos=None, global_kv_pos=False, num_warps=4,
-                    num_stages=None, fp8_v_pairs=False):
+                    num_stages=None, fp8_pairs=False):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     if num_stages is None:  # measured on H100: 3 stages help paged gathers, 2 suit contiguous K/V
         num_stages = 2 if kv_indices is None else 3
     block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
-    v_pairs = None  # fp8_v_pairs: V as uint16 column pairs (H100: 272 vs 314 TFLOP/s without)
-    if fp8_v_pairs and v_rows.dtype.itemsize == 1:
-        v_pairs, v_rows = v_rows.dtype, _common.fp8_pairs(v_rows)
+    kv_pairs = None  # fp8_pairs: fp8 K/V as uint16 column pairs (off: H100 prefill was slower)
+    key_transform = variant is not None and variant.has_key_transform
+    if fp8_pairs and v_rows.dtype.itemsize == 1 and not key_transform:
+        kv_pairs, k_rows, v_rows = v_rows.dtype, _common.fp8_pairs(k_rows), _common.fp8_pairs(v_rows)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
         has_scales=scales is not None, variant=variant, param_tree=(treedef, scalar),
         global_kv_pos=global_kv_pos, page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale, v_pairs=v_pairs)
+        sm_scale=sm_scale, kv_pairs=kv_pairs)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)
     if kv_indices is None:

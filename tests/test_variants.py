@@ -301,6 +301,38 @@ def test_fp8_kv(rng, fp8, per_head):
     assert rel_err(got, want.o) < 4e-3
 
 
+@pytest.mark.parametrize("fp8", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_pairs_split_columns_exactly(fp8):
+    """fp8 rows read as uint16 column pairs widen to exactly the even and odd columns, for all
+    256 byte values (NaN included)."""
+    from pallas_kernels import _common
+    rows = jax.lax.bitcast_convert_type(jnp.arange(512, dtype=jnp.int32).astype(jnp.uint8), fp8).reshape(4, 128)
+    even, odd = _common.widen_fp8_pairs(_common.fp8_pairs(rows), fp8)
+    wide = np.asarray(rows.astype(jnp.float16))
+    np.testing.assert_array_equal(np.asarray(even), wide[:, 0::2])
+    np.testing.assert_array_equal(np.asarray(odd), wide[:, 1::2])
+
+
+def test_fp8_pairs_and_plain_fp8_reads_agree(rng):
+    """Decode and prefill read fp8 K/V either as column pairs or as bytes (fp8_pairs): the same
+    attention up to summation order."""
+    lens, qo = np.array([37, 300]), np.array([3, 40])
+    indptr, indices, last, num_pages = page_table(rng, lens, PAGE)
+    c16 = random_cache(rng, num_pages, PAGE, HKV, D, jnp.float16)
+    cache = ji.PagedKVCache(c16.k_pages.astype(jnp.float8_e4m3fn), c16.v_pages.astype(jnp.float8_e4m3fn))
+    q = randn(rng, (len(lens), HQ, D), jnp.float16)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    qp = randn(rng, (qo_indptr[-1], HQ, D), jnp.float16)
+    outs = []
+    for pairs in (True, False):
+        dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, block_kv=32, fp8_pairs=pairs)
+        pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, block_kv=32, fp8_pairs=pairs)
+        outs.append((dec.run(q, cache, dec.plan(indptr, indices, last), k_scale=0.5, v_scale=2.0),
+                     pre.run(qp, cache, pre.plan(qo_indptr, indptr, indices, last), k_scale=0.5, v_scale=2.0)))
+    for a, b in zip(*outs):
+        assert rel_err(a, b) < 1e-3
+
+
 def test_bad_variant_inputs(rng):
     q, cache, table, num_pages = _decode_case(rng, np.array([10]))
     dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=4, variant=V.alibi())
