@@ -81,7 +81,7 @@ class BatchDecodeWithPagedKVCache:
     variant: a jaxinfer.AttentionVariant (static; the query sits at position kv_len - 1);
     run(..., variant_params=) takes its parameters as data. fp8 pages (float8_e4m3fn /
     e5m2) take run(..., k_scale=, v_scale=): scalars or [Hkv] arrays.
-    kernel_options (block_kv, num_warps, num_stages, fp8_pairs) tune the kernel.
+    kernel_options (block_kv, num_warps, num_stages, fp8_pairs, heads_fastest) tune the kernel.
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, layout="NHD",
