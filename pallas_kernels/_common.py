@@ -90,7 +90,7 @@ def tanh(x):
 
 def fp8_pairs(rows):
     """fp8 K/V rows [R, D] viewed as uint16 [R, D / 2]: each element a pair of adjacent columns
-    (the even one in the low byte). The kernels read fp8 V this way (see widen_fp8_pairs)."""
+    (the even one in the low byte). Decode reads fp8 K and V this way (see widen_fp8_pairs)."""
     return lax.bitcast_convert_type(rows.reshape(rows.shape[0], rows.shape[1] // 2, 2), jnp.uint16)
 
 
@@ -103,8 +103,9 @@ def widen_fp8_pairs(pairs, fp8_dtype):
 
     Why pairs: the P.V product reduces over tokens, V's strided axis. An 8-bit V tile must then
     be read from shared memory a byte at a time (no 8-bit transposing ldmatrix before sm_100);
-    16-bit pairs transpose like bf16 does. Fast: per two pairs one byte permute and two
-    cvt.rn.f16x2 (sm_89+); the reference splits the bytes with jnp."""
+    16-bit pairs transpose like bf16 does. For K, 16-bit tiles keep the q.K dot from taking
+    8-bit operand layouts (which cost q register moves). Fast: per two pairs and per half one
+    byte permute and one cvt.rn.f16x2 (sm_89+); otherwise the bytes are split with jnp."""
     if not _FAST_MATH.get():
         lo = lax.bitcast_convert_type((pairs & 0xFF).astype(jnp.uint8), fp8_dtype)
         hi = lax.bitcast_convert_type((pairs >> 8).astype(jnp.uint8), fp8_dtype)
