@@ -94,6 +94,15 @@ def fp8_pairs(rows):
     return lax.bitcast_convert_type(rows.reshape(rows.shape[0], rows.shape[1] // 2, 2), jnp.uint16)
 
 
+def maybe_fp8_pairs(k_rows, v_rows, variant, enabled):
+    """(kv_pairs, k_rows, v_rows): fp8 K/V as column pairs when enabled and no key transform
+    needs whole rows (kv_pairs is then their fp8 dtype, else None and the rows unchanged)."""
+    key_transform = variant is not None and variant.has_key_transform
+    if not enabled or v_rows.dtype.itemsize != 1 or key_transform:
+        return None, k_rows, v_rows
+    return v_rows.dtype, fp8_pairs(k_rows), fp8_pairs(v_rows)
+
+
 _CVT_F16X2 = {jnp.dtype(jnp.float8_e4m3fn): "e4m3x2", jnp.dtype(jnp.float8_e5m2): "e5m2x2"}
 
 

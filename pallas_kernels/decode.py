@@ -35,7 +35,9 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
                    param_tree, heads_fastest, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
-    cell, head = (pl.program_id(1), pl.program_id(0)) if heads_fastest else (pl.program_id(0), pl.program_id(1))
+    cell, head = pl.program_id(0), pl.program_id(1)
+    if heads_fastest:
+        cell, head = head, cell
     g = jnp.arange(group_pad)
     row_ok = g < group
     heads = head * group + jnp.minimum(g, group - 1)  # [Gp] query heads of this KV head (clamped)
@@ -92,15 +94,13 @@ def _paged_decode_triton(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_ind
     if num_stages is None:  # measured on H100: 3 (fp8 as pairs: 205.6 vs 208.4 µs with 2)
         num_stages = 3
     if heads_fastest is None:  # fp8: a cell's KV heads launch together and read a token's
-        heads_fastest = k_rows.dtype.itemsize == 1  # adjacent 128 B rows at once (H100: 203.9 vs 206.5 µs)
+        heads_fastest = k_rows.dtype.itemsize == 1  # adjacent 128 B rows at once (H100: 203.9
+        # vs 206.5 µs; bf16 gained nothing)
     group = num_qo_heads // num_kv_heads
     group_pad = max(16, _common.next_pow2(group))
     num_cells = cell_indptr.shape[0] - 1
     block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
-    kv_pairs = None  # fp8_pairs: fp8 K/V read as uint16 column pairs (_common.widen_fp8_pairs)
-    key_transform = variant is not None and variant.has_key_transform
-    if fp8_pairs and v_rows.dtype.itemsize == 1 and not key_transform:
-        kv_pairs, k_rows, v_rows = v_rows.dtype, _common.fp8_pairs(k_rows), _common.fp8_pairs(v_rows)
+    kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, fp8_pairs)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,

@@ -150,10 +150,8 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
     if num_stages is None:  # measured on H100: 3 stages help paged gathers, 2 suit contiguous K/V
         num_stages = 2 if kv_indices is None else 3
     block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
-    kv_pairs = None  # fp8_pairs: fp8 K/V as uint16 column pairs (off: H100 prefill was slower)
-    key_transform = variant is not None and variant.has_key_transform
-    if fp8_pairs and v_rows.dtype.itemsize == 1 and not key_transform:
-        kv_pairs, k_rows, v_rows = v_rows.dtype, _common.fp8_pairs(k_rows), _common.fp8_pairs(v_rows)
+    # fp8_pairs (off: H100 prefill was slower with pairs, 272-306 vs 313-316 TFLOP/s)
+    kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, fp8_pairs)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
@@ -233,8 +231,8 @@ def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num
     v_scale) f32[Hkv] or None; variant / params / q_pos int32[nnz]: an attention variant, its
     parameters and each query token's position.
     impl: "triton" (every feature), or "mosaic" (Hopper: wgmma, TMA, warp-specialized; 16-bit
-    K/V, no custom mask, variants without query / key transforms; needs a plan with tails, one item per cell, unsplit KV, and
-    tail_dest= and lse_src=).
+    K/V, no custom mask, variants without query / key transforms; needs a plan with tails, one
+    item per cell, unsplit KV, and tail_dest= and lse_src=).
     Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
     """

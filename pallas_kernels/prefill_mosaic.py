@@ -71,7 +71,8 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
     kv_head = lax.div(head, jnp.int32(num_qo_heads // k_ref.shape[-2]))
-    (q_smem2, k_smem, v_smem, lse_smem2, *pos_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    smem, (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    q_smem2, k_smem, v_smem, lse_smem2, *pos_smem2 = smem
     pos_smem2 = pos_smem2[0] if pos_smem2 else None  # [2, 64] int32 with a variant
     wg = lax.axis_index("wg")
     w = cell_indptr_ref[cell]
@@ -142,8 +143,8 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
                 functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
         if variant is not None:  # the rows' query positions [64]
-            q_pos = (pos_smem2[wg] if interpret else
-                     plgpu.load(pos_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
+            q_pos = (pos_smem2[wg] if interpret else plgpu.load(
+                pos_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
 
         @pl.when(tile_steps > 0)
         def _():
