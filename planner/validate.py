@@ -55,3 +55,13 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pag
         raise ValueError(f"kv_last_page_len must lie in [1, page_size={page_size}] for requests with pages")
     kv_lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
     return kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages
+
+
+def check_num_pages(num_pages):
+    """num_pages: the cache's page count, required by every paged plan (the plan's page ids must
+    lie in [0, num_pages), and run() checks the cache has that many pages)."""
+    if num_pages is None:
+        raise ValueError("num_pages is required: pass the cache's page count (kv_cache.num_pages)")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+        raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+    return int(num_pages)
