@@ -96,6 +96,8 @@ def auto_cascade_levels(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page
                         **shape):
     """two_level_cascade's levels when the planner's cost estimate says sharing pays, else None.
     shape: num_qo_heads, num_kv_heads, head_dim, itemsize (see planner.prefix.attention_cost_us)."""
+    if not prefix_planner.may_share(kv_indptr, kv_indices):  # O(B): no request shares a first page
+        return None
     levels, saved = two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
                                       causal=causal)
     if saved == 0:

@@ -11,6 +11,7 @@ from jaxinfer.prefill import CascadePlan
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
 from planner import decode as decode_planner
+from planner import validate
 
 
 @jax.tree_util.register_pytree_node_class
@@ -118,20 +119,22 @@ class BatchDecodeWithPagedKVCache:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
         if cascade not in (None, "auto"):
             raise ValueError(f"cascade must be None or 'auto', got {cascade!r}")
+        if cascade == "auto" and horizon != 1:
+            raise ValueError("cascade='auto' plans a single step (horizon=1)")
+        table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size,
+                                          num_pages)  # the only check of this page table
         if cascade == "auto":
-            if horizon != 1:
-                raise ValueError("cascade='auto' plans a single step (horizon=1)")
-            batch = np.asarray(kv_indptr).shape[0] - 1
+            kv_indptr, kv_indices, kv_last_page_len = table[:3]
             levels = auto_cascade_levels(
-                np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices, kv_last_page_len,
+                np.arange(kv_indptr.shape[0], dtype=np.int32), kv_indptr, kv_indices, kv_last_page_len,
                 self.page_size, causal=False, num_qo_heads=self.num_qo_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, itemsize=2)
             if levels is not None:
                 return self._cascade_wrapper().plan(levels, num_pages=num_pages)
-        layout, buf, info = decode_planner.plan_decode(
-            kv_indptr, kv_indices, kv_last_page_len, page_size=self.page_size,
-            num_cells=self.num_cells, num_pages=num_pages, max_batch_size=self.max_batch_size,
-            max_num_pages=self.max_num_pages, fixed_split_pages=self.fixed_split_pages)
+        layout, buf, info = decode_planner.plan_decode_checked(
+            table, page_size=self.page_size, num_cells=self.num_cells,
+            max_batch_size=self.max_batch_size, max_num_pages=self.max_num_pages,
+            fixed_split_pages=self.fixed_split_pages)
         # buf is fresh and never written again, so the runtime may alias it instead of copying.
         return DecodePlan(jax.device_put(buf, may_alias=True), layout, int(horizon), info)
 

@@ -125,3 +125,40 @@ def test_prefill_plans_match_the_old_planner(seed):
         kw["num_cells"] = 264
     args = (qo_indptr, kv.astype(np.int32), base, indices)
     _same(prefill_planner.plan_prefill(*args, **kw), old.plan_prefill(*args, **kw))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_first_page_check_never_hides_a_shared_prefix(seed):
+    """prefix.may_share (O(B), run before the grouping) is False only where the old grouping
+    found nothing to share: cascade="auto" then plans as before, without the deeper work."""
+    from planner import prefix
+    rng = np.random.default_rng(2000 + seed)
+    batch = int(rng.integers(1, 30))
+    lens = rng.integers(1, 300, batch)  # (the old grouping fails on empty requests: see test_prefix)
+    page = int(rng.choice([1, 8]))
+    indptr, indices, last, _ = page_table(rng, lens, page)
+    if seed % 2:  # some consecutive requests start on the same full pages
+        for b in rng.integers(0, max(batch - 1, 1), 3):
+            n = min(int(indptr[b + 1] - indptr[b]), int(indptr[min(b + 2, batch)] - indptr[b + 1]) if b + 1 < batch else 0)
+            k = int(rng.integers(0, n + 1))
+            indices[indptr[b + 1]:indptr[b + 1] + k] = indices[indptr[b]:indptr[b] + k]
+    qo_indptr = np.arange(batch + 1, dtype=np.int32)
+    (_, _), saved = old.two_level_cascade(qo_indptr, indptr, indices, last, page, causal=False)
+    if not prefix.may_share(indptr, indices):
+        assert saved == 0
+    if seed % 2 == 0:  # distinct pages everywhere: the check alone settles it
+        assert not prefix.may_share(indptr, indices)
+
+
+def test_wrapper_plans_own_their_buffers(rng):
+    """Each plan() hands the runtime a fresh host buffer (jax may alias it: on CPU,
+    device_put of a 64-byte-aligned NumPy array aliases it even with may_alias=False), so
+    a later plan never changes an earlier one."""
+    import jaxinfer as ji
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, 16, max_batch_size=8, max_num_pages=200)
+    tables = [page_table(rng, rng.integers(1, 400, 8), 16) for _ in range(3)]
+    plans = [dec.plan(*t[:3], num_pages=t[3]) for t in tables]
+    for (indptr, indices, last, num_pages), plan in zip(tables, plans):
+        ref = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=dec.num_cells,
+                                         num_pages=num_pages, max_batch_size=8, max_num_pages=200)[1]
+        np.testing.assert_array_equal(np.asarray(plan.buffer), ref)
