@@ -96,20 +96,21 @@ class BatchDecodeWithPagedKVCache:
         if cascade not in (None, "auto"):
             raise ValueError(f"cascade must be None or 'auto', got {cascade!r}")
         num_pages = validate.check_num_pages(num_pages)
+        if cascade == "auto" and horizon != 1:
+            raise ValueError("cascade='auto' plans a single step (horizon=1)")
+        table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size,
+                                          num_pages)  # the only check of this page table
         if cascade == "auto":
-            if horizon != 1:
-                raise ValueError("cascade='auto' plans a single step (horizon=1)")
-            batch = np.asarray(kv_indptr).shape[0] - 1
-            levels = auto_cascade_levels(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices,
+            kv_indptr, kv_indices, kv_last_page_len = table[:3]
+            levels = auto_cascade_levels(np.arange(kv_indptr.shape[0], dtype=np.int32), kv_indptr, kv_indices,
                                          kv_last_page_len, self.page_size, causal=False, problem=self.problem)
             if levels is not None:
                 return self._cascade_wrapper().plan(levels, num_pages=num_pages)
         choice = dispatch.choose(self.problem, None, None, False)
-        layout, buf, info = decode_planner.plan_decode(
-            kv_indptr, kv_indices, kv_last_page_len, page_size=self.page_size,
-            num_cells=self.num_cells, num_pages=num_pages, max_batch_size=self.max_batch_size,
+        layout, buf, info = decode_planner.plan_decode_checked(
+            table, page_size=self.page_size, num_cells=self.num_cells, max_batch_size=self.max_batch_size,
             max_num_pages=self.max_num_pages, fixed_split_pages=self.fixed_split_pages)
-        info["kv_lens"] = layout.unpack(buf)["kv_lens"].copy()  # run(kv_lens=) checks against it
+        info["kv_lens"] = table[3]  # run(kv_lens=) checks against it
         # buf is fresh and never written again, so the runtime may alias it instead of copying.
         return DecodePlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, choice.name),
                           int(horizon), info=info)

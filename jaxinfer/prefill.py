@@ -394,6 +394,8 @@ class BlockSparseAttention(_Prefill):
 
 def auto_cascade_levels(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, *, causal, problem):
     """two_level_cascade's levels when the cost model says sharing pays, else None."""
+    if not prefix_planner.may_share(kv_indptr, kv_indices):  # O(B): no request shares a first page
+        return None
     levels, saved = two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
                                       causal=causal)
     if saved == 0:
