@@ -5,8 +5,9 @@ key lengths; choose() returns the implementation expected fastest among those th
 or raises ValueError when none does. Each plan records the choice in plan.impl. A new kernel
 family is one Implementation row here, a kernel file in pallas_kernels/ and its tests.
 
-The cost model is a roofline per implementation (bytes of K/V over HBM bandwidth, FLOPs of the
-tiles actually computed over each kernel's measured rate), plus, for kernels that never split
+The cost model is a roofline per implementation (the step's K/V bytes, each read once from HBM
+with the re-reads of later tiles served by L2, over HBM bandwidth; FLOPs of the tiles actually
+computed over each kernel's measured rate), plus, for kernels that never split
 KV (Mosaic), the critical path of the longest tile. Its constants are below, each with the
 measured row it came from (one H100, jax 0.11.2; benchmarks/regress.py rows).
 """
@@ -91,17 +92,20 @@ def _visible_keys(qo_lens, kv_lens, tile_tokens, causal):
     return np.maximum(tiles * (kv_lens - qo_lens) + ends, 0)
 
 
+def _kv_us(problem, kv_lens):
+    """Reading the step's K/V once (µs)."""
+    return 2.0 * KV_ITEMSIZE * problem.num_kv_heads * problem.head_dim * float(kv_lens.sum()) / HBM_BYTES_PER_US
+
+
 def _decode_cost(problem, qo_lens, kv_lens, causal):
-    kv_bytes = 2.0 * KV_ITEMSIZE * problem.num_kv_heads * problem.head_dim * float(kv_lens.sum())
-    return LAUNCH_US + kv_bytes / HBM_BYTES_PER_US
+    return LAUNCH_US + _kv_us(problem, kv_lens)
 
 
 def _triton_prefill_cost(problem, qo_lens, kv_lens, causal):
     rows = prefill_planner.choose_tile_rows(qo_lens, problem.group)
     keys = float(_visible_keys(qo_lens, kv_lens, max(1, rows // problem.group), causal).sum())
     flops = 4.0 * rows * problem.head_dim * keys * problem.num_kv_heads
-    kv_bytes = 2.0 * KV_ITEMSIZE * problem.head_dim * keys * problem.num_kv_heads
-    return LAUNCH_US + max(flops / TRITON_FLOPS_PER_US, kv_bytes / HBM_BYTES_PER_US)
+    return LAUNCH_US + max(flops / TRITON_FLOPS_PER_US, _kv_us(problem, kv_lens))
 
 
 def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
@@ -110,8 +114,7 @@ def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
     total = tile_flops * float(keys.sum()) * problem.num_qo_heads / MOSAIC_FLOPS_PER_US
     # KV is never split: the longest single tile bounds the step (one SM runs it alone).
     longest = tile_flops * float(kv_lens.max(initial=0)) / (MOSAIC_FLOPS_PER_US / _backend.num_sms())
-    kv_bytes = 2.0 * KV_ITEMSIZE * problem.head_dim * float(keys.sum()) * problem.num_kv_heads
-    return LAUNCH_US + max(total, longest, kv_bytes / HBM_BYTES_PER_US)
+    return LAUNCH_US + max(total, longest, _kv_us(problem, kv_lens))
 
 
 def _always(problem, explicit):
