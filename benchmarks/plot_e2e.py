@@ -45,8 +45,9 @@ def plot(results, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="?", default=os.path.join(os.environ.get("OUT", "out"), "bench_e2e.json"))
-    ap.add_argument("-o", "--output", default=None)
+    ap.add_argument("results", nargs="?", default=os.path.join(os.environ.get("OUT", "out"), "bench_e2e.json"),
+                    help="bench_e2e.py's JSON results (default: $OUT/bench_e2e.json)")
+    ap.add_argument("-o", "--output", default=None, help="the PNG to write (default: next to the results)")
     args = ap.parse_args(argv)
     with open(args.results) as f:
         results = json.load(f)
