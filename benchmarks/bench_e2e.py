@@ -4,8 +4,9 @@
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --smoke    # tiny model, a CPU smoke run
     PYTHONPATH=. python3 benchmarks/plot_e2e.py             # ITL against batch as a PNG
 
-Random bfloat16 weights (examples/llama.py, 32 layers in one lax.scan), batch 1 / 16 / 64,
-prompt lengths uniform on [512, 2048], 128 output tokens, greedy. Methods:
+Random bfloat16 weights (examples/llama.py, 32 layers unrolled under one jit; --layer-loop scan:
+stacked weights in one lax.scan), batch 1 / 16 / 64, prompt lengths uniform on [512, 2048], 128
+output tokens, greedy (the step ends in one argmax over the vocabulary). Methods:
 
   jaxinfer  paged cache (page 16): one BatchPrefillWithPagedKVCache call for all prompts, then
             BatchDecodeWithPagedKVCache steps (a host plan per step, shared by all layers)
@@ -15,9 +16,12 @@ prompt lengths uniform on [512, 2048], 128 output tokens, greedy. Methods:
 TTFT: all prompts arrive together; wall time from the start of the prefill (host planning
 included) until every request's first token is on the host. The dense methods prefill
 --dense-prefill-chunk requests per call, each padded to the longest prompt of the batch (the
-[B, H, T, T] scores of the jnp baseline bound the chunk). ITL: every decode step waits for its
-tokens on the host, as a streaming server does; median and mean over the 127 decode steps.
-Compile times are measured apart (ahead-of-time) and reported. A row that fails records its
+[B, H, T, T] scores of the jnp baseline bound the chunk). ITL: every decode step's tokens reach
+the host, as a streaming server needs; ITL is the interval between successive steps' arrivals,
+median and mean over the 127 decode steps. Step t + 1 is planned on the host, copied over and
+launched (fed step t's tokens on the device) before the host waits for step t's tokens, as in
+examples/generate.py (--sync: wait, then plan and launch the next step). Compile times
+(prefill, decode step) are measured apart (ahead-of-time) and printed. A row that fails records its
 error and the run goes on; rows that would start past --budget-s are skipped. Results go to
 $OUT/bench_e2e.json (OUT defaults to ./out); the table prints last.
 """
@@ -35,6 +39,7 @@ import jaxinfer as ji
 from planner.allocator import PageAllocator, page_table, pad
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import generate  # noqa: E402
 import llama  # noqa: E402
 
 METHODS = ("jaxinfer", "dense", "cudnn")
@@ -43,15 +48,24 @@ METHODS = ("jaxinfer", "dense", "cudnn")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompts (CPU)")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64; smoke 1,3)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated methods, drawn from {','.join(METHODS)} (default all)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the config's")
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
-    ap.add_argument("--out-tokens", type=int, default=None)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layer-loop", default="unroll", choices=llama.LAYER_LOOPS,
+                    help="unroll: layers unrolled under one jit, per-layer weights (default); "
+                         "scan: stacked weights in one lax.scan")
+    ap.add_argument("--sync", action="store_true",
+                    help="each decode step waits for its tokens on the host before the next is planned "
+                         "and launched (no host/device overlap)")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                    help="prompt lengths uniform on [MIN, MAX] (default 512 2048; smoke 8 40)")
+    ap.add_argument("--out-tokens", type=int, default=None,
+                    help="tokens generated per request, >= 2 (default 128; smoke 6)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page of jaxinfer's paged cache")
     ap.add_argument("--dense-prefill-chunk", type=int, default=4, help="requests per dense prefill call")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no row after this many seconds")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens")
     args = ap.parse_args(argv)
     args.config = "tiny" if args.smoke else "llama3-8b"
     args.batches = [int(b) for b in (args.batches or ("1,3" if args.smoke else "1,16,64")).split(",")]
@@ -86,16 +100,17 @@ class Bench:
 
     def __init__(self, args):
         self.args = args
-        self.cfg = llama.get_config(args.config, args.layers)
+        self.cfg = llama.get_config(args.config, args.layers, args.layer_loop)
         t = time.perf_counter()
         graphdef, self.params = nnx.split(llama.Llama(self.cfg, rngs=nnx.Rngs(args.seed)))
         jax.block_until_ready(self.params)
         self.init_s = time.perf_counter() - t
-        self.step = llama.make_step(graphdef)
+        self.step = llama.make_step(graphdef, greedy=True)
         self.kernel_opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}
 
     def sampling(self, n):
-        return np.zeros(n, np.float32), np.arange(n, dtype=np.int32)  # greedy
+        """(temperature, seeds) [n] on the device; unused by the greedy step but its arguments."""
+        return jax.device_put((np.zeros(n, np.float32), np.arange(n, dtype=np.int32)))
 
     def run_jaxinfer(self, prompts):
         cfg, ps, out = self.cfg, self.args.page_size, self.args.out_tokens
@@ -124,36 +139,43 @@ class Bench:
                                              pad(kv_indices, num_pages))
             return (self.params, tokens, positions, kv_cache, attention, qo_indptr[1:] - 1, *sampling)
 
-        def decode_args(tokens, step, kv_cache):
+        def decode_inputs(step):
+            """Step `step`'s host plan and page table, sent to the device: (positions, attention)."""
             kv_lens = lens + step + 1
             kv_indptr, kv_indices, last = page_table(page_lists, kv_lens, ps)
             plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages)
             pos = (kv_lens - 1).astype(np.int32)
             attention = llama.PagedAttention(decode, num_pages, plan, np.arange(batch, dtype=np.int32), pos,
                                              kv_indptr, pad(kv_indices, num_pages))
-            return self.params, tokens, pos, kv_cache, attention, None, *sampling
+            return jax.device_put((pos, attention))
 
         prefill_fn, prefill_compile = aot(self.step, *prefill_args())
         _, kv_cache = prefill_fn(*prefill_args())  # warm-up (writes the same K/V again below)
         jax.block_until_ready(kv_cache)
         t = time.perf_counter()
         first, kv_cache = prefill_fn(*prefill_args())
-        first = np.asarray(first)
+        host_first = np.asarray(first)
         ttft = time.perf_counter() - t
-        decode_compile, itl = self.decode_loop(decode_args, first, kv_cache, out)
-        return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
+        decode_compile, itl = self.decode_loop(decode_inputs, first, kv_cache, sampling, out)
+        return dict(first_tokens=host_first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
                     **latency_stats(ttft, itl))
 
-    def decode_loop(self, decode_args, first, kv_cache, out):
-        """Compiles the decode step, then runs out - 1 steps; returns (compile s, per-step s).
-        decode_args(tokens, step, kv_cache) -> the step's arguments."""
-        decode_fn, compile_s = aot(self.step, *decode_args(first, 0, kv_cache))
-        itl, tok = [], first
-        for step in range(out - 1):
-            t = time.perf_counter()
-            tok, kv_cache = decode_fn(*decode_args(tok, step, kv_cache))
-            tok = np.asarray(tok)
-            itl.append(time.perf_counter() - t)
+    def decode_loop(self, decode_inputs, first, kv_cache, sampling, out):
+        """Compiles the decode step, then runs out - 1 steps (generate.decode_loop: overlapped
+        unless --sync); returns (compile s, per-step s). decode_inputs(step) -> (positions,
+        attention) on the device; first: the prefill's tokens."""
+        state = {"kv_cache": kv_cache}
+
+        def call_args(tokens, inputs):
+            pos, attention = inputs
+            return self.params, tokens, pos, state["kv_cache"], attention, None, *sampling
+
+        def dispatch(tokens, inputs):
+            tok, state["kv_cache"] = decode_fn(*call_args(tokens, inputs))
+            return tok, tok
+
+        decode_fn, compile_s = aot(self.step, *call_args(first, decode_inputs(0)))
+        _, itl = generate.decode_loop(dispatch, decode_inputs, first, out - 1, overlap=not self.args.sync)
         return compile_s, itl
 
     def run_dense(self, prompts, impl):
@@ -179,10 +201,9 @@ class Bench:
             return (self.params, block[sl].reshape(-1), np.maximum(block_pos[sl], 0).reshape(-1), kv_cache,
                     attention, last.astype(np.int32), *sampling)
 
-        def decode_args(tokens, step, kv_cache):
+        def decode_inputs(step):
             pos = (lens + step).astype(np.int32)
-            attention = llama.DenseAttention(None, pos[:, None], impl=impl)
-            return self.params, tokens, pos, kv_cache, attention, None, *self.sampling(batch)
+            return jax.device_put((pos, llama.DenseAttention(None, pos[:, None], impl=impl)))
 
         prefill_fn, prefill_compile = aot(self.step, *prefill_args(0))
         _, kv_cache = prefill_fn(*prefill_args(0))  # warm-up on the first chunk
@@ -194,23 +215,24 @@ class Bench:
             firsts.append(first)
         first = np.concatenate([np.asarray(f) for f in firsts])[:batch]
         ttft = time.perf_counter() - t
-        decode_compile, itl = self.decode_loop(decode_args, first, kv_cache, out)
+        decode_compile, itl = self.decode_loop(decode_inputs, jax.device_put(first), kv_cache,
+                                               self.sampling(batch), out)
         return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
                     prefill_chunk=chunk, **latency_stats(ttft, itl))
 
 
 def print_table(rows):
     print(f"{'method':<9} {'batch':>5} {'TTFT ms':>9} {'ITL p50 ms':>10} {'ITL mean':>9} "
-          f"{'tok/s':>8} {'compile s':>9}  note")
+          f"{'tok/s':>8} {'compile prefill+decode s':>24}  note")
     for r in rows:
         if "itl_ms_p50" in r:
             agree = r.get("first_token_agreement")
+            compile_s = f"{r['compile_prefill_s']:.1f} + {r['compile_decode_s']:.1f}"
             print(f"{r['method']:<9} {r['batch']:>5} {r['ttft_ms']:>9.1f} {r['itl_ms_p50']:>10.2f} "
-                  f"{r['itl_ms_mean']:>9.2f} {r['batch'] * 1e3 / r['itl_ms_p50']:>8.0f} "
-                  f"{r['compile_prefill_s'] + r['compile_decode_s']:>9.1f}  "
+                  f"{r['itl_ms_mean']:>9.2f} {r['batch'] * 1e3 / r['itl_ms_p50']:>8.0f} {compile_s:>24}  "
                   + ("" if agree is None else f"first tokens = dense's: {agree:.2f}"))
         else:
-            print(f"{r['method']:<9} {r['batch']:>5} {'-':>9} {'-':>10} {'-':>9} {'-':>8} {'-':>9}  "
+            print(f"{r['method']:<9} {r['batch']:>5} {'-':>9} {'-':>10} {'-':>9} {'-':>8} {'-':>24}  "
                   f"{r.get('error') or r.get('skipped')}")
 
 
@@ -222,7 +244,8 @@ def main(argv=None):
     path = os.path.join(out_dir, "bench_e2e.json")
     bench = Bench(args)
     cfg = bench.cfg
-    meta = dict(config=args.config, num_layers=cfg.num_layers, dtype=cfg.dtype, jax=jax.__version__,
+    meta = dict(config=args.config, num_layers=cfg.num_layers, layer_loop=cfg.layer_loop, sync=args.sync,
+                dtype=cfg.dtype, jax=jax.__version__,
                 device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 prompt_len=list(args.prompt_len), out_tokens=args.out_tokens, page_size=args.page_size,
                 weights_init_s=bench.init_s)

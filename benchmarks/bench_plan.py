@@ -1,46 +1,132 @@
-"""plan() latency on the host: NumPy planning alone, and with the host-to-device copy.
+"""plan() latency on the host, steady state, through the public wrappers (one table).
 
-    PYTHONPATH=. python3 benchmarks/bench_plan.py
+    PYTHONPATH=. python3 benchmarks/bench_plan.py [--quick]
+
+Rows: decode B 1, 64, 128, 256, 1024 at page 1 and 16, cascade off / "auto" (no
+request shares a page, so "auto" plans a plain decode); paged prefill B 4 x 2048
+(causal) and B 64 mixed (4 chunks of 512 queries + 60 decode rows). Page ids are a
+shuffled subset of a cache of num_pages pages (given to plan(), as in serving).
+Columns: median and p99 of the wrapper's plan() (µs, not waiting for the transfer,
+which is asynchronous); "host" is the same call with jax.device_put replaced by the
+identity (the NumPy planner and wrapper logic alone); on a GPU, "copy" is the time to
+put the packed plan buffer on the device and wait for it.
 """
+import argparse
+import contextlib
 import time
 
 import jax
 import numpy as np
 
 import jaxinfer as ji
-from planner.decode import plan_decode
+
+HEADS = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+DECODE_CTAS = 264      # the wrappers' default on a 132-SM H100: 2 CTAs per SM
+PREFILL_CTAS = 2112    # 16 CTAs per SM
 
 
-def timeit(fn, iters=2000):
-    """Median microseconds per call (the machine is shared and noisy: many repeats)."""
-    fn()
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
+CLOCK = time.perf_counter
+
+
+def timings(fn, budget_s):
+    """Per-call µs of fn after a warm-up: (median, p99)."""
+    for _ in range(20):
         fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e6
+    t0 = time.perf_counter()
+    fn()
+    est = max(time.perf_counter() - t0, 1e-6)
+    ts = np.empty(int(np.clip(budget_s / est, 200, 5000)))
+    for i in range(ts.shape[0]):
+        t = CLOCK()
+        fn()
+        ts[i] = CLOCK() - t
+    return float(np.median(ts)) * 1e6, float(np.percentile(ts, 99)) * 1e6
+
+
+@contextlib.contextmanager
+def host_only():
+    """jax.device_put as the identity: what plan() costs before the transfer."""
+    put = jax.device_put
+    jax.device_put = lambda x, *a, **k: x
+    try:
+        yield
+    finally:
+        jax.device_put = put
+
+
+def page_table(rng, kv_lens, page):
+    """Shuffled page ids drawn from a cache with 25% more pages than listed."""
+    npages = -(-kv_lens // page)
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    num_pages = int(indptr[-1] * 1.25) + 1
+    indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+    last = (kv_lens - (npages - 1) * page).astype(np.int32)
+    return indptr, indices, last, num_pages
+
+
+def decode_case(rng, batch, page, cascade):
+    kv = 4096 if batch <= 64 else 2048
+    lens = kv - rng.integers(0, 16, batch)  # last pages partly filled
+    indptr, indices, last, num_pages = page_table(rng, lens, page)
+    dec = ji.BatchDecodeWithPagedKVCache(**HEADS, page_size=page, max_batch_size=batch,
+                                         max_num_pages=int(indptr[-1]), num_ctas=DECODE_CTAS)
+    name = f"decode B{batch} kv{kv} page {page}" + (" cascade=auto" if cascade else "")
+    return name, lambda: dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade)
+
+
+def prefill_case(rng, qo_lens, kv_lens, name, page=16):
+    indptr, indices, last, num_pages = page_table(rng, kv_lens, page)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    pre = ji.BatchPrefillWithPagedKVCache(**HEADS, page_size=page, max_batch_size=len(qo_lens),
+                                          max_num_tokens=int(qo_indptr[-1]), max_num_pages=int(indptr[-1]),
+                                          num_ctas=PREFILL_CTAS)
+    return name, lambda: pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+
+
+def cases(rng):
+    for batch in (1, 64, 128, 256, 1024):
+        for page in (1, 16):
+            for cascade in (None, "auto"):
+                yield decode_case(rng, batch, page, cascade)
+    yield prefill_case(rng, np.full(4, 2048), np.full(4, 2048), "prefill B4 x 2048 causal page 16")
+    qo = np.r_[np.full(4, 512), np.ones(60, np.int64)]
+    kv = np.r_[rng.integers(512, 4097, 4), rng.integers(1024, 4097, 60)]
+    yield prefill_case(rng, qo, kv, "prefill B64 mixed (4 x 512 + 60 x 1) page 16")
+
+
+def copy_us(plan, budget_s):
+    """Device copy of the plan's packed buffer(s), waited for (GPU only)."""
+    bufs = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(plan) if leaf.dtype == np.int32]
+    return timings(lambda: jax.block_until_ready([jax.device_put(b) for b in bufs]), budget_s)[0]
 
 
 def main():
-    rng = np.random.default_rng(0)
-    page = 16
-    print(f"jax {jax.__version__} backend {jax.default_backend()}")
-    print(f"{'batch':>6} {'kv_len':>14} {'plan() us':>10} {'+ transfer us':>14}")
-    for batch, lo, hi in ((16, 512, 1024), (64, 512, 4096), (128, 2048, 2048), (128, 512, 4096), (256, 512, 4096)):
-        lens = rng.integers(lo, hi + 1, batch)
-        npages = -(-lens // page)
-        indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
-        indices = rng.permutation(int(indptr[-1])).astype(np.int32)
-        last = (lens - (npages - 1) * page).astype(np.int32)
-        dec = ji.BatchDecodeWithPagedKVCache(32, 8, 128, page, max_batch_size=batch,
-                                             max_num_pages=int(indptr[-1]), num_ctas=264)
-        host = timeit(lambda: plan_decode(indptr, indices, last, page_size=page, num_cells=dec.num_cells,
-                                          num_pages=int(indptr[-1]), max_batch_size=batch,
-                                          max_num_pages=int(indptr[-1])))
-        full = timeit(lambda: jax.block_until_ready(
-            dec.plan(indptr, indices, last, num_pages=int(indptr[-1])).buffer))
-        print(f"{batch:>6} {f'[{lo}, {hi}]':>14} {host:>10.1f} {full:>14.1f}")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
+    parser.add_argument("--thread-time", action="store_true",
+                        help="time this thread's CPU time instead of wall time: on a machine "
+                             "shared with other work, leaves out time the OS gave to others")
+    parser.add_argument("--only", default="", help="rows whose name contains this")
+    args = parser.parse_args()
+    global CLOCK
+    if args.thread_time:
+        CLOCK = time.thread_time
+    budget = 0.2 if args.quick else 1.0
+    gpu = jax.default_backend() == "gpu"
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, µs per plan() (steady state, "
+          f"{'thread CPU time' if args.thread_time else 'wall time'})")
+    head = f"{'plan':<46} {'median':>8} {'p99':>8} {'host':>8}" + (f" {'copy':>8}" if gpu else "")
+    print(head + "\n" + "-" * len(head))
+    for name, fn in cases(np.random.default_rng(0)):
+        if args.only not in name:
+            continue
+        med, p99 = timings(fn, budget)
+        with host_only():
+            host = timings(fn, budget / 2)[0]
+        row = f"{name:<46} {med:>8.1f} {p99:>8.1f} {host:>8.1f}"
+        if gpu:
+            row += f" {copy_us(fn(), budget / 2):>8.1f}"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ def plot(results, path):
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{results['config']} ({results['num_layers']} layers, {results['dtype']}) on "
+    # Results from before the layer-loop option ran the layers in one lax.scan.
+    loop = {"unroll": "unrolled", "scan": "in a lax.scan"}[results.get("layer_loop", "scan")]
+    fig.suptitle(f"{results['config']} ({results['num_layers']} layers {loop}, {results['dtype']}) on "
                  f"{results['device']}, prompts {results['prompt_len'][0]}-{results['prompt_len'][1]}, "
                  f"{results['out_tokens']} new tokens", fontsize=10)
     fig.tight_layout()
@@ -46,8 +48,8 @@ def plot(results, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="?", default=os.path.join(os.environ.get("OUT", "out"), "bench_e2e.json"),
-                    help="bench_e2e.py's JSON results (default: $OUT/bench_e2e.json)")
-    ap.add_argument("-o", "--output", default=None, help="the PNG to write (default: next to the results)")
+                    help="bench_e2e.py's results (default $OUT/bench_e2e.json, OUT defaulting to ./out)")
+    ap.add_argument("-o", "--output", default=None, help="PNG path (default: the results path with .png)")
     args = ap.parse_args(argv)
     with open(args.results) as f:
         results = json.load(f)

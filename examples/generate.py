@@ -7,8 +7,12 @@
 One prefill for all prompts (BatchPrefillWithPagedKVCache), then one decode step per token
 (BatchDecodeWithPagedKVCache). Each step makes one plan on the host, shared by all layers;
 plans have fixed capacities (max_batch_size, max_num_pages, max_num_tokens), so the prefill
-and the decode step each compile once. Weights are random: the tokens are meaningless, the
-timings are not. Prints compile times, TTFT, ITL and tokens/s.
+and the decode step each compile once. The step is one jitted program (layers unrolled by
+default, see llama.py; LM head and sampling inside, the cache donated). The host never
+stalls the device: step t + 1 is planned, copied over and queued, its tokens input the
+device output of step t, before the host waits for step t's tokens (--sync: the old order).
+Weights are random: the tokens are meaningless, the timings are not. Prints compile times,
+TTFT, ITL (the interval between successive tokens' arrival on the host) and tokens/s.
 """
 import argparse
 import sys
@@ -25,17 +29,25 @@ from planner.allocator import PageAllocator, page_table, pad
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
+    ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS),
+                    help="model shapes: tiny (CPU, float32) or llama3-8b (random bfloat16 weights)")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--layer-loop", default="unroll", choices=llama.LAYER_LOOPS,
+                    help="unroll: per-layer weights, layers unrolled under one jit (fast); "
+                         "scan: stacked weights in one lax.scan (copies each layer's weights)")
+    ap.add_argument("--batch", type=int, default=4, help="requests generated together")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
                     help="prompt lengths are uniform on [MIN, MAX]")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--scan", type=int, default=0, metavar="K",
                     help="run K decode steps per jitted lax.scan with a horizon plan (0: one step per call)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature for every request; 0: greedy (the step then only takes an argmax)")
+    ap.add_argument("--sync", action="store_true",
+                    help="wait for each step's tokens on the host before planning and launching the next "
+                         "(no overlap of host work with the device; for comparison)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     for name in ("batch", "new_tokens", "page_size"):
@@ -73,11 +85,42 @@ def compile_timed(fn, *args):
     return compiled, time.perf_counter() - t
 
 
+def decode_loop(dispatch, inputs, first, num_calls, overlap=True, on_tokens=None):
+    """Runs num_calls decode calls; returns (host tokens of each call, seconds of each call).
+
+    inputs(c) -> call c's inputs: the host plan, already sent on with jax.device_put.
+    dispatch(tokens, inputs) -> (output tokens, next call's input tokens): launches one call
+    (asynchronously; device arrays in and out). first: the prefill's tokens (on the device).
+    overlap: call c + 1 is planned and launched, fed call c's device tokens, before the host
+    waits for call c's tokens, so the device runs calls back to back while the host plans and
+    streams tokens out; a call's time is the interval between its tokens' arrival on the host
+    and the previous call's. overlap False: call c's tokens reach the host before call c + 1
+    is planned (the host round trip and planning sit between calls). on_tokens(c, host
+    tokens, seconds) is called as each call's tokens arrive.
+    """
+    out, times = [], []
+    t = time.perf_counter()
+    gen, nxt = dispatch(first, inputs(0))
+    for c in range(num_calls):
+        if overlap and c + 1 < num_calls:
+            following = dispatch(nxt, inputs(c + 1))
+        host = np.asarray(gen)
+        now = time.perf_counter()
+        out.append(host)
+        times.append(now - t)
+        t = now
+        if on_tokens is not None:
+            on_tokens(c, host, times[-1])
+        if c + 1 < num_calls:
+            gen, nxt = following if overlap else dispatch(host.reshape(-1, host.shape[-1])[-1], inputs(c + 1))
+    return out, times
+
+
 def main(argv=None):
     """Runs generation; returns a dict with tokens [B, new_tokens] and the timings."""
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    cfg = llama.get_config(args.config, args.layers)
+    cfg = llama.get_config(args.config, args.layers, args.layer_loop)
     ps = args.page_size
     kernel_opts = {} if on_gpu else {"num_ctas": 8}  # interpret mode runs the grid serially
     batch, new = args.batch, args.new_tokens
@@ -102,9 +145,10 @@ def main(argv=None):
           f"{cfg.num_kv_heads}, {cfg.dtype}, {jax.default_backend()}; batch {batch}, prompts "
           f"{int(prompt_lens.min())}-{int(prompt_lens.max())} tokens, {new} new tokens, page {ps} "
           f"(weights + cache {time.perf_counter() - t:.1f} s)", flush=True)
-    step = llama.make_step(graphdef)
-    temperature = np.full(batch, args.temperature, np.float32)
-    seeds = np.arange(batch, dtype=np.int32)
+    greedy = args.temperature == 0
+    step = llama.make_step(graphdef, greedy=greedy)
+    temperature, seeds = jax.device_put((np.full(batch, args.temperature, np.float32),
+                                         np.arange(batch, dtype=np.int32)))
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     # Prefill: every prompt in one call.
@@ -142,33 +186,43 @@ def main(argv=None):
         plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages, horizon=horizon)
         return plan, kv_indptr, pad(kv_indices, num_pages)
 
-    def decode_inputs(tokens, done):
+    def decode_inputs(call):
+        """Host plan for decode call `call` (k steps from token `call * k`), sent to the device."""
+        done = call * k
+        if args.scan:
+            return jax.device_put(page_inputs(prompt_lens + done + k, horizon=k))
         lens = prompt_lens + done + 1  # after this step's token is appended
         positions = (lens - 1).astype(np.int32)
-        if args.scan:
-            plan, kv_indptr, kv_indices = page_inputs(prompt_lens + done + k, horizon=k)
-            return params, tokens, kv_cache, plan, kv_indptr, kv_indices, temperature, seeds
         plan, kv_indptr, kv_indices = page_inputs(lens)
-        attention = llama.PagedAttention(decode, num_pages, plan, rows, positions, kv_indptr, kv_indices)
-        return params, tokens, positions, kv_cache, attention, None, temperature, seeds
+        return jax.device_put((positions, llama.PagedAttention(decode, num_pages, plan, rows, positions,
+                                                               kv_indptr, kv_indices)))
+
+    state = {"kv_cache": kv_cache}
+
+    def call_args(tokens, inputs):
+        if args.scan:
+            return (params, tokens, state["kv_cache"], *inputs, temperature, seeds)
+        positions, attention = inputs
+        return (params, tokens, positions, state["kv_cache"], attention, None, temperature, seeds)
+
+    def dispatch(tokens, inputs):
+        generated, state["kv_cache"] = decode_fn(*call_args(tokens, inputs))
+        return generated, generated[-1] if args.scan else generated
+
+    def on_tokens(call, host, seconds):
+        shown = min(k, new - 1 - call * k)
+        if shown > 0:
+            progress.update(batch * shown, f"ITL {seconds / k * 1e3:.1f} ms")
 
     decode_compile_s, itl = 0.0, []
     if decode_steps:
-        fn = (llama.make_decode_scan(graphdef, decode, num_pages, k) if args.scan else step)
-        decode_fn, decode_compile_s = compile_timed(fn, *decode_inputs(tokens, 0))
-    done = 0
-    while done < decode_steps:
-        t = time.perf_counter()
-        generated, kv_cache = decode_fn(*decode_inputs(tokens, done))
-        generated = np.asarray(generated).reshape(-1, batch)  # [k, B]
-        dt = (time.perf_counter() - t) / k
-        itl += [dt] * k
-        tokens = generated[-1]
-        out.extend(generated)
-        shown = min(k, new - 1 - done)
-        done += k
-        if shown > 0:
-            progress.update(batch * shown, f"ITL {dt * 1e3:.1f} ms")
+        fn = (llama.make_decode_scan(graphdef, decode, num_pages, k, greedy=greedy) if args.scan else step)
+        decode_fn, decode_compile_s = compile_timed(fn, *call_args(first, decode_inputs(0)))
+        generated, times = decode_loop(dispatch, decode_inputs, first, decode_steps // k,
+                                       overlap=not args.sync, on_tokens=on_tokens)
+        for g, dt in zip(generated, times):
+            out.extend(g.reshape(-1, batch))
+            itl += [dt / k] * k
 
     tokens_out = np.stack(out[:new], axis=1)  # [B, new]
     decode_time = float(np.sum(itl[:new - 1]))
@@ -177,8 +231,8 @@ def main(argv=None):
                   decode_tokens_per_s=batch * (new - 1) / decode_time if new > 1 else float("nan"),
                   tokens_per_s=batch * new / (ttft + decode_time),
                   prefill_compile_s=prefill_compile_s, decode_compile_s=decode_compile_s)
-    print(f"compile: prefill {prefill_compile_s:.1f} s, decode {decode_compile_s:.1f} s"
-          + (f" ({k} steps per lax.scan)" if args.scan else ""))
+    print(f"compile: prefill {prefill_compile_s:.1f} s, decode {decode_compile_s:.1f} s "
+          f"(layers: {cfg.layer_loop}" + (f"; {k} steps per lax.scan)" if args.scan else ")"))
     print(f"TTFT {ttft * 1e3:.1f} ms ({nnz} prompt tokens) | ITL {result['itl_s'] * 1e3:.2f} ms | "
           f"decode {result['decode_tokens_per_s']:.1f} tokens/s | overall {result['tokens_per_s']:.1f} tokens/s")
     print(f"request 0 ({prompt_lens[0]} prompt tokens) -> {tokens_out[0].tolist()}")

@@ -1,8 +1,17 @@
 """A Llama-architecture decoder in Flax NNX whose attention runs on jaxinfer.
 
 RMSNorm, RoPE (Llama convention: rotate halves, rope_theta), grouped-query attention, SwiGLU
-MLP; random weights (nothing is downloaded). Layer weights are stacked [L, ...] and the layers
-run in one lax.scan, so a 32-layer model compiles once per input shape.
+MLP; random weights (nothing is downloaded). cfg.layer_loop picks how the layers run:
+
+  "unroll" (default)  one weight array and one KV cache per layer, the layers unrolled in Python
+                      under one jit: every matmul reads its weights in place. The layer is one
+                      inner jit, so it is traced and lowered once, not once per layer.
+  "scan"              weights stacked [L, ...] and one lax.scan over them, one stacked cache:
+                      compiles one layer, but XLA materializes each layer's weight slice
+                      (dynamic-slice) before its matmuls, about doubling the weight traffic
+                      (issue 23: 15.7 ms against 6.5 ms unrolled, Llama-3-8B, batch 1, H100).
+
+Both loops build identical weights from the same seed, so they give the same tokens.
 
 Attention goes through an attention object passed to the model with the step's inputs:
 
@@ -25,6 +34,9 @@ from flax import nnx
 import jaxinfer as ji
 
 
+LAYER_LOOPS = ("unroll", "scan")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -37,8 +49,11 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
     dtype: str = "bfloat16"
+    layer_loop: str = "unroll"  # "unroll" or "scan" (see the module docstring)
 
     def __post_init__(self):
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
@@ -60,12 +75,16 @@ CONFIGS = {
 }
 
 
-def get_config(name, num_layers=None):
-    """A named config, optionally with fewer layers (quick GPU runs)."""
+def get_config(name, num_layers=None, layer_loop=None):
+    """A named config, optionally with fewer layers (quick GPU runs) or another layer loop."""
     if name not in CONFIGS:
         raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {name!r}")
     cfg = CONFIGS[name]
-    return cfg if num_layers is None else dataclasses.replace(cfg, num_layers=num_layers)
+    if num_layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    if layer_loop is not None:
+        cfg = dataclasses.replace(cfg, layer_loop=layer_loop)
+    return cfg
 
 
 def rms_norm(x, weight, eps):
@@ -92,74 +111,120 @@ def apply_rope(x, cos, sin):
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
+def layer_param_shapes(cfg):
+    """{name: (shape of one layer's array, fan_in)}; fan_in None: a norm weight (ones)."""
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return dict(attn_norm=((H,), None), wq=((H, hq), H), wk=((H, hkv), H), wv=((H, hkv), H),
+                wo=((hq, H), hq), mlp_norm=((H,), None), w_gate=((H, F), H), w_up=((H, F), H),
+                w_down=((F, H), F))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "fan_in"))
+def _normal(key, shape, dtype, fan_in):
+    return (jax.random.normal(key, shape, dtype) * fan_in ** -0.5).astype(dtype)
+
+
+class LayerWeights(nnx.Module):
+    """One layer's weights (unroll), or all layers' stacked [L, ...] (scan): attn_norm [H],
+    wq [H, Hq*D], wk, wv [H, Hkv*D], wo [Hq*D, H], mlp_norm [H], w_gate, w_up [H, F], w_down [F, H]."""
+
+    def __init__(self, arrays):
+        for name in LAYER_PARAMS:
+            setattr(self, name, nnx.Param(arrays[name]))
+
+    def arrays(self):
+        return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _layer(cfg, x, w, cos, sin, attention, layer, kv_cache):
+    """One decoder layer: x [N, H] -> (x [N, H], kv_cache). w: the layer's arrays (LayerWeights);
+    layer: None (kv_cache is this layer's own) or the index into a stacked cache. A jit of its
+    own, so the unrolled model traces and lowers it once (XLA inlines the calls)."""
+    n = x.shape[0]
+    with jax.named_scope("qkv_proj"):
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        q = (h @ w["wq"]).reshape(n, cfg.num_heads, cfg.head_dim)      # [N, Hq, D]
+        k = (h @ w["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)   # [N, Hkv, D]
+        v = (h @ w["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    with jax.named_scope("attention"):
+        o, kv_cache = attention(layer, q, k, v, kv_cache)              # [N, Hq, D]
+    with jax.named_scope("o_proj"):
+        x = x + o.reshape(n, -1) @ w["wo"]
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    return x, kv_cache
+
+
 class Llama(nnx.Module):
-    """Llama decoder with per-layer weights stacked [L, ...] (one lax.scan over layers).
+    """Llama decoder; cfg.layer_loop "unroll" (per-layer weights and caches) or "scan" (stacked).
 
         model = Llama(get_config("tiny"), rngs=nnx.Rngs(0))
+        kv_cache = paged_kv_cache(model.cfg, pages_per_layer, page_size)   # matches the loop
         logits, kv_cache = model(tokens, positions, kv_cache, attention, logits_index=last)
     """
 
     def __init__(self, cfg, *, rngs):
         self.cfg = cfg
-        L, H, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-        hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         dtype = jnp.dtype(cfg.dtype)
-
-        def normal(shape, fan_in):
-            return nnx.Param((jax.random.normal(rngs.params(), shape, dtype) * fan_in ** -0.5).astype(dtype))
-
-        self.embed = normal((cfg.vocab_size, H), 1)                    # [V, H]
-        self.attn_norm = nnx.Param(jnp.ones((L, H), dtype))            # [L, H]
-        self.wq = normal((L, H, hq), H)                                # [L, H, Hq*D]
-        self.wk = normal((L, H, hkv), H)                               # [L, H, Hkv*D]
-        self.wv = normal((L, H, hkv), H)
-        self.wo = normal((L, hq, H), hq)                               # [L, Hq*D, H]
-        self.mlp_norm = nnx.Param(jnp.ones((L, H), dtype))
-        self.w_gate = normal((L, H, F), H)                             # [L, H, F]
-        self.w_up = normal((L, H, F), H)
-        self.w_down = normal((L, F, H), F)                             # [L, F, H]
-        self.norm = nnx.Param(jnp.ones((H,), dtype))
-        self.lm_head = normal((H, cfg.vocab_size), H)                  # [H, V]
+        self.embed = nnx.Param(_normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype, 1))  # [V, H]
+        # Layer l's array of each name comes from fold_in(that name's key, l): both loops get the same weights.
+        per_layer = []
+        for name, (shape, fan_in) in layer_param_shapes(cfg).items():
+            key = rngs.params()
+            per_layer.append([jnp.ones(shape, dtype) if fan_in is None
+                              else _normal(jax.random.fold_in(key, l), shape, dtype, fan_in)
+                              for l in range(cfg.num_layers)])
+        if cfg.layer_loop == "scan":
+            self.layers = LayerWeights({name: jnp.stack(arrays) for name, arrays in zip(LAYER_PARAMS, per_layer)})
+        else:
+            self.layers = nnx.List([LayerWeights(dict(zip(LAYER_PARAMS, arrays))) for arrays in zip(*per_layer)])
+        del per_layer
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.lm_head = nnx.Param(_normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype,
+                                         cfg.hidden_size))                                 # [H, V]
 
     def __call__(self, tokens, positions, kv_cache, attention, *, logits_index=None):
         """tokens, positions int32[N] -> (logits [N or M, V] float32, updated kv_cache).
 
-        attention(layer, q, k, v, kv_cache) -> (o, kv_cache) writes the new K/V and attends
-        (PagedAttention or DenseAttention). logits_index int32[M] (optional) picks the rows
-        that need logits (each request's last prompt token), before the LM head.
+        kv_cache: a tuple of one cache per layer (unroll) or one stacked cache (scan), as
+        paged_kv_cache / dense_kv_cache build them for this cfg. attention(layer, q, k, v,
+        kv_cache) -> (o, kv_cache) writes the new K/V and attends (PagedAttention or
+        DenseAttention). logits_index int32[M] (optional) picks the rows that need logits
+        (each request's last prompt token), before the LM head.
         """
         cfg = self.cfg
-        n = tokens.shape[0]
-        x = jnp.take(self.embed[...], tokens, axis=0)                  # [N, H]
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-        weights = {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+        with jax.named_scope("embed"):
+            x = jnp.take(self.embed[...], tokens, axis=0)                # [N, H]
+            cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        per_layer = isinstance(kv_cache, (tuple, list))
+        if per_layer != (cfg.layer_loop == "unroll"):
+            raise ValueError(f"kv_cache must be {'a tuple of per-layer caches' if cfg.layer_loop == 'unroll' else 'one stacked cache'} "
+                             f"for layer_loop={cfg.layer_loop!r} (build it with paged_kv_cache / dense_kv_cache)")
+        if cfg.layer_loop == "scan":
+            def body(carry, xs):
+                x, kv_cache = carry
+                w, layer = xs
+                return _layer(cfg, x, w, cos, sin, attention, layer, kv_cache), None
 
-        def layer_fn(carry, xs):
-            x, kv_cache = carry
-            w, layer = xs
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q = (h @ w["wq"]).reshape(n, cfg.num_heads, cfg.head_dim)      # [N, Hq, D]
-            k = (h @ w["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)   # [N, Hkv, D]
-            v = (h @ w["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o, kv_cache = attention(layer, q, k, v, kv_cache)              # [N, Hq, D]
-            x = x + o.reshape(n, -1) @ w["wo"]
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-            return (x, kv_cache), None
-
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = jax.lax.scan(layer_fn, (x, kv_cache), (weights, layers))
-        if logits_index is not None:
-            x = x[logits_index]                                         # [M, H]
-        x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        return jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32), kv_cache
-
-
-def layer_plan(plan, offset):
-    """The plan with its page ids shifted by `offset` (layer l reads pages l * P + p): slicing
-    one layer out of the stacked cache would copy it every step."""
-    return plan.with_page_offset(offset)
+            layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (self.layers.arrays(), layers))
+        else:
+            if len(kv_cache) != cfg.num_layers:
+                raise ValueError(f"kv_cache must hold {cfg.num_layers} layer caches, got {len(kv_cache)}")
+            caches = list(kv_cache)
+            for l, weights in enumerate(self.layers):
+                x, caches[l] = _layer(cfg, x, weights.arrays(), cos, sin, attention, None, caches[l])
+            kv_cache = tuple(caches)
+        with jax.named_scope("lm_head"):
+            if logits_index is not None:
+                x = x[logits_index]                                         # [M, H]
+            x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+            logits = jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32)  # [M, V]
+        return logits, kv_cache
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -174,6 +239,8 @@ class PagedAttention:
     batch_indices, positions int32[N]: where each token's K/V goes (-1: padding row).
     kv_indptr int32[Bcap+1], kv_indices int32[cap]: the page table (padded) for the append.
     kv_lens int32[B] (optional): live lengths at this step of a horizon plan.
+    pages_per_layer: pages of one layer; a stacked cache (scan) holds layer l's page p at
+    l * pages_per_layer + p, and the plan is shifted there (plan.with_page_offset).
     """
     wrapper: Any
     pages_per_layer: int
@@ -185,31 +252,45 @@ class PagedAttention:
     kv_lens: Any = None
 
     def __call__(self, layer, q, k, v, kv_cache):
-        offset = layer * self.pages_per_layer
+        """layer None: kv_cache is this layer's own PagedKVCache; else its index in a stacked one."""
+        plan, kv_indices = self.plan, self.kv_indices
+        if layer is not None:
+            offset = layer * self.pages_per_layer
+            plan, kv_indices = plan.with_page_offset(offset), kv_indices + offset
         kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, self.batch_indices, self.positions,
-                                            self.kv_indices + offset, self.kv_indptr)
-        plan = layer_plan(self.plan, offset)
+                                            kv_indices, self.kv_indptr)
         if self.kv_lens is None:
             return self.wrapper.run(q, kv_cache, plan), kv_cache
         return self.wrapper.run(q, kv_cache, plan, kv_lens=self.kv_lens), kv_cache
 
 
 def paged_kv_cache(cfg, pages_per_layer, page_size):
-    """A zeroed PagedKVCache (NHD) with pages_per_layer pages for each of the cfg.num_layers layers."""
-    shape = (cfg.num_layers * pages_per_layer, page_size, cfg.num_kv_heads, cfg.head_dim)
+    """Zeroed NHD page storage for cfg.num_layers layers, pages_per_layer pages each: a tuple
+    of one PagedKVCache per layer (layer_loop "unroll") or one stacked cache of L x P pages (scan)."""
+    shape = (pages_per_layer, page_size, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.layer_loop == "unroll":
+        return tuple(ji.PagedKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+                     for _ in range(cfg.num_layers))
+    shape = (cfg.num_layers * pages_per_layer, *shape[1:])
     return ji.PagedKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DenseKVCache:
-    """Dense padded cache: k, v [L, B, S, Hkv, D]."""
+    """Dense padded cache: k, v [B, S, Hkv, D] (one layer) or [L, B, S, Hkv, D] (stacked)."""
     k: jax.Array
     v: jax.Array
 
 
 def dense_kv_cache(cfg, batch, max_len):
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    """Zeroed dense caches: a tuple of one [B, S, Hkv, D] pair per layer (unroll) or one
+    stacked [L, B, S, Hkv, D] pair (scan)."""
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.layer_loop == "unroll":
+        return tuple(DenseKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+                     for _ in range(cfg.num_layers))
+    shape = (cfg.num_layers, *shape)
     return DenseKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
 
 
@@ -238,19 +319,21 @@ class DenseAttention:
             raise ValueError(f"impl must be one of {DENSE_IMPLS}, got {self.impl!r}")
 
     def __call__(self, layer, q, k, v, kv_cache):
+        """layer None: kv_cache is this layer's own [B, S, ...] cache; else its index in a stacked one."""
         bc, t = self.positions.shape
         q, k, v = (x.reshape(bc, t, *x.shape[1:]) for x in (q, k, v))   # [Bc, T, H, D]
-        max_len = kv_cache.k.shape[2]
+        at = () if layer is None else (layer,)
+        max_len = kv_cache.k.shape[-3]
         pos = jnp.where(self.positions < 0, max_len, self.positions)     # padding: dropped
         rows = jnp.arange(bc)[:, None] if self.rows is None else self.rows[:, None]
-        kv_cache = DenseKVCache(kv_cache.k.at[layer, rows, pos].set(k, mode="drop"),
-                                kv_cache.v.at[layer, rows, pos].set(v, mode="drop"))
+        kv_cache = DenseKVCache(kv_cache.k.at[(*at, rows, pos)].set(k, mode="drop"),
+                                kv_cache.v.at[(*at, rows, pos)].set(v, mode="drop"))
         if self.prefill:
             keys, values = k, v                                          # [Bc, T, Hkv, D]
             key_pos = jnp.arange(t)
             lens = jnp.sum(self.positions >= 0, axis=1).astype(jnp.int32)  # [Bc]
         else:
-            keys, values = kv_cache.k[layer], kv_cache.v[layer]          # [B, S, Hkv, D]
+            keys, values = kv_cache.k[at], kv_cache.v[at]                # [B, S, Hkv, D]
             if self.rows is not None:
                 keys, values = keys[self.rows], values[self.rows]
             key_pos = jnp.arange(max_len)
@@ -282,17 +365,20 @@ def dense_attention(q, k, v, visible):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def sample(logits, temperature, seeds, positions):
+def sample(logits, temperature, seeds, positions, *, greedy=False):
     """Next tokens int32[M] from logits [M, V]: greedy where temperature == 0, otherwise a
     sample (Gumbel-max) whose randomness depends only on (seeds[m], positions[m]), so a
-    request samples the same tokens alone or in any batch."""
+    request samples the same tokens alone or in any batch. greedy=True (static): one argmax
+    over the vocabulary and nothing else (temperature and seeds unused)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy:
+        return greedy_tokens
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)
     t = jnp.maximum(temperature, 1e-6)[:, None]
     sampled = jnp.argmax(logits / t + gumbel, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
 
 
 def make_forward(graphdef):
@@ -304,23 +390,27 @@ def make_forward(graphdef):
     return jax.jit(forward, donate_argnames="kv_cache")
 
 
-def make_step(graphdef):
+def make_step(graphdef, greedy=False):
     """jit((params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds)
-    -> (next tokens int32[M], kv_cache)): one forward pass and sampling, the cache donated.
-    logits_index None: one token per row (decode); temperature, seeds [M] as in sample()."""
+    -> (next tokens int32[M], kv_cache)): one forward pass, the LM head only at the rows that
+    sample, and sampling, all in one program; the cache donated (updated in place). Nothing
+    in it waits on the host: feed the returned tokens (a device array) to the next step.
+    logits_index None: one token per row (decode); temperature, seeds [M] as in sample();
+    greedy=True: argmax only (temperature and seeds unused)."""
     def step(params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds):
         model = nnx.merge(graphdef, params)
         logits, kv_cache = model(tokens, positions, kv_cache, attention, logits_index=logits_index)
         last = positions if logits_index is None else positions[logits_index]
-        return sample(logits, temperature, seeds, last), kv_cache
+        with jax.named_scope("sampling"):
+            return sample(logits, temperature, seeds, last, greedy=greedy), kv_cache
     return jax.jit(step, donate_argnames="kv_cache")
 
 
-def make_decode_scan(graphdef, wrapper, pages_per_layer, steps):
+def make_decode_scan(graphdef, wrapper, pages_per_layer, steps, greedy=False):
     """jit((params, tokens int32[B], kv_cache, plan, kv_indptr, kv_indices, temperature, seeds)
     -> (tokens int32[steps, B], kv_cache)): `steps` decode steps in one lax.scan over a horizon
     plan (wrapper.plan(..., horizon=steps), the page table sized for the last step). Step s
-    runs with kv_lens = plan.kv_lens_at(s); rows with no KV are padding."""
+    runs with kv_lens = plan.kv_lens_at(s); rows with no KV are padding. greedy as in make_step."""
     def scan(params, tokens, kv_cache, plan, kv_indptr, kv_indices, temperature, seeds):
         model = nnx.merge(graphdef, params)
         rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
@@ -333,7 +423,8 @@ def make_decode_scan(graphdef, wrapper, pages_per_layer, steps):
             attention = PagedAttention(wrapper, pages_per_layer, plan, jnp.where(live, rows, -1),
                                        positions, kv_indptr, kv_indices, lens)
             logits, kv_cache = model(tokens, positions, kv_cache, attention)
-            tokens = sample(logits, temperature, seeds, positions)
+            with jax.named_scope("sampling"):
+                tokens = sample(logits, temperature, seeds, positions, greedy=greedy)
             return (tokens, kv_cache), tokens
 
         (_, kv_cache), out = jax.lax.scan(body, (tokens, kv_cache), jnp.arange(steps))

@@ -1,82 +1,37 @@
 """Batch prefill over paged, ragged and block-sparse KV: plan() on the host, run() compiled once."""
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend, variants
+from jaxinfer import _backend, dispatch, variants
 from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_kv_dtype,
-                              check_layout, check_paged_cache, check_qkv, default_sm_scale, kv_scales)
+                              check_layout, check_paged_cache, check_qkv, default_sm_scale, kv_scales,
+                              two_level_cascade)
+from jaxinfer.plans import CascadePlan, PrefillPlan, WrapperFacts
 from jaxinfer.state import merge_state
-from planner import prefix as prefix_planner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
 from planner import prefill as prefill_planner
+from planner import prefix as prefix_planner
 from planner import validate
 
 
-@jax.tree_util.register_pytree_node_class
-class PrefillPlan:
-    """A prefill plan: one packed int32 buffer (and an int8 custom mask, if any) plus its
-    static layout and causal flag. Plans with the same layout share one compiled run()."""
-
-    def __init__(self, buffer, mask, layout, causal, info=None, alt=None):
-        self.buffer, self.mask, self.layout, self.causal = buffer, mask, layout, causal
-        self.info = info or {}
-        self.alt = alt  # impl="auto": the Triton kernel's plan beside a Mosaic GPU kernel's
-
-    def sections(self):
-        return self.layout.unpack(self.buffer)
-
-    def with_page_offset(self, offset):
-        """This plan reading page offset + p for each listed page p (see DecodePlan)."""
-        start, stop = self.layout.section_range("kv_indices")
-        alt = None if self.alt is None else self.alt.with_page_offset(offset)
-        return PrefillPlan(self.buffer.at[start:stop].add(offset), self.mask, self.layout, self.causal,
-                           self.info, alt)
-
-    def tree_flatten(self):
-        return (self.buffer, self.mask, self.alt), (self.layout, self.causal)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        buffer, mask, alt = children
-        return cls(buffer, mask, *aux, alt=alt)
-
-
-@jax.tree_util.register_pytree_node_class
-class CascadePlan:
-    """Per-level prefill plans (a pytree): the plan of a MultiLevelCascadeAttention, whose
-    level states run() merges with ⊕ in level order."""
-
-    def __init__(self, levels, info=None):
-        self.levels, self.info = tuple(levels), info or {}
-
-    def with_page_offset(self, offset):
-        """Every level reading page offset + p (see DecodePlan)."""
-        return CascadePlan([level.with_page_offset(offset) for level in self.levels], self.info)
-
-    def tree_flatten(self):
-        return self.levels, None
-
-    @classmethod
-    def tree_unflatten(cls, _, levels):
-        return cls(levels)
-
-
-def run_prefill_sections(q, k_rows, v_rows, plan, *, page_size, num_kv_heads, cache_layout, sm_scale,
-                         contiguous, interpret, **kernel_options):
-    """Prefill kernel + per-token merge of split tiles. Returns (o [nnz, Hq, D], lse [nnz, Hq]),
-    before any variant output transform. kernel_options include scales / variant / params."""
+def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, page_size, num_kv_heads, cache_layout,
+                         sm_scale, interpret, impl="triton", config=None, scales=None, variant=None,
+                         params=None, global_kv_pos=False):
+    """Prefill kernel + per-token merge of split tiles. kv_indices: the plan's page ids (None for
+    contiguous K/V). Returns (o [nnz, Hq, D], lse [nnz, Hq]), before any variant output transform."""
     nnz, hq, d = q.shape
     lay, sec = plan.layout, plan.sections()
     o, lse, o_part, lse_part = prefill_kernels.prefill(
-        q, k_rows, v_rows, None if contiguous else sec["kv_indices"], sec["items"], sec["cell_indptr"],
-        mask=plan.mask, num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads,
-        layout=cache_layout, sm_scale=sm_scale, causal=plan.causal, rows=lay.rows,
-        q_pos=sec["q_pos"], interpret=interpret,
-        **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}),
-        **kernel_options)
+        q, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], mask=plan.mask,
+        num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
+        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, impl=impl,
+        config=config, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
+        global_kv_pos=global_kv_pos,
+        **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}))
     return merge_kernels.merge_varlen(
         o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
         sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
@@ -107,24 +62,32 @@ def _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, max_mask_len):
 PREFILL_CTAS_PER_SM = 16
 
 
-IMPLS = ("auto", "triton", "mosaic")  # prefill kernels; see _DOC_COMMON
+def _check_q(q, name="q"):
+    if not hasattr(q, "dtype") or jnp.dtype(q.dtype) not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {getattr(q, 'dtype', type(q))}")
 
 
 class _Prefill:
     """Shared plan/run machinery of the prefill wrappers."""
 
-    def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal, max_batch_size, max_num_tokens,
-                 sm_scale, num_ctas, fixed_split_tokens, max_mask_len, backend, tile_rows, variant,
-                 kernel_options, mosaic_fits=True):
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, kv_format, page_size=1, layout="NHD",
+                 causal, max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale,
+                 num_ctas, fixed_split_tokens=None, max_mask_len=None, backend, tile_rows, variant,
+                 impl="auto", config=None):
         variants.check_variant(variant)
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         if tile_rows is not None and tile_rows not in prefill_planner.TILE_ROWS:
             raise ValueError(f"tile_rows must be one of {prefill_planner.TILE_ROWS}, got {tile_rows}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group = num_qo_heads // num_kv_heads
+        self.page_size, self.layout = page_size, check_layout(layout)
         self.causal = causal
-        self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
+        self.max_batch_size, self.max_num_tokens, self.max_num_pages = max_batch_size, max_num_tokens, max_num_pages
         self.sm_scale = default_sm_scale(head_dim, sm_scale)
         self.interpret = _backend.use_interpret(backend)
         # Measured on H100 (BENCHMARKS.md): 16 CTAs per SM, several waves the hardware rebalances,
@@ -133,69 +96,70 @@ class _Prefill:
         ctas = num_ctas or (2 if self.interpret else PREFILL_CTAS_PER_SM) * _backend.num_sms()
         self.num_cells = max(1, ctas // num_kv_heads)
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
-        self.kernel_options = dict(kernel_options)
-        self.impl = self.kernel_options.pop("impl", "auto")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        self.variant = variant
-        # The Mosaic GPU kernel (pallas_kernels/prefill_mosaic.py) runs 128-token tiles of one query
-        # head, one per cell, KV unsplit, and stores whole tiles: it needs plans with tails.
-        # impl="auto" plans for it where it can run (a Hopper GPU, built-in variants only, shapes
-        # it takes; custom masks are checked per plan, dtypes per run), with a Triton plan beside.
-        self.mosaic_plans = self.impl == "mosaic" or (
-            self.impl == "auto" and mosaic_fits and variants.mosaic_ready(variant)
-            and head_dim % 64 == 0 and _backend.mosaic_available(self.interpret))
+        self.variant, self.impl = variant, impl
+        self.configs = dispatch.check_configs(config)
+        self.problem = dispatch.Problem("prefill", num_qo_heads, num_kv_heads, head_dim, kv_format,
+                                        page_size, layout, variant, interpret=self.interpret)
+        dispatch.check(self.problem, impl)
+        self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                  layout, (max_batch_size, max_num_tokens, max_num_pages, max_mask_len))
 
-    def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask,
-              max_num_pages=None, causal=None, window_left=None, contiguous_kv=False, **positions):
+    def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
+              causal=None, window_left=None, contiguous_kv=False, **positions):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
         if window_left is not None and not (self.variant is not None and self.variant.has_bounds):
             raise ValueError("window_left needs a variant with a sliding window (variants.sliding_window)")
         causal = self.causal if causal is None else causal
-        mask, offsets = None, None
+        qo_lens = np.diff(qo_indptr)
+        problem, mask, offsets = self.problem, None, None
         if custom_mask is not None or packed_custom_mask is not None:
-            mask, offsets = _flat_mask(custom_mask, packed_custom_mask, np.diff(qo_indptr), kv_lens,
-                                       self.max_mask_len)
+            mask, offsets = _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, self.max_mask_len)
             causal = False  # the custom mask replaces the causal mask
-        tails = self.impl == "mosaic" or (self.mosaic_plans and mask is None)
+            problem = dataclasses.replace(problem, custom_mask=True)
+        choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl)
+        tails = choice.name == "prefill_mosaic"
 
-        def plan_for(tails):
+        def plan_for(tails, impl_name):
             layout, buf, info = prefill_planner.plan_prefill(
                 qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
                 num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
-                max_batch_size=self.max_batch_size, max_num_pages=max_num_pages,
+                max_batch_size=self.max_batch_size, max_num_pages=self.max_num_pages,
                 rows=prefill_kernels.MOSAIC_TILE_TOKENS * self.group if tails else self.tile_rows,
                 mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
                 tails=tails, contiguous_kv=contiguous_kv, **positions)
             dev_mask = None if mask is None else jax.device_put(mask, may_alias=True)
-            return PrefillPlan(jax.device_put(buf, may_alias=True), dev_mask, layout, causal, info)
+            return PrefillPlan(jax.device_put(buf, may_alias=True), dev_mask, layout, causal,
+                               self.facts.spec(num_pages, impl_name), info=info)
 
-        plan = plan_for(tails)
-        if tails and self.impl == "auto":
-            plan.alt = plan_for(False)
-        return plan
+        # impl="auto" plans for Mosaic keep a Triton plan beside, for dtypes Mosaic cannot run.
+        alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" else None
+        return dataclasses.replace(plan_for(tails, choice.name), alt=alt)
 
-    def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, **cache_kw):
-        """(o, lse) of one PrefillPlan, before the variant's output transform."""
+    def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, num_rows, kv_name, facts=None,
+                 **cache_kw):
+        """(o, lse) of one PrefillPlan, before the variant's output transform. num_rows: pages (or
+        K/V rows) the cache holds; kv_name names it in errors."""
         if not isinstance(plan, PrefillPlan):
-            raise ValueError("plan must be a PrefillPlan from plan()")
+            raise ValueError(f"plan must be a PrefillPlan from {type(self).__name__}.plan()")
+        plan.spec.check(facts or self.facts)
+        plan.spec.check_rows(num_rows, kv_name)
+        _check_q(q)
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
-        impl = "triton"
-        if plan.layout.tail_cap:  # a plan for the Mosaic GPU kernel
-            fits = (q.dtype in (jnp.bfloat16, jnp.float16) and k_rows.dtype == q.dtype and scales is None
-                    and not cache_kw.get("global_kv_pos", False))
-            if self.impl == "mosaic" or (fits and self.impl == "auto"):
-                impl = "mosaic"  # (with impl="mosaic", the kernel names what it does not take)
-            elif plan.alt is not None:
-                plan = plan.alt
-            else:
-                raise ValueError("plan was made for impl='mosaic'; run it with this wrapper's impl")
+        impl = plan.spec.impl
+        if impl == "prefill_mosaic":  # 16-bit q/K/V only; else the Triton plan beside it
+            fits = q.dtype in (jnp.bfloat16, jnp.float16) and k_rows.dtype == q.dtype and scales is None
+            if not fits and plan.alt is not None:
+                plan, impl = plan.alt, plan.alt.spec.impl
+        implementation = dispatch.IMPLEMENTATIONS_BY_NAME[impl]
         return run_prefill_sections(
-            q, k_rows, v_rows, plan, num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale,
-            interpret=self.interpret, scales=scales, variant=self.variant, params=variant_params,
-            impl=impl, **cache_kw, **self.kernel_options)
+            q, k_rows, v_rows, plan, None if cache_kw.get("contiguous") else plan.page_ids(plan.sections(), num_rows),
+            page_size=cache_kw["page_size"], num_kv_heads=self.num_kv_heads,
+            cache_layout=cache_kw["cache_layout"], sm_scale=self.sm_scale, interpret=self.interpret,
+            impl=implementation.short_name,
+            config=dispatch.config_for(implementation, self.problem, self.configs), scales=scales,
+            variant=self.variant, params=variant_params, global_kv_pos=cache_kw.get("global_kv_pos", False))
 
     def _params(self, variant_params, return_lse):
         variants.check_variant(self.variant, return_lse)
@@ -206,6 +170,9 @@ class _Prefill:
         return AttentionState(*out) if return_lse else out
 
     def _check_kv(self, q, k, v, name="k"):
+        _check_q(q)
+        if not hasattr(k, "shape") or not hasattr(v, "shape"):
+            raise ValueError(f"{name} and v must be arrays [n, {self.num_kv_heads}, {self.head_dim}]")
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ValueError(f"{name} {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match")
         if k.ndim != 3 or k.shape[1:] != (self.num_kv_heads, self.head_dim):
@@ -225,71 +192,71 @@ _DOC_COMMON = """
     plan(..., window_left=w): a sliding window known at plan time (w >= the window passed in
     variant_params): only keys inside it are planned and balanced across the grid.
     num_ctas (default 16 x SM count on the GPU) sets the grid: cells = num_ctas // num_kv_heads.
-    kernel_options (block_kv, num_warps, num_stages, fp8_pairs) tune the kernel. impl picks it: "mosaic",
+    config: kernel tuning, a jaxinfer.PrefillConfig (Triton) and/or MosaicPrefillConfig (a tuple
+    for both). impl picks the kernel (jaxinfer.dispatch decides for "auto"; plan.impl names it): "mosaic",
     the Hopper kernel (Mosaic GPU: TMA, wgmma, warp-specialized; 16-bit q/K/V, NHD, head_dim a
     multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no custom
     mask, fp8, or variant query / key transforms (RoPE); ValueError otherwise): 128-token tiles
     of one query head, one per CTA, KV never split, 1.2-1.5x the Triton kernel on H100
     (BENCHMARKS.md, issues 4 and 6); "triton", the Pallas-Triton kernel, every feature;
-    "auto" (default): the Mosaic kernel where it can run (compiled on a Hopper GPU, no variant
-    or built-in ones only: soft-cap, window, ALiBi, sigmoid, sinks; plans then hold a Triton
-    plan too, which run() uses for other dtypes), else Triton."""
+    "auto" (default): of the kernels that can run the plan (Mosaic: compiled on a Hopper GPU,
+    no variant or built-in ones only: soft-cap, window, ALiBi, sigmoid, sinks), the one the
+    cost model expects faster for the step's lengths (Mosaic plans then hold a Triton plan too,
+    which run() uses for other dtypes)."""
+
 
 
 class BatchPrefillWithPagedKVCache(_Prefill):
     __doc__ = """Prefill / append (many query tokens per request) over a PagedKVCache.
 
         pre = BatchPrefillWithPagedKVCache(32, 8, 128, 16)
-        plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
         o = pre.run(q, kv_cache, plan)                      # q, o: [nnz, Hq, D]
 """ + _DOC_COMMON
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale=None,
                  num_ctas=None, fixed_split_tokens=None, max_mask_len=None, backend=None,
-                 tile_rows=None, variant=None, **kernel_options):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=causal,
-                         max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                         sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
+                 tile_rows=None, variant=None, impl="auto", config=None):
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, kv_format="paged", page_size=page_size,
+                         layout=layout, causal=causal, max_batch_size=max_batch_size,
+                         max_num_tokens=max_num_tokens, max_num_pages=max_num_pages, sm_scale=sm_scale,
+                         num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         variant=variant, kernel_options=kernel_options,
-                         mosaic_fits=layout == "NHD" and page_size % 8 == 0
-                         and (128 % page_size == 0 or page_size % 128 == 0))
-        self.page_size, self.layout, self.max_num_pages = page_size, check_layout(layout), max_num_pages
+                         variant=variant, impl=impl, config=config)
 
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None,
-             packed_custom_mask=None, num_pages=None, causal=None, cascade=None, window_left=None):
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, custom_mask=None,
+             packed_custom_mask=None, causal=None, cascade=None, window_left=None):
         """Plans one step from host arrays (int32 CSR page table, as for decode).
 
+        num_pages: the cache's page count (required): page ids outside [0, num_pages) are
+        rejected, and run() rejects a cache with fewer pages.
         custom_mask: each request's qo_len x kv_len boolean mask, row-major, concatenated;
         packed_custom_mask: the same bits packed with np.packbits(..., bitorder="little").
         causal (optional) overrides the wrapper's setting for this plan.
         cascade="auto": a two-level CascadePlan when requests share leading pages (before
-        all of their queries) and the planner's cost estimate says it pays.
+        all of their queries) and the cost model (dispatch.cascade_pays) says it pays.
         """
         if cascade not in (None, "auto"):
             raise ValueError(f"cascade must be None or 'auto', got {cascade!r}")
+        num_pages = validate.check_num_pages(num_pages)
+        causal = self.causal if causal is None else causal
         if cascade == "auto" and custom_mask is None and packed_custom_mask is None:
-            from jaxinfer.cascade import auto_cascade_levels  # cascade builds on this module
-            causal = self.causal if causal is None else causal
-            levels = auto_cascade_levels(
-                qo_indptr, kv_indptr, kv_indices, kv_last_page_len, self.page_size, causal=causal,
-                num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, itemsize=2)
+            levels = auto_cascade_levels(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, self.page_size,
+                                         causal=causal, problem=self.problem)
             if levels is not None:
                 return self.plan_levels(levels, num_pages=num_pages, causal=causal)
         kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         used = kv_indices[: kv_indptr[-1]]
         return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
-                          self.max_num_pages, causal, window_left)
+                          num_pages, causal, window_left)
 
     def plan_levels(self, levels, *, num_pages=None, causal=None):
         """A CascadePlan over levels (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of
         the same queries; causal (default: the wrapper's) applies to the last level only.
         Variants see each key at its position in the request's whole sequence."""
+        num_pages = validate.check_num_pages(num_pages)
         causal = self.causal if causal is None else causal
         qo_indptrs, tables = [], []
         for i, (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) in enumerate(levels):
@@ -305,14 +272,15 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         plans = []
         for i, ((kv_indptr, kv_indices, _, kv_lens, _), qo_indptr) in enumerate(zip(tables, qo_indptrs)):
             plans.append(self._plan(qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]],
-                                    None, None, self.max_num_pages, causal and i == len(levels) - 1,
+                                    None, None, num_pages, causal and i == len(levels) - 1,
                                     kv_pos_offset=offsets[i], q_positions=q_pos))
-        return CascadePlan(plans)
+        return CascadePlan(tuple(plans))
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
         params = self._params(variant_params, return_lse)
+        _check_q(q)
         check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         return self._finish(self.run_raw(q, kv_cache, plan, params, scales), params, return_lse)
@@ -328,13 +296,14 @@ class BatchPrefillWithPagedKVCache(_Prefill):
                     backend="interpret" if self.interpret else "gpu")
             return state
         k_rows, v_rows = kv_cache.rows()
-        return self._run_raw(q, k_rows, v_rows, plan, params, scales, page_size=self.page_size,
-                             cache_layout=self.layout, contiguous=False)
+        return self._run_raw(q, k_rows, v_rows, plan, params, scales, kv_cache.num_pages, "kv_cache",
+                             page_size=self.page_size, cache_layout=self.layout)
 
 
 class BatchPrefillWithRaggedKVCache(_Prefill):
     __doc__ = """Prefill over ragged (contiguous) K/V: request b's keys are rows
-    kv_indptr[b]:kv_indptr[b+1] of k, v [nnz_kv, Hkv, D].
+    kv_indptr[b]:kv_indptr[b+1] of k, v [nnz_kv, Hkv, D] (run() rejects k/v shorter than
+    kv_indptr[-1]; plans are specialized on that total).
 
         pre = BatchPrefillWithRaggedKVCache(32, 8, 128)
         o = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr))
@@ -342,18 +311,18 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal=True, max_batch_size=None,
                  max_num_tokens=None, sm_scale=None, num_ctas=None, fixed_split_tokens=None,
-                 max_mask_len=None, backend=None, tile_rows=None, variant=None, **kernel_options):
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=causal,
+                 max_mask_len=None, backend=None, tile_rows=None, variant=None, impl="auto", config=None):
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, kv_format="ragged", causal=causal,
                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         variant=variant, kernel_options=kernel_options)
+                         variant=variant, impl=impl, config=config)
 
     def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None, window_left=None):
         kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
         return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
-                          np.zeros(0, np.int32), custom_mask, packed_custom_mask, window_left=window_left,
-                          contiguous_kv=True)
+                          np.zeros(0, np.int32), custom_mask, packed_custom_mask, int(kv_indptr[-1]),
+                          window_left=window_left, contiguous_kv=True)
 
     def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):
@@ -362,7 +331,8 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
         self._check_kv(q, k, v)
         scales = kv_scales(k_scale, v_scale, k.dtype, self.num_kv_heads)
         state = self._run_raw(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
-                              params, scales, page_size=1, cache_layout="NHD", contiguous=True)
+                              params, scales, k.shape[0], "k", page_size=1, cache_layout="NHD",
+                              contiguous=True)
         return self._finish(state, params, return_lse)
 
 
@@ -376,21 +346,19 @@ class BlockSparseAttention(_Prefill):
     Query row i sees key j where block (i // R, j // C) is listed (and, with a
     block_mask [nnz, R, C], where that entry is set). Each row block's column
     blocks are gathered into contiguous tiles for dense tensor-core dots (§2.3).
+    The plan holds everything a run needs (C, N): the wrapper keeps no per-plan state.
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, sm_scale=None, num_ctas=None,
-                 backend=None, tile_rows=None, variant=None, **kernel_options):
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, causal=False, max_batch_size=None,
-                         max_num_tokens=None, sm_scale=sm_scale, num_ctas=num_ctas,
-                         fixed_split_tokens=None, max_mask_len=None, backend=backend,
-                         tile_rows=tile_rows, variant=variant, kernel_options=kernel_options,
-                         mosaic_fits=False)
-        self.block_width = None  # C of the last plan: the kernel's (static) page size
+                 backend=None, tile_rows=None, variant=None, impl="auto", config=None):
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, kv_format="bsr", causal=False,
+                         sm_scale=sm_scale, num_ctas=num_ctas, backend=backend, tile_rows=tile_rows,
+                         variant=variant, impl=impl, config=config)
 
     def plan(self, bsr):
         if not isinstance(bsr, BlockSparseMatrix):
             raise ValueError("bsr must be a jaxinfer.BlockSparseMatrix")
-        (r, c), (m, _) = bsr.block_shape, bsr.shape
+        (r, c), (m, n) = bsr.block_shape, bsr.shape
         indptr, indices = np.asarray(bsr.indptr), np.asarray(bsr.indices)
         check_int32("bsr.indptr", indptr)
         nblocks = indptr[1:] - indptr[:-1]
@@ -401,9 +369,10 @@ class BlockSparseAttention(_Prefill):
             custom_mask = np.concatenate(
                 [bm[indptr[i]:indptr[i + 1]].transpose(1, 0, 2).reshape(-1) for i in range(m // r)]
                 + [np.zeros(0, bool)])
-        self.block_width = c
-        return self._plan(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1],
-                          indices[: indptr[-1]], custom_mask, None, q_positions=np.arange(m))
+        plan = self._plan(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1], indices[: indptr[-1]],
+                          custom_mask, None, n // c, q_positions=np.arange(m))
+        # The block width C is the kernel's page size: the plan's, not the wrapper's.
+        return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, page_size=c))
 
     def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):
@@ -412,13 +381,27 @@ class BlockSparseAttention(_Prefill):
         params = self._params(variant_params, return_lse)
         self._check_kv(q, k, v)
         check_qkv(q, k)
-        c = self.block_width
-        if c is None:
-            raise ValueError("plan must come from this wrapper's plan(bsr)")
-        if k.shape[0] % c:
-            raise ValueError(f"k has {k.shape[0]} rows, not a multiple of the block width {c}")
+        if not isinstance(plan, PrefillPlan):
+            raise ValueError("plan must be a PrefillPlan from BlockSparseAttention.plan()")
+        c = plan.spec.page_size
         scales = kv_scales(k_scale, v_scale, k.dtype, self.num_kv_heads)
         state = self._run_raw(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
-                              params, scales, page_size=c, cache_layout="NHD", contiguous=False,
-                              global_kv_pos=True)
+                              params, scales, k.shape[0] // c, "k (in blocks of C rows)",
+                              facts=dataclasses.replace(self.facts, page_size=c), page_size=c,
+                              cache_layout="NHD", global_kv_pos=True)
         return self._finish(state, params, return_lse)
+
+
+def auto_cascade_levels(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, *, causal, problem):
+    """two_level_cascade's levels when the cost model says sharing pays, else None."""
+    if not prefix_planner.may_share(kv_indptr, kv_indices):  # O(B): no request shares a first page
+        return None
+    levels, saved = two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                      causal=causal)
+    if saved == 0:
+        return None
+    (q0, kv0, _, _), (q1, kv1, _, _) = levels
+    pays = dispatch.cascade_pays(np.diff(q1), np.diff(np.asarray(kv_indptr)),
+                                 ((np.diff(q0), np.diff(kv0)), (np.diff(q1), np.diff(kv1))),
+                                 page_size=page_size, problem=problem)
+    return levels if pays else None

@@ -27,7 +27,9 @@ Otherwise it writes float32 partial states to partial row
 part_base + t * num_chunks + chunk for its token t, so each token's partials
 are contiguous for merge.merge_varlen.
 """
+import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
 
-ITEM_FIELDS = 16
+ITEM_COLUMNS = ("q_row_start", "tile_tok", "qo_len", "page_base", "kv_len", "kv_start", "kv_end",
+                "part_base", "num_chunks", "chunk", "mask_base", "kv_pos_offset", "tail", "kv_first",
+                "q_pos_min", "q_pos_max")  # = planner.prefill.ITEM_COLUMNS (tests check)
+ITEM_FIELDS = len(ITEM_COLUMNS)
+_COL = {name: i for i, name in enumerate(ITEM_COLUMNS)}
 MOSAIC_TILE_TOKENS = 128  # query tokens per tile of impl="mosaic" (prefill_mosaic.TILE_TOKENS)
 
 
@@ -56,8 +62,8 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     params = None if variant is None else _common.unflatten_params(param_refs, *param_tree)
     block_kv = attend_kw["block_kv"]
 
-    def field(w, i):
-        return _common.uniform(items_ref[w, i])
+    def field(w, name):
+        return _common.uniform(items_ref[w, _COL[name]])
 
     r = jnp.arange(rows)
     tokens_per_tile = rows // group
@@ -67,15 +73,15 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     def query_rows(w):
         """The tile's query positions (clamped), flat rows of q, and which rows are real. Called
         before and after the KV loop, so these [rows] vectors are not kept live across it."""
-        q_row_start, tile_tok, qo_len = field(w, 0), field(w, 1), field(w, 2)
+        q_row_start, tile_tok, qo_len = field(w, "q_row_start"), field(w, "tile_tok"), field(w, "qo_len")
         q_tok = tile_tok + t_local
         q_tok_c = jnp.minimum(q_tok, qo_len - 1)
         row_ok = (t_local < tokens_per_tile) & (q_tok < qo_len)
         return q_tok_c, (q_row_start + q_tok_c) * num_qo_heads + q_head, row_ok
 
     def item(w, carry):
-        tile_tok, qo_len, page_base, kv_len = (field(w, i) for i in (1, 2, 3, 4))
-        kv_start, kv_end, mask_base = field(w, 5), field(w, 6), field(w, 10)
+        tile_tok, qo_len, page_base, kv_len = (field(w, c) for c in ("tile_tok", "qo_len", "page_base", "kv_len"))
+        kv_start, kv_end, mask_base = field(w, "kv_start"), field(w, "kv_end"), field(w, "mask_base")
         q = q_ref[query_rows(w)[1]]  # [rows, D]
         offset = kv_len - qo_len
         kv_hi = kv_end
@@ -87,8 +93,8 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
         tok_start, n_tok, n_head, var_kw = kv_start, kv_hi - kv_start, 0, {}
         if variant is not None:
             q_tok_c, _, row_ok = query_rows(w)
-            qo_pos = _common.load_rows(q_pos_ref, field(w, 0) + q_tok_c, row_ok)  # [rows]
-            pos_offset = field(w, 11)
+            qo_pos = _common.load_rows(q_pos_ref, field(w, "q_row_start") + q_tok_c, row_ok)  # [rows]
+            pos_offset = field(w, "kv_pos_offset")
             var_kw = dict(variant=variant, params=params, qo_pos=qo_pos, qo_head=q_head,
                           kv_pos_offset=pos_offset, global_kv_pos=global_kv_pos)
             if variant.has_bounds and not global_kv_pos:
@@ -120,7 +126,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
         o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
                                      v_scale=v_scale)
         q_tok_c, q_rows, row_ok = query_rows(w)
-        part_base = field(w, 7)
+        part_base = field(w, "part_base")
 
         @pl.when(part_base < 0)
         def _():
@@ -129,7 +135,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
 
         @pl.when(part_base >= 0)
         def _():
-            num_chunks, chunk = field(w, 8), field(w, 9)
+            num_chunks, chunk = field(w, "num_chunks"), field(w, "chunk")
             t = q_tok_c - tile_tok  # token index within the tile
             part_rows = (part_base + t * num_chunks + chunk) * num_qo_heads + q_head
             _common.store_rows(o_part_ref, part_rows, o, row_ok)
@@ -141,17 +147,34 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     lax.fori_loop(first, end, item, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tuning of the Triton prefill kernel. num_stages None: 3 for paged gathers, 2 for contiguous
+    K/V (measured on H100); fp8_pairs off (H100 prefill was slower with pairs, 272-306 vs
+    313-316 TFLOP/s)."""
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: Optional[int] = None
+    fp8_pairs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+    """Tuning of the Mosaic GPU prefill kernel: K/V blocks of block_kv tokens through
+    max_concurrent_steps shared-memory slots (head_dim 256 needs block_kv 64 to fit)."""
+    block_kv: int = 128
+    max_concurrent_steps: int = 2
+
+
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
-                    num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, scales=None,
-                    variant=None, params=None, q_pos=None, global_kv_pos=False, num_warps=4,
-                    num_stages=None, fp8_pairs=False):
+                    num_kv_heads, layout, sm_scale, causal, rows, interpret, config, scales=None,
+                    variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
+                    lse_src=None):
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
-    if num_stages is None:  # measured on H100: 3 stages help paged gathers, 2 suit contiguous K/V
-        num_stages = 2 if kv_indices is None else 3
-    block_kv = _common.fit_block_kv(block_kv, d, k_rows.dtype.itemsize, num_stages)
-    # fp8_pairs (off: H100 prefill was slower with pairs, 272-306 vs 313-316 TFLOP/s)
-    kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, fp8_pairs)
+    num_stages = config.num_stages or (2 if kv_indices is None else 3)
+    block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, num_stages)
+    kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, config.fp8_pairs)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
@@ -171,7 +194,7 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
                    jax.ShapeDtypeStruct((nnz * num_qo_heads,), jnp.float32),
                    jax.ShapeDtypeStruct((num_parts * num_qo_heads, d), jnp.float32),
                    jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32)),
-        compiler_params=_common.compiler_params(num_warps, num_stages),
+        compiler_params=_common.compiler_params(config.num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_prefill",
     )
@@ -181,9 +204,9 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
 
 
 def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
-                    num_kv_heads, layout, sm_scale, causal, rows, block_kv, interpret, scales=None,
+                    num_kv_heads, layout, sm_scale, causal, rows, interpret, config, scales=None,
                     variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
-                    lse_src=None, **tuning):
+                    lse_src=None):
     """The Mosaic GPU kernel (prefill_mosaic.py) behind the same outputs; its partial tiles are
     scattered into o through tail_dest, its lse rows gathered through lse_src."""
     from pallas_kernels import prefill_mosaic
@@ -204,14 +227,15 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         raise ValueError(f"prefill impl='mosaic': head_dim must be a multiple of 64, got {d}")
     if sm_scale <= 0:
         raise ValueError(f"prefill impl='mosaic': sm_scale must be > 0, got {sm_scale}")
-    block_kv = tuning.pop("block_kv_mosaic", 128)
+    block_kv = config.block_kv
     if kv_indices is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
         raise ValueError(f"prefill impl='mosaic': page_size must be a multiple of 8 dividing {block_kv} "
                          f"(or a multiple of it), got {page_size}")
     o, lse_items, o_tail = prefill_mosaic.prefill_mosaic(
         q, k_rows, v_rows, kv_indices, items, cell_indptr, tail_dest.shape[0], page_size=page_size,
         num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, block_kv=block_kv,
-        variant=variant, params=params, q_pos=q_pos, interpret=interpret, **tuning)
+        variant=variant, params=params, q_pos=q_pos, interpret=interpret,
+        max_concurrent_steps=config.max_concurrent_steps)
     o = o.at[tail_dest].set(o_tail, mode="drop")
     lse = lse_items[:, lse_src[:nnz]].T  # [nnz, Hq]
     return (o.reshape(nnz * num_qo_heads, d), lse.reshape(-1),
@@ -220,27 +244,31 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
 
 
 def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
-            num_kv_heads, layout, sm_scale, causal, rows, block_kv=64, interpret, impl="triton",
-            scales=None, variant=None, params=None, q_pos=None, global_kv_pos=False, **tuning):
+            num_kv_heads, layout, sm_scale, causal, rows, interpret, impl="triton", config=None,
+            scales=None, variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
+            lse_src=None):
     """Runs the prefill work list.
 
     q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
     or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
-    is then each request's first row); mask int8[*] (custom masks, or None); items int32[W, 14];
-    cell_indptr int32[cells + 1]; rows: the tile height (see tile_rows); scales: (k_scale,
-    v_scale) f32[Hkv] or None; variant / params / q_pos int32[nnz]: an attention variant, its
-    parameters and each query token's position.
-    impl: "triton" (every feature), or "mosaic" (Hopper: wgmma, TMA, warp-specialized; 16-bit
-    K/V, no custom mask, variants without query / key transforms; needs a plan with tails, one
-    item per cell, unsplit KV, and tail_dest= and lse_src=).
+    is then each request's first row); mask int8[*] (custom masks, or None); items
+    int32[W, len(ITEM_COLUMNS)]; cell_indptr int32[cells + 1]; rows: the tile height (see
+    tile_rows); scales: (k_scale, v_scale) f32[Hkv] or None; variant / params / q_pos
+    int32[nnz]: an attention variant, its parameters and each query token's position.
+    impl: "triton" (every feature; config a PrefillConfig), or "mosaic" (Hopper: wgmma, TMA,
+    warp-specialized; 16-bit K/V, no custom mask, variants without query / key transforms;
+    needs a plan with tails, one item per cell, unsplit KV, and tail_dest= and lse_src=; config
+    a MosaicPrefillConfig).
     Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
     """
-    fn = _common.dispatch({"triton": _prefill_triton, "mosaic": _prefill_mosaic}, impl, "prefill")
-    # Each kernel's tuning options; the other kernel's are dropped (a wrapper may pick either).
-    other = {"triton": ("block_kv_mosaic", "max_concurrent_steps"), "mosaic": ("num_warps", "num_stages")}
-    tuning = {k: v for k, v in tuning.items() if k not in other[impl]}
+    impls = {"triton": (_prefill_triton, PrefillConfig), "mosaic": (_prefill_mosaic, MosaicPrefillConfig)}
+    fn, config_type = _common.dispatch(impls, impl, "prefill")
+    config = config_type() if config is None else config
+    if not isinstance(config, config_type):
+        raise ValueError(f"prefill impl={impl!r} takes a {config_type.__name__}, got {config!r}")
     return fn(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, num_parts=num_parts,
               page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
-              causal=causal, rows=rows, block_kv=block_kv, interpret=interpret, scales=scales,
-              variant=variant, params=params, q_pos=q_pos, global_kv_pos=global_kv_pos, **tuning)
+              causal=causal, rows=rows, interpret=interpret, config=config, scales=scales,
+              variant=variant, params=params, q_pos=q_pos, global_kv_pos=global_kv_pos,
+              tail_dest=tail_dest, lse_src=lse_src)

@@ -5,11 +5,14 @@ max_num_pages, num_cells), so the jitted run() compiles once; what changes
 from step to step (lengths, chunk size, work lists, page ids) is data.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from planner import scheduler, validate
 from planner.packing import PackedLayout
+
+_max = np.maximum.reduce
 
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
 
@@ -41,6 +44,12 @@ class DecodeLayout(PackedLayout):
 
 
 
+@lru_cache(maxsize=256)
+def decode_layout(batch, index_cap, num_cells, fixed_split_pages=None):
+    """DecodeLayout.for_capacities, one instance per capacities (its offsets computed once)."""
+    return DecodeLayout.for_capacities(batch, index_cap, num_cells, fixed_split_pages)
+
+
 def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells,
                 num_pages=None, max_batch_size=None, max_num_pages=None,
                 fixed_split_pages=None, min_split_tokens=256, item_cost=32.0):
@@ -50,11 +59,25 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     each request's output independent of the other requests (batch invariance).
     item_cost: the per-item cost alpha in tokens (Algorithm 1: alpha*l_q + beta*l_kv, beta = 1).
     """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
+    return plan_decode_checked(table, page_size=page_size, num_cells=num_cells,
+                               max_batch_size=max_batch_size, max_num_pages=max_num_pages,
+                               fixed_split_pages=fixed_split_pages, min_split_tokens=min_split_tokens,
+                               item_cost=item_cost)
+
+
+def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max_num_pages=None,
+                        fixed_split_pages=None, min_split_tokens=256, item_cost=32.0):
+    """plan_decode over a page table that validate.check_page_table already returned (`table`):
+    callers that look at the table first (cascade="auto") validate it once."""
     if fixed_split_pages is not None and fixed_split_pages < 1:
         raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
-    kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages = validate.check_page_table(
-        kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
-    batch = kv_indptr.shape[0] - 1
+    if not item_cost >= 1:  # every item, empty ones too, then has a positive cost
+        raise ValueError(f"item_cost must be >= 1, got {item_cost}")
+    kv_indptr, kv_indices, _, kv_lens, pages = table
+    batch = pages.shape[0]
     num_listed = int(kv_indptr[-1])
     bcap = batch if max_batch_size is None else int(max_batch_size)
     icap = max(num_listed, 1) if max_num_pages is None else int(max_num_pages)
@@ -62,39 +85,61 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
         raise ValueError(f"kv_indptr describes {batch} requests, over max_batch_size={bcap}")
     if num_listed > icap:
         raise ValueError(f"kv_indices lists {num_listed} pages, over max_num_pages={icap}")
-    layout = DecodeLayout.for_capacities(bcap, icap, int(num_cells), fixed_split_pages)
-
+    layout = decode_layout(bcap, icap, int(num_cells), fixed_split_pages)
     if fixed_split_pages is not None:
         chunk = int(fixed_split_pages)
     else:
-        chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
-    nchunks = np.maximum(-(-pages // chunk), 1)  # an empty request gets one (empty) item
-    items = np.zeros((int(nchunks.sum()) + bcap - batch, ITEM_FIELDS), np.int64)
-    if int(nchunks.max(initial=1)) == 1:  # no request is split: one item per row, all writethrough
-        split_reqs = np.zeros(0, np.int64)
-        items[:, 0] = np.arange(bcap)
-        items[:batch, 1] = kv_indptr[:-1]
-        items[:batch, 3] = kv_lens
-        items[:, 4] = -1
+        chunk = scheduler.chunk_for_total(num_listed, num_cells, -(-min_split_tokens // page_size))
+
+    # Every entry of buf is written once: sections, their padding, the gaps between them.
+    buf = np.empty(layout.size, np.int32)
+    off = layout.offsets
+    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1) = (
+        off[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
+                               "merge_dest"))
+    buf[i0:i0 + num_listed] = kv_indices[:num_listed]
+    buf[i0 + num_listed:l0] = 0
+    buf[l0:l0 + batch] = kv_lens
+    buf[l0 + batch:t0] = 0
+    lens = buf[l0:l0 + bcap]  # int32[bcap]: kv_lens, 0 for padding rows
+    items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
+    merge_indptr, merge_dest = buf[m0:m0 + layout.merge_cap + 1], buf[d0:d1]
+    ic = int(item_cost) if float(item_cost).is_integer() else None
+
+    if not batch or int(_max(pages)) <= chunk:  # no request is split: one item per row, all writethrough
+        costs = np.add(lens, ic, dtype=np.int64) if ic is not None else (item_cost + lens).astype(np.int64)
+        order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
+        base = kv_indptr[:-1]
+        if bcap > batch:
+            base = np.concatenate([base, np.zeros(bcap - batch, np.int32)])
+        n_items = bcap
+        items[:n_items, 0] = order
+        items[:n_items, 1] = base.take(order)
+        items[:n_items, 2::2] = (0, -1)  # tok_start, part_slot (writethrough)
+        items[:n_items, 3] = lens.take(order)
+        buf[c1:d0] = 0  # cell_indptr's gap, merge_indptr (no split request), its gap
+        merge_dest[:] = -1
+        num_split = num_parts = 0
     else:
+        nchunks = np.maximum(-(-pages // chunk), 1)
         split_reqs = np.flatnonzero(nchunks > 1)
-        _split_items(items, nchunks, kv_indptr, kv_lens, chunk * page_size, batch, bcap)
-    assert items.shape[0] <= layout.item_cap and split_reqs.size <= layout.merge_cap
-
-    order, cell_indptr = scheduler.assign_cells(item_cost + items[:, 3] - items[:, 2], layout.num_cells)
-
-    buf = np.zeros(layout.size, np.int32)
-    sec = layout.unpack(buf)
-    sec["kv_indices"][:num_listed] = kv_indices[:num_listed]
-    sec["kv_lens"][:batch] = kv_lens
-    sec["items"][:items.shape[0]] = items[order]
-    sec["cell_indptr"][:] = cell_indptr
-    sec["merge_indptr"][1:split_reqs.size + 1] = np.cumsum(nchunks[split_reqs])
-    sec["merge_indptr"][split_reqs.size + 1:] = sec["merge_indptr"][split_reqs.size]
-    sec["merge_dest"][:] = -1
-    sec["merge_dest"][:split_reqs.size] = split_reqs
-    info = dict(chunk_pages=chunk, num_items=int(items.shape[0]), num_split=int(split_reqs.size),
-                num_parts=int(sec["merge_indptr"][-1]))
+        work = np.zeros((int(nchunks.sum()) + bcap - batch, ITEM_FIELDS), np.int64)
+        _split_items(work, nchunks, kv_indptr, kv_lens, chunk * page_size, batch, bcap)
+        n_items, num_split = work.shape[0], split_reqs.size
+        assert n_items <= layout.item_cap and num_split <= layout.merge_cap
+        costs = work[:, 3] - work[:, 2] + ic if ic is not None else (item_cost + work[:, 3] - work[:, 2])
+        order, _ = scheduler.assign_positive(costs.astype(np.int64, copy=False), layout.num_cells,
+                                             out=buf[c0:c1])
+        items[:n_items] = work[order]
+        buf[c1:m0 + 1] = 0  # cell_indptr's gap, merge_indptr[0]
+        np.cumsum(nchunks[split_reqs], out=merge_indptr[1:num_split + 1])
+        num_parts = int(merge_indptr[num_split])
+        merge_indptr[num_split + 1:] = num_parts
+        buf[m0 + layout.merge_cap + 1:d0] = 0
+        merge_dest[:num_split] = split_reqs
+        merge_dest[num_split:] = -1
+    buf[t0 + n_items * ITEM_FIELDS:c0] = 0  # unused items, the gap after them
+    info = dict(chunk_pages=chunk, num_items=n_items, num_split=int(num_split), num_parts=num_parts)
     return layout, buf, info
 
 

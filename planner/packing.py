@@ -1,38 +1,40 @@
 """One int32 buffer holding all of a plan's arrays: one host-to-device copy per step."""
+from functools import cached_property
 
 SECTION_ALIGN = 64  # int32 entries: every section starts 256-byte aligned (Mosaic GPU kernels
 # take their inputs only at such addresses, and XLA may hand a section to a kernel in place)
 
 
 class PackedLayout:
-    """Base for plan layouts: subclasses list (name, size) sections and their item width."""
+    """Base for plan layouts: subclasses list (name, size) sections and their item width.
+
+    Layouts are frozen dataclasses; the section offsets are computed once per instance
+    (cached_property writes the instance __dict__, which frozen dataclasses allow)."""
 
     ITEM_FIELDS = 1
 
     def sections(self):
         raise NotImplementedError
 
-    def _ranges(self):
-        """[(name, start, stop)] of the sections, each start a multiple of SECTION_ALIGN."""
-        out, off = [], 0
+    @cached_property
+    def offsets(self):
+        """{name: (start, stop)} of the sections, each start a multiple of SECTION_ALIGN."""
+        out, off = {}, 0
         for name, n in self.sections():
-            out.append((name, off, off + n))
+            out[name] = (off, off + n)
             off += -(-n // SECTION_ALIGN) * SECTION_ALIGN
         return out
 
-    @property
+    @cached_property
     def size(self):
-        return max((stop for _, _, stop in self._ranges()), default=0)
+        return max((stop for start, stop in self.offsets.values()), default=0)
 
     def section_range(self, name):
         """(start, stop) of a named section in the buffer."""
-        for n, start, stop in self._ranges():
-            if n == name:
-                return start, stop
-        raise KeyError(name)
+        return self.offsets[name]
 
     def unpack(self, buf):
         """Splits the packed buffer (NumPy or jax array) into its named sections (views)."""
-        out = {name: buf[start:stop] for name, start, stop in self._ranges()}
+        out = {name: buf[start:stop] for name, (start, stop) in self.offsets.items()}
         out["items"] = out["items"].reshape(-1, self.ITEM_FIELDS)
         return out

@@ -6,6 +6,7 @@ set, so at most len(TILE_ROWS) programs ever compile; everything else that
 changes per step is data in one packed int32 buffer.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -17,10 +18,12 @@ ROW_ALIGN = 8  # tails plans: TMA copies rows in groups of 8
 TILE_ROWS = (16, 32, 64, 128)
 
 
-def choose_tile_rows(qo_lens, group):
-    """Smallest tile (in rows) holding the average query length times the group."""
-    live = qo_lens[qo_lens > 0]
-    want = (float(live.mean()) if live.size else 1.0) * group
+def choose_tile_rows(qo_lens, group, total=None):
+    """Smallest tile (in rows) holding the average query length times the group
+    (total: sum(qo_lens), if known)."""
+    live = np.count_nonzero(qo_lens)
+    total = int(qo_lens.sum()) if total is None else total
+    want = (total / live if live else 1.0) * group
     floor = 1 << max(0, (group - 1).bit_length())  # a tile holds at least one token's group
     for rows in TILE_ROWS:
         if rows >= want and rows >= floor:
@@ -67,6 +70,12 @@ class PrefillLayout(PackedLayout):
 
 
 
+@lru_cache(maxsize=256)
+def prefill_layout(*args, **kwargs):
+    """PrefillLayout.for_capacities, one instance per capacities (its offsets computed once)."""
+    return PrefillLayout.for_capacities(*args, **kwargs)
+
+
 def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, num_cells,
                  max_num_tokens=None, max_batch_size=None, max_num_pages=None, rows=None,
                  mask_offsets=None, fixed_split_tokens=None, min_split_tokens=512, item_cost=64,
@@ -94,12 +103,11 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     """
     if fixed_split_tokens is not None and fixed_split_tokens < 1:
         raise ValueError(f"fixed_split_tokens must be >= 1, got {fixed_split_tokens}")
-    qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
-    batch = qo_indptr.shape[0] - 1
+    qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
+    batch = qo_lens.shape[0]
     if kv_lens.shape[0] != batch:
         raise ValueError(f"qo_indptr describes {batch} requests but the KV side has {kv_lens.shape[0]}")
     nnz = int(qo_indptr[-1])
-    qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)
     num_tokens = nnz if max_num_tokens is None else int(max_num_tokens)
     bcap = batch if max_batch_size is None else int(max_batch_size)
     icap = max(kv_indices.shape[0], 1) if max_num_pages is None else int(max_num_pages)
@@ -109,27 +117,43 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         raise ValueError(f"qo_indptr describes {batch} requests, over max_batch_size={bcap}")
     if kv_indices.shape[0] > icap:
         raise ValueError(f"kv_indices lists {kv_indices.shape[0]} pages, over max_num_pages={icap}")
-    rows = choose_tile_rows(qo_lens, group) if rows is None else int(rows)
+    rows = choose_tile_rows(qo_lens, group, nnz) if rows is None else int(rows)
     tpt = max(1, rows // group)
 
-    # Query tiles of every request, then of one padding request over rows [nnz, num_tokens).
-    pad = num_tokens - nnz
-    all_qo = np.append(qo_lens, pad)
-    all_kv = np.append(kv_lens.astype(np.int64), 0)
-    qo_start = np.append(qo_indptr[:-1], nnz)
-    q_off = qo_start % ROW_ALIGN if tails else np.zeros_like(qo_start)  # rows below the start
-    ntiles = np.where(all_qo > 0, -(-(all_qo + q_off) // tpt), 0)
-    req = np.repeat(np.arange(batch + 1), ntiles)
-    tile_tok = (np.arange(req.shape[0]) - (np.cumsum(ntiles) - ntiles)[req]) * tpt - q_off[req]
-    qo_r, kv_r = all_qo[req], all_kv[req]
-    kv_hi = kv_r
+    # Per request (and one padding request over rows [nnz, num_tokens)): int64[B + 1].
+    all_qo = np.empty(batch + 1, np.int64)
+    all_qo[:batch], all_qo[batch] = qo_lens, num_tokens - nnz
+    all_kv = np.empty(batch + 1, np.int64)
+    all_kv[:batch], all_kv[batch] = kv_lens, 0
+    qo_start = qo_indptr.astype(np.int64)  # each request's first row; nnz for the padding request
+    if tails:  # rows below each request's first row, back to an aligned row
+        q_off = qo_start % ROW_ALIGN
+        ntiles = np.where(all_qo > 0, -(-(all_qo + q_off) // tpt), 0)
+    else:
+        q_off = None
+        ntiles = -(-all_qo // tpt)  # (0 for an empty request)
+    tile_first = np.cumsum(ntiles)
+    num_tiles = int(tile_first[-1])
+    tile_first -= ntiles  # each request's first tile
+    req = np.repeat(scheduler.arange(batch + 1), ntiles)  # request of each tile
+    # Each tile's first token within its request.
+    tile_tok = scheduler.arange(num_tiles) - tile_first.take(req)
+    tile_tok *= tpt
+    if tails:
+        tile_tok -= q_off.take(req)
+    qo_r, kv_r = all_qo.take(req), all_kv.take(req)
+    d_r = kv_r - qo_r  # key count before the request's first query
     if causal:  # keys visible to the tile's last token
-        kv_hi = np.clip(np.minimum(tile_tok + tpt, qo_r) - 1 + kv_r - qo_r + 1, 0, kv_r)
-
-    kv_lo = np.zeros_like(kv_hi)
+        kv_hi = np.minimum(tile_tok + tpt, qo_r)
+        kv_hi += d_r
+        np.clip(kv_hi, 0, kv_r, out=kv_hi)
+    else:
+        kv_hi = kv_r
     if window_left is not None and window_left >= 0:  # keys left of the first row's window
-        kv_lo = np.clip(tile_tok + kv_r - qo_r - int(window_left), 0, kv_hi)
-    span = kv_hi - kv_lo
+        kv_lo = np.clip(tile_tok + d_r - int(window_left), 0, kv_hi)
+        span = kv_hi - kv_lo
+    else:
+        kv_lo, span = None, kv_hi
 
     num_splits = int(num_cells)
     if tails:  # whole-tile kernels: one unsplit item per cell, longest first
@@ -141,91 +165,155 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
             num_splits = max(num_splits, -(-int(span.sum()) // chunk))
     else:
         chunk = scheduler.kv_chunk_size(span, num_cells, min_split_tokens)
-    layout = PrefillLayout.for_capacities(num_tokens, bcap, icap, int(num_cells), rows, group, num_splits,
-                                          tails=tails)
-    nchunks = np.maximum(-(-span // chunk), 1)
-    split = nchunks > 1
-    tile_of = np.repeat(np.arange(req.shape[0]), nchunks)
-    chunk_idx = np.arange(tile_of.shape[0]) - (np.cumsum(nchunks) - nchunks)[tile_of]
-    kv_start = kv_lo[tile_of] + chunk_idx * chunk
-    kv_end = np.minimum(kv_start + chunk, kv_hi[tile_of])
-    tile_tokens = np.minimum(tpt, qo_r - tile_tok)  # real tokens in each tile
-    part_size = np.where(split, tile_tokens * nchunks, 0)
-    part_base = np.cumsum(part_size) - part_size
-    if int(part_size.sum()) > layout.part_cap or tile_of.shape[0] > layout.item_cap:
+    layout = prefill_layout(num_tokens, bcap, icap, int(num_cells), rows, group, num_splits, tails=tails)
+
+    nchunks = -(-span // chunk)
+    np.maximum(nchunks, 1, out=nchunks)
+    tile_tokens = np.minimum(qo_r - tile_tok, tpt)  # real tokens in each tile
+    if num_tiles and int(nchunks.max()) > 1:
+        split = nchunks > 1
+        part_size = np.where(split, tile_tokens * nchunks, 0)
+        item_first = np.cumsum(nchunks)
+        num_items = int(item_first[-1])
+        item_first -= nchunks
+        tile_of = np.repeat(scheduler.arange(num_tiles), nchunks)
+        chunk_idx = scheduler.arange(num_items) - item_first.take(tile_of)
+        kv_start = chunk_idx * chunk
+        if kv_lo is not None:
+            kv_start += kv_lo.take(tile_of)
+        kv_end = np.minimum(kv_start + chunk, kv_hi.take(tile_of))
+        part_base = np.cumsum(part_size)
+        num_parts = int(part_base[-1])
+        part_base -= part_size
+    else:  # no tile is split: one item per tile
+        split, num_parts, num_items = None, 0, num_tiles
+        tile_of, chunk_idx = scheduler.arange(num_tiles), None
+        kv_start = np.zeros(num_tiles, np.int64) if kv_lo is None else kv_lo
+        kv_end = np.minimum(kv_start + chunk, kv_hi)
+    if num_parts > layout.part_cap or num_items > layout.item_cap:
         raise ValueError("the split needs more partial states or work items than the plan holds; "
                          "use a larger fixed_split_tokens (or no capacities)")
-
-    items = np.zeros((tile_of.shape[0], ITEM_FIELDS), np.int64)
-    r_of = req[tile_of]
-    items[:, 0] = qo_start[r_of]
-    items[:, 1] = tile_tok[tile_of]
-    items[:, 2] = all_qo[r_of]
-    kv_off = np.zeros(batch + 1, np.int64)  # keys loaded before the request's first (masked)
-    if tails and contiguous_kv:
-        kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
-    items[:, 3] = np.append(page_base, 0)[r_of] - kv_off[r_of]
-    items[:, 4] = all_kv[r_of] + kv_off[r_of]
-    items[:, 5] = np.where(kv_start > 0, kv_start + kv_off[r_of], 0)  # tails, no window: aligned
-    items[:, 6] = kv_end + kv_off[r_of]
-    items[:, 7] = np.where(split[tile_of], part_base[tile_of], -1)
-    items[:, 8] = nchunks[tile_of]
-    items[:, 9] = chunk_idx
-    items[:, 10] = -1 if mask_offsets is None else np.append(mask_offsets, 0)[r_of]
-    pos_off = np.zeros(batch, np.int64) if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
-    items[:, 11] = np.append(pos_off, 0)[r_of] - kv_off[r_of]  # key t's position: field 11 + t
-    # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
-    is_tail = (tile_tok < 0) | (tile_tok + tpt > qo_r)
-    tail_slot = np.where(is_tail, np.cumsum(is_tail) - 1, -1)
-    items[:, 12] = tail_slot[tile_of]
-    items[:, 13] = kv_off[r_of]
-    if q_positions is None:
-        tok_req = np.repeat(np.arange(batch), qo_lens)
-        q_positions = (pos_off + kv_lens - qo_lens)[tok_req] + np.arange(nnz) - qo_indptr[:-1][tok_req]
-    # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from its
-    # first real row.
-    all_pos = np.zeros(num_tokens, np.int64)
-    all_pos[:nnz] = q_positions
-    if req.shape[0]:
-        first_row = qo_start[req] + np.maximum(tile_tok, 0)
-        items[:, 14] = np.minimum.reduceat(all_pos, first_row)[tile_of]
-        items[:, 15] = np.maximum.reduceat(all_pos, first_row)[tile_of]
-
-    order, cell_indptr = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells)
+    buf = np.empty(layout.size, np.int32)
+    off = layout.offsets
+    k0, q0, t0, c0, m0, d0, e0, s0 = (off[name][0] for name in (
+        "kv_indices", "q_pos", "items", "cell_indptr", "merge_indptr", "merge_dest", "tail_dest",
+        "lse_src"))
+    c1 = c0 + layout.num_cells + 1
+    order, _ = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells,
+                                      out=buf[c0:c1])
 
     # Reduction map: one group per token of a split tile, its partials contiguous.
-    split_tiles = np.flatnonzero(split)
-    n_merge = int(tile_tokens[split_tiles].sum())
+    if split is not None:
+        split_tiles = np.flatnonzero(split)
+        m_tokens = tile_tokens.take(split_tiles)
+        n_merge = int(m_tokens.sum())
+    else:
+        n_merge = 0
     if n_merge > layout.merge_cap:
         raise ValueError("the split needs more merge groups than the plan holds")
-    t_in = np.arange(n_merge) - np.repeat(np.cumsum(tile_tokens[split_tiles]) - tile_tokens[split_tiles],
-                                          tile_tokens[split_tiles])
-    tile_m = np.repeat(split_tiles, tile_tokens[split_tiles])
 
-    buf = np.zeros(layout.size, np.int32)
-    sec = layout.unpack(buf)
-    sec["kv_indices"][:kv_indices.shape[0]] = kv_indices
-    sec["q_pos"][:nnz] = q_positions
-    sec["items"][:items.shape[0]] = items[order]
-    sec["cell_indptr"][:] = cell_indptr
-    sec["merge_indptr"][1:n_merge + 1] = part_base[tile_m] + (t_in + 1) * nchunks[tile_m]
-    sec["merge_indptr"][n_merge + 1:] = sec["merge_indptr"][n_merge]
-    sec["merge_dest"][:] = -1
-    sec["merge_dest"][:n_merge] = qo_start[req[tile_m]] + tile_tok[tile_m] + t_in
+    # The packed buffer: every entry written once (sections, their padding, the gaps).
+    n_idx = kv_indices.shape[0]
+    buf[k0:k0 + n_idx] = kv_indices
+    buf[k0 + n_idx:q0] = 0
+    q_pos = buf[q0:q0 + num_tokens]  # int32[num_tokens]: positions, 0 past nnz
+    pos_off = None if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
+    if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i
+        delta = all_kv[:batch] - all_qo[:batch] - qo_start[:batch]
+        if pos_off is not None:
+            delta += pos_off
+        np.add(scheduler.arange(nnz), np.repeat(delta, qo_lens), out=q_pos[:nnz], casting="unsafe")
+    else:
+        q_pos[:nnz] = q_positions
+    buf[q0 + nnz:t0] = 0
+
+    # Items, in cell order: per-request fields, gathered per tile, gathered per item.
+    kv_off = None  # keys loaded before the request's first (masked): tails plans of contiguous K/V
+    if tails and contiguous_kv:
+        kv_off = np.zeros(batch + 1, np.int64)
+        kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
+    per_req = np.zeros((batch + 1, ITEM_FIELDS), np.int64)
+    per_req[:, 0] = qo_start
+    per_req[:, 2] = all_qo
+    per_req[:batch, 3] = page_base
+    per_req[:, 4] = all_kv
+    per_req[:, 10] = -1
+    if mask_offsets is not None:
+        per_req[:batch, 10] = mask_offsets
+        per_req[batch, 10] = 0
+    if pos_off is not None:
+        per_req[:batch, 11] = pos_off
+    if kv_off is not None:
+        per_req[:, 3] -= kv_off
+        per_req[:, 4] += kv_off
+        per_req[:, 11] -= kv_off
+        per_req[:, 13] = kv_off
+    per_tile = per_req.take(req, axis=0)  # [tiles, ITEM_FIELDS]
+    per_tile[:, 1] = tile_tok
+    per_tile[:, 8] = nchunks
+    if split is not None:
+        per_tile[:, 7] = np.where(split, part_base, -1)
+    else:
+        per_tile[:, 7] = -1
+    # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
+    is_tail = (tile_tok < 0) | (tile_tok + tpt > qo_r)
+    tail_slot = np.cumsum(is_tail)
+    tail_slot -= 1
+    per_tile[:, 12] = np.where(is_tail, tail_slot, -1)
+    # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from
+    # its first real row.
+    if num_tiles:
+        first_row = qo_start.take(req)
+        first_row += np.maximum(tile_tok, 0) if tails else tile_tok
+        per_tile[:, 14] = np.minimum.reduceat(q_pos, first_row)
+        per_tile[:, 15] = np.maximum.reduceat(q_pos, first_row)
+    items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
+    live = items[:num_items]
+    tile_sorted = tile_of.take(order)
+    live[:] = per_tile.take(tile_sorted, axis=0)
+    k_start, k_end = kv_start.take(order), kv_end.take(order)
+    if kv_off is not None:
+        off_sorted = kv_off.take(req.take(tile_sorted))
+        k_start = np.where(k_start > 0, k_start + off_sorted, 0)  # tails, no window: aligned
+        k_end += off_sorted
+    live[:, 5] = k_start
+    live[:, 6] = k_end
+    if chunk_idx is not None:
+        live[:, 9] = chunk_idx.take(order)
+    buf[t0 + num_items * ITEM_FIELDS:c0] = 0
+
+    buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
+    merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
+    merge_dest = buf[d0:d0 + layout.merge_cap]
+    if n_merge:
+        t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(m_tokens) - m_tokens, m_tokens)
+        tile_m = np.repeat(split_tiles, m_tokens)
+        merge_indptr[:n_merge] = part_base.take(tile_m) + (t_in + 1) * nchunks.take(tile_m)
+        merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
+        merge_dest[:n_merge] = qo_start.take(req.take(tile_m)) + tile_tok.take(tile_m) + t_in
+    else:
+        merge_indptr[:] = 0
+    buf[m0 + 1 + layout.merge_cap:d0] = 0
+    merge_dest[n_merge:] = -1
+    buf[d0 + layout.merge_cap:e0] = 0
     if tails:  # tail slot s holds tile t's rows: tail row s * tpt + j -> token tile_tok[t] + j
+        tail_dest, lse_src = buf[e0:e0 + layout.tail_cap], buf[s0:s0 + num_tokens]
         t = np.flatnonzero(is_tail)
         tok = tile_tok[t][:, None] + np.arange(tpt)[None, :]  # [slots, tpt]
-        live = (tok >= 0) & (tok < qo_r[t][:, None])
-        dest = np.where(live, qo_start[req[t]][:, None] + tok, num_tokens).reshape(-1)
-        sec["tail_dest"][:dest.size] = dest
-        sec["tail_dest"][dest.size:] = num_tokens
+        live_tok = (tok >= 0) & (tok < qo_r[t][:, None])
+        dest = np.where(live_tok, qo_start[req[t]][:, None] + tok, num_tokens).reshape(-1)
+        tail_dest[:dest.size] = dest
+        tail_dest[dest.size:] = num_tokens
+        buf[e0 + layout.tail_cap:s0] = 0
         # lse is stored per item (tile) slot, aligned: token i of request r -> its tile's slot.
         slot_of_tile = np.empty_like(order)
         slot_of_tile[order] = np.arange(order.shape[0])
         tok_r = np.repeat(np.arange(batch + 1), all_qo)
         tok_i = np.arange(num_tokens) - np.repeat(np.cumsum(all_qo) - all_qo, all_qo) + q_off[tok_r]
-        tile = (np.cumsum(ntiles) - ntiles)[tok_r] + tok_i // tpt
-        sec["lse_src"][:] = slot_of_tile[tile] * tpt + tok_i % tpt
-    info = dict(rows=rows, chunk_tokens=chunk, num_items=int(items.shape[0]),
-                num_split_tiles=int(split_tiles.size), num_parts=int(part_size.sum()))
+        tile = tile_first[tok_r] + tok_i // tpt
+        lse_src[:] = slot_of_tile[tile] * tpt + tok_i % tpt
+    else:
+        buf[e0:] = 0  # (empty tail sections; the gap after merge_dest is above)
+    info = dict(rows=rows, chunk_tokens=chunk, num_items=num_items,
+                num_split_tiles=int(split_tiles.size) if split is not None else 0, num_parts=num_parts)
     return layout, buf, info

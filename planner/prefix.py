@@ -129,6 +129,20 @@ class RadixTree:
             stack.extend(node.children.values())
 
 
+def may_share(kv_indptr, kv_indices):
+    """O(B) test to run before shared_prefix_groups: False when no two consecutive requests
+    begin with the same page id, so that no group can share a prefix. True may be a false
+    positive (e.g. around empty requests); input that is not a page table also gives True,
+    leaving the checks to the full path."""
+    indptr, indices = np.asarray(kv_indptr), np.asarray(kv_indices)
+    if indptr.ndim != 1 or indices.ndim != 1 or indptr.dtype.kind not in "iu":
+        return True
+    if indptr.shape[0] < 3 or not indices.shape[0]:
+        return False
+    first = indices.take(indptr[:-1], mode="clip")  # each request's first page id
+    return bool((first[1:] == first[:-1]).any())
+
+
 def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min_shared_pages=1,
                          max_shared_pages=None):
     """Splits consecutive requests that begin with the same pages into (shared prefix, suffix).
@@ -147,7 +161,7 @@ def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min
     kv_indptr, kv_indices, kv_last_page_len, _, pages = validate.check_page_table(
         kv_indptr, kv_indices, kv_last_page_len, page_size)
     batch = pages.shape[0]
-    full = pages - (kv_last_page_len < page_size)  # leading pages that are full
+    full = np.maximum(pages - (kv_last_page_len < page_size), 0)  # leading pages that are full
     if max_shared_pages is not None:
         full = np.minimum(full, max_shared_pages)
     starts, prefix = [0], []

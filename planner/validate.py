@@ -2,14 +2,17 @@
 
 Every check raises ValueError naming the offending argument, so that a bad
 page table never reaches a kernel (a kernel must never read a page that is
-not in the request's own page list).
+not in the request's own page list). Each check is a handful of whole-array
+NumPy calls: plan() runs them once per step.
 """
 import numpy as np
+
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def as_int32(name, x, ndim=1):
     """Returns x as a host int32 array; rejects other integer widths and floats."""
-    arr = np.asarray(x)
+    arr = x if type(x) is np.ndarray else np.asarray(x)
     if arr.dtype != np.int32:
         raise ValueError(f"{name} must be int32, got {arr.dtype}")
     if arr.ndim != ndim:
@@ -17,15 +20,24 @@ def as_int32(name, x, ndim=1):
     return arr
 
 
-def check_indptr(name, indptr, total=None):
-    """indptr: int32[B+1], starts at 0, non-decreasing, ends at `total` if given."""
+def indptr_lengths(name, indptr):
+    """Checks indptr (int32[B+1], starts at 0, non-decreasing); returns (indptr, lengths int32[B],
+    the smallest length or None when B = 0)."""
     indptr = as_int32(name, indptr)
     if indptr.shape[0] < 1:
         raise ValueError(f"{name} must have at least one entry (B+1), got shape {indptr.shape}")
     if indptr[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(indptr[0])}")
-    if (indptr[1:] < indptr[:-1]).any():
+    lens = indptr[1:] - indptr[:-1]
+    least = _min(lens) if lens.shape[0] else None
+    if least is not None and least < 0:
         raise ValueError(f"{name} must be non-decreasing")
+    return indptr, lens, least
+
+
+def check_indptr(name, indptr, total=None):
+    """indptr: int32[B+1], starts at 0, non-decreasing, ends at `total` if given."""
+    indptr = indptr_lengths(name, indptr)[0]
     if total is not None and int(indptr[-1]) != total:
         raise ValueError(f"{name}[-1] = {int(indptr[-1])} must equal {total}")
     return indptr
@@ -33,25 +45,42 @@ def check_indptr(name, indptr, total=None):
 
 def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages=None):
     """Validates a CSR page table; returns (kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages),
-    pages being each request's page count."""
+    pages being each request's page count (kv_lens and pages int32[B])."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    kv_indptr = check_indptr("kv_indptr", kv_indptr)
+    page_size = int(page_size)
+    kv_indptr, pages, least = indptr_lengths("kv_indptr", kv_indptr)
     kv_indices = as_int32("kv_indices", kv_indices)
     kv_last_page_len = as_int32("kv_last_page_len", kv_last_page_len)
-    batch = kv_indptr.shape[0] - 1
-    if kv_indices.shape[0] < kv_indptr[-1]:
-        raise ValueError(
-            f"kv_indices has {kv_indices.shape[0]} entries but kv_indptr[-1] = {int(kv_indptr[-1])}")
+    batch = pages.shape[0]
+    num_listed = int(kv_indptr[-1])
+    if kv_indices.shape[0] < num_listed:
+        raise ValueError(f"kv_indices has {kv_indices.shape[0]} entries but kv_indptr[-1] = {num_listed}")
     if kv_last_page_len.shape[0] != batch:
         raise ValueError(f"kv_last_page_len must have shape [{batch}], got {kv_last_page_len.shape}")
-    used = kv_indices[: kv_indptr[-1]]
     # One pass: as uint32, negative ids wrap past any page count.
-    if num_pages is not None and used.size and used.view(np.uint32).max() >= num_pages:
+    if num_pages is not None and num_listed and _max(kv_indices[:num_listed].view(np.uint32)) >= num_pages:
         raise ValueError(f"kv_indices holds page ids outside [0, {num_pages})")
-    pages = kv_indptr[1:] - kv_indptr[:-1]
-    has_pages = pages > 0
-    if ((kv_last_page_len < 1) | (kv_last_page_len > page_size))[has_pages].any():
+    if not batch:
+        return kv_indptr, kv_indices, kv_last_page_len, np.zeros(0, np.int32), pages
+    last_m1 = kv_last_page_len - 1  # in [0, page_size) as uint32 <=> last in [1, page_size]
+    if least > 0:  # every request has pages (the common case)
+        bad = _max(last_m1.view(np.uint32)) >= page_size
+        kv_lens = (pages - 1) * page_size + kv_last_page_len
+    else:
+        has_pages = pages > 0
+        bad = _max(np.where(has_pages, last_m1, 0).view(np.uint32)) >= page_size
+        kv_lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
+    if bad:
         raise ValueError(f"kv_last_page_len must lie in [1, page_size={page_size}] for requests with pages")
-    kv_lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
     return kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages
+
+
+def check_num_pages(num_pages):
+    """num_pages: the cache's page count, required by every paged plan (the plan's page ids must
+    lie in [0, num_pages), and run() checks the cache has that many pages)."""
+    if num_pages is None:
+        raise ValueError("num_pages is required: pass the cache's page count (kv_cache.num_pages)")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+        raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+    return int(num_pages)

@@ -116,23 +116,24 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
     b, s, hq, hkv, d, page = 2, 40, 8, 2, 64, 16
     cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
                                                       jnp.bfloat16)
+    num_pages = cache.num_pages
     q = jnp.ones((b, hq, d), jnp.bfloat16)
     dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
-    plan = dec.plan(indptr, indices, last)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
     assert TRITON_CALL in lower_for_cuda(dec.run, q, cache, plan)
     for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # V read as byte pairs, widened by inline PTX
         c8 = ji.PagedKVCache(cache.k_pages.astype(fp8), cache.v_pages.astype(fp8))
         assert TRITON_CALL in lower_for_cuda(dec.run, q, c8, plan)
     qo_indptr = (np.arange(b + 1) * 7).astype(np.int32)
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu")
-    plan = pre.plan(qo_indptr, indptr, indices, last)
+    plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
     qp = jnp.ones((b * 7, hq, d), jnp.bfloat16)
     assert TRITON_CALL in lower_for_cuda(pre.run, qp, cache, plan)
     # impl="mosaic" (Mosaic GPU): its Python lowering passes (layouts, TMA descriptors) run here too.
     for paged in (True, False):
         if paged:
             pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic")
-            args = (qp, cache, pre.plan(qo_indptr, indptr, indices, last))
+            args = (qp, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages))
         else:
             k = jnp.ones((b * s, hkv, d), jnp.bfloat16)
             pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu", impl="mosaic")
@@ -142,7 +143,7 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
     from jaxinfer import variants as V
     for var in (V.compose(V.soft_cap(), V.alibi(), V.sliding_window(), V.sinks()), V.sigmoid()):
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", variant=var)
-        plan = pre.plan(qo_indptr, indptr, indices, last)
+        plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
         run = lambda q, c, p, vp: pre.run(q, c, p, variant_params=vp)  # noqa: E731
         assert MOSAIC_CALL in lower_for_cuda(run, qp, cache, plan, V.default_params(var, hq))
 

@@ -7,7 +7,8 @@ import pytest
 import jaxinfer as ji
 from helpers import randn, random_cache, rel_err
 from jaxinfer import reference as ref
-from jaxinfer.cascade import auto_cascade_levels
+from jaxinfer import dispatch
+from jaxinfer.prefill import auto_cascade_levels
 from planner import prefix as prefix_planner
 
 
@@ -53,7 +54,7 @@ def test_two_level_cascade_equals_single_format(rng, case):
     else:  # causal: a page is shared only if it lies before all of the request's queries
         assert 0 < saved <= (batch - 1) * (prefix // page)
     cas = ji.MultiLevelCascadeAttention(2, hq, hkv, d, page, num_ctas=8)
-    o, lse = cas.run(q, cache, cas.plan(levels), return_lse=True)
+    o, lse = cas.run(q, cache, cas.plan(levels, num_pages=num_pages), return_lse=True)
     want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True)
     assert rel_err(o, want.o) < 2e-2
     np.testing.assert_allclose(lse, want.lse, rtol=2e-3, atol=2e-3)
@@ -80,7 +81,7 @@ def test_three_levels_and_partial_sharing(rng):
                         np.concatenate(own).astype(np.int32), last),
     ]
     cas = ji.MultiLevelCascadeAttention(3, hq, hkv, d, page, num_ctas=4)
-    o = cas.run(q, cache, cas.plan(levels))
+    o = cas.run(q, cache, cas.plan(levels, num_pages=num_pages))
     want = ref.decode(q, cache, indptr, indices, last)
     assert rel_err(o, want.o) < 2e-5
     # Only requests 0-2 share more than the system prompt: detection finds the bigger group.
@@ -100,8 +101,8 @@ def test_auto_cascade_cost_model_matches_h100_measurements(batch, prefix, pays):
     indptr = (np.arange(batch + 1) * (npre + nsuf)).astype(np.int32)
     levels = auto_cascade_levels(np.arange(batch + 1, dtype=np.int32), indptr,
                                  np.concatenate(lists).astype(np.int32), np.full(batch, page, np.int32),
-                                 page, causal=False, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                                 itemsize=2)
+                                 page, causal=False,
+                                 problem=dispatch.Problem("decode", 32, 8, 128, "paged", page))
     assert (levels is not None) == pays
 
 
@@ -121,9 +122,9 @@ def test_decode_auto_cascade(rng, monkeypatch):
     assert rel_err(o, ref.decode(q, cache, indptr, indices, last).o) < 2e-2
     # No sharing: the planner keeps the single format.
     indptr2, indices2, last2, n2 = _shared_table(rng, batch, 1024, rng.integers(1, 40, batch), page, sharing=1)
-    assert isinstance(dec.plan(indptr2, indices2, last2, cascade="auto"), ji.DecodePlan)
+    assert isinstance(dec.plan(indptr2, indices2, last2, num_pages=num_pages, cascade="auto"), ji.DecodePlan)
     with pytest.raises(ValueError, match="cascade"):
-        dec.plan(indptr, indices, last, cascade="always")
+        dec.plan(indptr, indices, last, num_pages=num_pages, cascade="always")
 
 
 def test_prefill_auto_cascade_shares_only_keys_before_the_queries(rng):
@@ -135,7 +136,7 @@ def test_prefill_auto_cascade_shares_only_keys_before_the_queries(rng):
     q = randn(rng, (qo_indptr[-1], hq, d), jnp.float32)
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, num_ctas=4)
     levels, _ = ji.two_level_cascade(qo_indptr, indptr, indices, last, page)
-    plan = ji.CascadePlan([pre.plan(*levels[0], causal=False), pre.plan(*levels[1])])
+    plan = ji.CascadePlan((pre.plan(*levels[0], num_pages=num_pages, causal=False), pre.plan(*levels[1], num_pages=num_pages)))
     o = pre.run(q, cache, plan)
     assert rel_err(o, ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True).o) < 2e-5
 
@@ -165,7 +166,7 @@ def test_cascade_rejects_bad_levels(rng):
     lvl = ji.CascadeLevel(np.array([0, 2], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                           np.array([4], np.int32))
     with pytest.raises(ValueError, match="levels must hold 2"):
-        cas.plan([lvl])
+        cas.plan([lvl], num_pages=64)
     other = ji.CascadeLevel(np.array([0, 3], np.int32), *lvl[1:])
     with pytest.raises(ValueError, match="covers 3 rows"):
-        cas.plan([lvl, other])
+        cas.plan([lvl, other], num_pages=64)

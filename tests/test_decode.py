@@ -173,9 +173,9 @@ def test_decode_rejects_bad_input(rng):
     with pytest.raises(ValueError, match="page ids outside"):
         dec.plan(indptr, np.full_like(indices, num_pages), last, num_pages=num_pages)
     with pytest.raises(ValueError, match="max_batch_size"):
-        dec.plan(np.array([0, 1, 2, 3], np.int32), indices[:3], np.ones(3, np.int32))
+        dec.plan(np.array([0, 1, 2, 3], np.int32), indices[:3], np.ones(3, np.int32), num_pages=num_pages)
     with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
-        dec.plan(np.array([0, 3, 2], np.int32), indices, last)
+        dec.plan(np.array([0, 3, 2], np.int32), indices, last, num_pages=num_pages)
     plan = dec.plan(indptr, indices, last, num_pages=num_pages)
     with pytest.raises(ValueError, match="q must have shape"):
         dec.run(randn(rng, (3, hq, d), jnp.float32), cache, plan)

@@ -169,3 +169,28 @@ def test_page_table_and_pad():
     np.testing.assert_array_equal(pad(np.array([1, 2]), 4, -1), [1, 2, -1, -1])
     with pytest.raises(ValueError, match="at most"):
         pad(np.arange(5), 4)
+
+
+def test_layer_loops_same_weights_and_greedy_tokens():
+    """layer_loop "unroll" (per-layer weights and caches) and "scan" (stacked) build the same
+    weights from one seed and generate the same greedy tokens; the scan run also takes the
+    --sync decode order (wait for each step's tokens, then plan the next). A cache built for
+    the other loop is rejected."""
+    unrolled = llama.Llama(llama.get_config("tiny", layer_loop="unroll"), rngs=nnx.Rngs(3))
+    scanned = llama.Llama(llama.get_config("tiny", layer_loop="scan"), rngs=nnx.Rngs(3))
+    for l, layer in enumerate(unrolled.layers):
+        for name in llama.LAYER_PARAMS:
+            np.testing.assert_array_equal(getattr(layer, name)[...], getattr(scanned.layers, name)[...][l])
+    np.testing.assert_array_equal(unrolled.lm_head[...], scanned.lm_head[...])
+
+    args = ["--batch", "2", "--prompt-len", "3", "11", "--new-tokens", "4", "--page-size", "4", "--quiet"]
+    unroll = generate.main(args + ["--layer-loop", "unroll"])
+    scan = generate.main(args + ["--layer-loop", "scan", "--sync"])
+    np.testing.assert_array_equal(scan["tokens"], unroll["tokens"])
+
+    rows = np.zeros((1, 1), np.int32)
+    stacked = llama.dense_kv_cache(scanned.cfg, 1, 4)
+    with pytest.raises(ValueError, match="kv_cache"):
+        unrolled(np.zeros(1, np.int32), np.zeros(1, np.int32), stacked, llama.DenseAttention(None, rows))
+    with pytest.raises(ValueError, match="layer_loop"):
+        llama.get_config("tiny", layer_loop="while")

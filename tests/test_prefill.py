@@ -162,14 +162,14 @@ def test_prefill_rejects_bad_input(rng):
     indptr, indices, last, num_pages = page_table(rng, np.array([9, 3]), 4)
     pre = ji.BatchPrefillWithPagedKVCache(8, 2, 64, 4, num_ctas=4)
     with pytest.raises(ValueError, match="qo_indptr must start at 0"):
-        pre.plan(np.array([1, 2, 3], np.int32), indptr, indices, last)
+        pre.plan(np.array([1, 2, 3], np.int32), indptr, indices, last, num_pages=num_pages)
     with pytest.raises(ValueError, match="qo_indptr describes 1 requests"):
-        pre.plan(np.array([0, 2], np.int32), indptr, indices, last)
+        pre.plan(np.array([0, 2], np.int32), indptr, indices, last, num_pages=num_pages)
     with pytest.raises(ValueError, match="page ids outside"):
         pre.plan(np.array([0, 2, 3], np.int32), indptr, indices + 100, last, num_pages=num_pages)
     with pytest.raises(ValueError, match="custom_mask"):
-        pre.plan(np.array([0, 2, 3], np.int32), indptr, indices, last, custom_mask=np.ones(5, bool))
-    plan = pre.plan(np.array([0, 2, 3], np.int32), indptr, indices, last)
+        pre.plan(np.array([0, 2, 3], np.int32), indptr, indices, last, num_pages=num_pages, custom_mask=np.ones(5, bool))
+    plan = pre.plan(np.array([0, 2, 3], np.int32), indptr, indices, last, num_pages=num_pages)
     with pytest.raises(ValueError, match="q must have shape"):
         pre.run(randn(rng, (4, 8, 64), jnp.float32), random_cache(rng, num_pages, 4, 2, 64, jnp.float32), plan)
     with pytest.raises(ValueError, match="tile_rows"):
@@ -202,7 +202,7 @@ def test_mosaic_prefill_matches_reference(rng, case, kind):
     want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=causal)
     if kind == "paged":
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=causal, impl="mosaic")
-        o, lse = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last), return_lse=True)
+        o, lse = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages), return_lse=True)
     else:  # unaligned key rows: the kv_first prefix is loaded and masked
         k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)
         pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, causal=causal, impl="mosaic")
@@ -239,7 +239,7 @@ def test_mosaic_prefill_variants_match_reference(rng, name, kind):
                                variant=var, params=params)
     if kind == "paged":
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl="mosaic", variant=var)
-        o = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last), variant_params=params)
+        o = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages), variant_params=params)
     else:
         k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)
         pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, impl="mosaic", variant=var)
@@ -279,24 +279,24 @@ def test_auto_impl_plans_for_mosaic_and_falls_back_to_triton(rng, monkeypatch):
     cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16, "NHD")
     qo_indptr = _indptr(qo)
     q = randn(rng, (qo_indptr[-1], hq, d), jnp.bfloat16)
-    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, num_ctas=8, num_warps=4)
-    plan = pre.plan(qo_indptr, indptr, indices, last)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, num_ctas=8, config=ji.PrefillConfig(num_warps=4))
+    plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
     assert plan.layout.tail_cap > 0 and plan.alt is not None and plan.alt.layout.tail_cap == 0
     want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True)
     assert rel_err(pre.run(q, cache, plan), want.o) < TOL[jnp.bfloat16]
     fp8 = ji.PagedKVCache(cache.k_pages.astype(jnp.float8_e4m3fn), cache.v_pages.astype(jnp.float8_e4m3fn))
     want8 = ref.paged_attention(q, fp8, qo_indptr, indptr, indices, last, causal=True, k_scale=0.5, v_scale=2.0)
     assert rel_err(pre.run(q, fp8, plan, k_scale=0.5, v_scale=2.0), want8.o) < TOL[jnp.bfloat16]
-    masked = pre.plan(qo_indptr, indptr, indices, last, custom_mask=np.ones(int((qo * kv).sum()), bool))
+    masked = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages, custom_mask=np.ones(int((qo * kv).sum()), bool))
     assert masked.layout.tail_cap == 0 and masked.alt is None
     # Built-in logits transforms and masks plan for Mosaic; RoPE and user hooks for Triton.
     from jaxinfer import variants as V
     for var, mosaic in ((V.compose(V.soft_cap(), V.sliding_window()), True), (V.rope(), False),
                         (V.AttentionVariant(logits_transform=lambda p, s, *_: s * 0.5), False)):
-        vplan = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, variant=var).plan(qo_indptr, indptr, indices, last)
+        vplan = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, variant=var).plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
         assert (vplan.layout.tail_cap > 0) == mosaic and (vplan.alt is not None) == mosaic
     # Not on a Hopper GPU, or with impl="triton": Triton plans only.
     assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl="triton").plan(
         qo_indptr, indptr, indices, last).alt is None
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: False)
-    assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page).plan(qo_indptr, indptr, indices, last).alt is None
+    assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page).plan(qo_indptr, indptr, indices, last, num_pages=num_pages).alt is None

@@ -113,3 +113,14 @@ def test_lock_a_prefix_that_ends_inside_an_edge():
     assert tree.match([1, 2]) == 2
     tree.lock([1, 2], -1)
     assert sorted(tree.evict(10)) == [1, 2]
+
+
+def test_groups_with_an_empty_request():
+    """An empty request (0 pages, last page length 1 < page_size) shares nothing and does
+    not break the grouping of the others (it once sliced kv_indices with a negative limit)."""
+    indptr = np.array([0, 0, 2, 4], np.int32)
+    indices = np.array([5, 6, 5, 6], np.int32)
+    last = np.array([1, 8, 8], np.int32)
+    groups = shared_prefix_groups(indptr, indices, last, 8)
+    np.testing.assert_array_equal(groups["group_indptr"], [0, 1, 3])
+    np.testing.assert_array_equal(groups["prefix_pages"], [0, 2])

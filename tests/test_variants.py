@@ -44,7 +44,7 @@ def _decode_case(rng, lens, hq=HQ, hkv=HKV, dtype=jnp.float32):
 def test_decode_variant(rng, name):
     var, params = _builtin(name, rng=rng)
     q, cache, table, num_pages = _decode_case(rng, np.array([37, 0, 300, 5]))
-    dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, variant=var, block_kv=32)
+    dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, variant=var, config=ji.DecodeConfig(block_kv=32))
     plan = dec.plan(*table, num_pages=num_pages)
     o = dec.run(q, cache, plan, variant_params=params)
     want = ref.decode(q, cache, *table, variant=var, params=params)
@@ -63,7 +63,7 @@ def test_prefill_variant(rng, name):
     q_unused, cache, table, num_pages = _decode_case(rng, lens)
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     q = randn(rng, (qo_indptr[-1], HQ, D), jnp.float32)
-    pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, variant=var, block_kv=32)
+    pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, variant=var, config=ji.PrefillConfig(block_kv=32))
     plan = pre.plan(qo_indptr, *table, num_pages=num_pages)
     assert plan.info["num_split_tiles"] > 0
     o = pre.run(q, cache, plan, variant_params=params)
@@ -77,7 +77,7 @@ def test_ragged_and_block_sparse_variant(rng, name):
     qo_indptr = np.array([0, 20, 51], np.int32)
     kv_indptr = np.array([0, 40, 140], np.int32)
     q, k, v = (randn(rng, (n, h, D), jnp.float32) for n, h in ((51, HQ), (140, HKV), (140, HKV)))
-    rag = ji.BatchPrefillWithRaggedKVCache(HQ, HKV, D, num_ctas=8, variant=var, block_kv=32)
+    rag = ji.BatchPrefillWithRaggedKVCache(HQ, HKV, D, num_ctas=8, variant=var, config=ji.PrefillConfig(block_kv=32))
     o = rag.run(q, k, v, rag.plan(qo_indptr, kv_indptr), variant_params=params)
     want = ref.ragged_attention(q, k, v, qo_indptr, kv_indptr, causal=True, variant=var, params=params)
     assert rel_err(o, want.o) < TOL32
@@ -286,13 +286,13 @@ def test_fp8_kv(rng, fp8, per_head):
            for p, s in ((cache.k_pages, ks), (cache.v_pages, vs))]
     c_deq = ji.PagedKVCache(*deq)
     q = randn(rng, (len(lens), HQ, D), jnp.float16)
-    dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, block_kv=32)
+    dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, config=ji.DecodeConfig(block_kv=32))
     plan = dec.plan(indptr, indices, last, num_pages=num_pages)
     np.testing.assert_allclose(np.asarray(dec.run(q, cache, plan, k_scale=ks, v_scale=vs), np.float32),
                                np.asarray(dec.run(q, c_deq, plan), np.float32), atol=1e-2, rtol=2e-2)
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     qp = randn(rng, (qo_indptr[-1], HQ, D), jnp.float16)
-    pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, block_kv=32)
+    pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, config=ji.PrefillConfig(block_kv=32))
     pplan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
     got = pre.run(qp, cache, pplan, k_scale=ks, v_scale=vs)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(pre.run(qp, c_deq, pplan), np.float32),
@@ -325,10 +325,10 @@ def test_fp8_pairs_and_plain_fp8_reads_agree(rng):
     qp = randn(rng, (qo_indptr[-1], HQ, D), jnp.float16)
     outs = []
     for pairs in (True, False):
-        dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, block_kv=32, fp8_pairs=pairs)
-        pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, block_kv=32, fp8_pairs=pairs)
-        outs.append((dec.run(q, cache, dec.plan(indptr, indices, last), k_scale=0.5, v_scale=2.0),
-                     pre.run(qp, cache, pre.plan(qo_indptr, indptr, indices, last), k_scale=0.5, v_scale=2.0)))
+        dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, config=ji.DecodeConfig(block_kv=32, fp8_pairs=pairs))
+        pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, config=ji.PrefillConfig(block_kv=32, fp8_pairs=pairs))
+        outs.append((dec.run(q, cache, dec.plan(indptr, indices, last, num_pages=num_pages), k_scale=0.5, v_scale=2.0),
+                     pre.run(qp, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages), k_scale=0.5, v_scale=2.0)))
     for a, b in zip(*outs):
         assert rel_err(a, b) < 1e-3
 

@@ -1,0 +1,135 @@
+"""BatchAttention: one call for a serving step's mixed requests (decode, speculative verify,
+chunked prefill, whole prompts) over one PagedKVCache."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import _backend, dispatch, variants
+from jaxinfer.decode import run_decode_sections
+from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, kv_scales
+from jaxinfer.plans import BatchPlan, WrapperFacts
+from jaxinfer.prefill import BatchPrefillWithPagedKVCache, _check_q
+from pallas_kernels import decode as decode_kernels
+from planner import batch as batch_planner
+from planner import validate
+
+
+class BatchAttention:
+    """Attention for any mix of per-request query lengths (0, 1, 2-16, chunks, prompts) in one call,
+    with BatchPrefillWithPagedKVCache's semantics (causal: bottom-right).
+
+        attn = BatchAttention(32, 8, 128, 16)
+        plan = attn.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
+        o = attn.run(q, kv_cache, plan)                 # q, o: [nnz, Hq, D]
+
+    plan() classifies requests by qo_len x GQA group: requests whose tokens times the group fit a
+    64-row tile run on the decode kernel (heads and tokens packed into one tensor-core tile,
+    split-KV for long KV, Algorithm 1 balance); the others get prefill tiles (jaxinfer.dispatch
+    picks Triton or Mosaic GPU from their lengths). At most two launches plus the merges;
+    deterministic. With max_batch_size / max_num_tokens / max_num_pages, every plan of the same
+    short-token class has the same shapes (run() compiles at most once per tokens_per_item in
+    planner.batch.SHORT_TOKENS, with and without long requests). plan.impl names the kernels.
+    causal=False attends every key. variant, sm_scale, layout, num_ctas, config: as the decode
+    and prefill wrappers.
+    """
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
+                 variant=None, sm_scale=None, max_batch_size=None, max_num_tokens=None, max_num_pages=None,
+                 num_ctas=None, backend=None, impl="auto", config=None):
+        self.prefill = BatchPrefillWithPagedKVCache(
+            num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal, layout=layout,
+            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
+            sm_scale=sm_scale, backend=backend, variant=variant, impl=impl, config=config,
+            num_ctas=num_ctas)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size, self.layout, self.causal = page_size, check_layout(layout), causal
+        self.group = num_qo_heads // num_kv_heads
+        self.max_batch_size, self.max_num_tokens, self.max_num_pages = max_batch_size, max_num_tokens, max_num_pages
+        self.variant, self.sm_scale, self.interpret = variant, self.prefill.sm_scale, self.prefill.interpret
+        self.configs = self.prefill.configs
+        self.num_cells = max(1, (num_ctas or 2 * _backend.num_sms()) // num_kv_heads)
+        self.problem = dispatch.Problem("decode", num_qo_heads, num_kv_heads, head_dim, "paged", page_size,
+                                        layout, variant, interpret=self.interpret)
+        dispatch.check(self.problem)
+        self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                  layout, (max_batch_size, max_num_tokens, max_num_pages))
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None):
+        """Plans one step from host int32 arrays (qo_indptr [B+1] and a CSR page table); num_pages:
+        the cache's page count (required)."""
+        num_pages = validate.check_num_pages(num_pages)
+        qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
+            kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
+        batch, nnz = kv_lens.shape[0], int(qo_indptr[-1])
+        if qo_indptr.shape[0] != batch + 1:
+            raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests, kv_indptr {batch}")
+        qo_lens = np.diff(qo_indptr)
+        num_tokens = nnz if self.max_num_tokens is None else int(self.max_num_tokens)
+        bcap = batch if self.max_batch_size is None else int(self.max_batch_size)
+        icap = max(int(kv_indptr[-1]), 1) if self.max_num_pages is None else int(self.max_num_pages)
+        for what, n, cap, name in (("tokens", nnz, num_tokens, "max_num_tokens"),
+                                   ("requests", batch, bcap, "max_batch_size"),
+                                   ("pages", int(kv_indptr[-1]), icap, "max_num_pages")):
+            if n > cap:
+                raise ValueError(f"the step has {n} {what}, over {name}={cap}")
+        if not self.causal:  # every key visible: the short class needs the causal mask, so none
+            tokens, is_short = 1, qo_lens == 1
+        else:
+            tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
+        layout, buf, info = batch_planner.plan_short(
+            qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]], is_short,
+            page_size=self.page_size, num_cells=self.num_cells, tokens_per_item=tokens,
+            num_tokens=num_tokens, batch_cap=bcap, index_cap=icap)
+        long_plan, impls = None, ["decode_triton"]
+        if info["num_long_tokens"]:
+            long_reqs = np.flatnonzero(~is_short)
+            sub_qo = np.concatenate([[0], np.cumsum(qo_lens[long_reqs])]).astype(np.int32)
+            sub_indptr = np.concatenate([[0], np.cumsum(np.diff(kv_indptr)[long_reqs])]).astype(np.int32)
+            sub_indices = np.concatenate([kv_indices[kv_indptr[b]:kv_indptr[b + 1]] for b in long_reqs])
+            sub_last = np.where(kv_lens[long_reqs] > 0,
+                                kv_lens[long_reqs] - (np.diff(kv_indptr)[long_reqs] - 1) * self.page_size, 1)
+            long_plan = self.prefill.plan(sub_qo, sub_indptr, sub_indices.astype(np.int32),
+                                          sub_last.astype(np.int32), num_pages=num_pages)
+            impls.append(long_plan.impl)
+        return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "+".join(impls)),
+                         long_plan, bool(info["num_short"]), info=info)
+
+    def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):
+        """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq]) (natural log)."""
+        if not isinstance(plan, BatchPlan):
+            raise ValueError("plan must be a BatchPlan from BatchAttention.plan()")
+        plan.spec.check(self.facts)
+        variants.check_variant(self.variant, return_lse)
+        params = None if self.variant is None else self.variant.check_params(variant_params)
+        _check_q(q)
+        lay = plan.layout
+        if tuple(q.shape) != (lay.num_tokens, self.num_qo_heads, self.head_dim):
+            raise ValueError(f"q must have shape {(lay.num_tokens, self.num_qo_heads, self.head_dim)}, got {q.shape}")
+        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
+        plan.spec.check_rows(kv_cache.num_pages, "kv_cache")
+        scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
+        sec = plan.sections()
+        n, hq, d = q.shape
+        o = jnp.zeros((n, hq, d), q.dtype)
+        lse = jnp.full((n, hq), -jnp.inf, jnp.float32)
+        if plan.long is not None:  # long requests' rows, gathered, attended, scattered back
+            rows = sec["prefill_rows"][: plan.long.layout.num_tokens]
+            o_l, lse_l = self.prefill.run_raw(q[jnp.minimum(rows, n - 1)], kv_cache, plan.long, params, scales)
+            o, lse = o.at[rows].set(o_l, mode="drop"), lse.at[rows].set(lse_l, mode="drop")
+        if plan.has_short:
+            k_rows, v_rows = kv_cache.rows()
+            impl = dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"]
+            o_s, lse_s = run_decode_sections(
+                q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), sec["kv_lens"], lay,
+                page_size=self.page_size, num_kv_heads=self.num_kv_heads, cache_layout=self.layout,
+                sm_scale=self.sm_scale, interpret=self.interpret,
+                config=dispatch.config_for(impl, self.problem, self.configs), scales=scales,
+                variant=self.variant, params=params, columns=decode_kernels.MULTI_ITEM_COLUMNS,
+                tokens_per_item=lay.tokens_per_item)
+            short = sec["row_is_short"] != 0
+            o, lse = jnp.where(short[:, None, None], o_s, o), jnp.where(short[:, None], lse_s, lse)
+        out = variants.finish(self.variant, params, o, lse, return_lse)
+        return AttentionState(*out) if return_lse else out

@@ -1,0 +1,215 @@
+"""Which kernel runs: a table of what each implementation supports, and a cost model.
+
+Wrappers describe their problem (Problem: static facts) and, at plan time, the step's query and
+key lengths; choose() returns the implementation expected fastest among those that support it,
+or raises ValueError when none does. Each plan records the choice in plan.impl. A new kernel
+family is one Implementation row here, a kernel file in pallas_kernels/ and its tests.
+
+The cost model is a roofline per implementation (bytes of K/V over HBM bandwidth, FLOPs of the
+tiles actually computed over each kernel's measured rate), plus, for kernels that never split
+KV (Mosaic), the critical path of the longest tile. Its constants are below, each with the
+measured row it came from (one H100, jax 0.11.2; benchmarks/regress.py rows).
+"""
+import dataclasses
+from typing import Callable, Optional
+
+import numpy as np
+
+from jaxinfer import _backend, variants
+from pallas_kernels.decode import DecodeConfig
+from pallas_kernels.prefill import MOSAIC_TILE_TOKENS, MosaicPrefillConfig, PrefillConfig
+from planner import prefill as prefill_planner
+from planner import prefix as prefix_planner
+
+# --- cost-model constants (per µs) -----------------------------------------------------------
+HBM_BYTES_PER_US = 2.9e6        # decode (64, 4096) bf16: 1.07 GB of K/V in 366 µs
+TRITON_FLOPS_PER_US = 3.8e8     # paged causal prefill B4 S8192 32/8, Triton kernel: ~380 TFLOP/s
+MOSAIC_FLOPS_PER_US = 5.3e8     # the same row on the Mosaic GPU kernel: 539-572 TFLOP/s
+LAUNCH_US = 8.0                 # one kernel launch plus its merge (decode (16, 1024): 37 µs total)
+KV_ITEMSIZE = 2                 # bf16 K/V (plans are made before dtypes are known)
+
+FAMILIES = ("decode", "prefill")
+KV_FORMATS = ("paged", "ragged", "bsr")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The static facts of a wrapper's attention calls."""
+    family: str                  # "decode": one query token per request; "prefill": any
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_format: str               # "paged", "ragged" (contiguous rows) or "bsr"
+    page_size: int = 1
+    layout: str = "NHD"
+    variant: object = None       # a jaxinfer.AttentionVariant or None
+    custom_mask: bool = False
+    interpret: bool = True       # Pallas interpret mode (CPU) rather than compiled
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+
+    @property
+    def group(self):
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def hopper(self):
+        """Compiled Mosaic GPU kernels can run (a Hopper GPU, not interpret mode)."""
+        return _backend.mosaic_available(self.interpret)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One row of the table. unsupported(problem, explicit) says why the kernel cannot run the
+    problem (None when it can; explicit: the user named it, so interpreters count); cost_us
+    estimates a step from its query / key lengths."""
+    name: str
+    family: str
+    short_name: str              # the wrapper's impl= value
+    config_type: type
+    unsupported: Callable[[Problem, bool], Optional[str]]
+    cost_us: Callable[[Problem, np.ndarray, np.ndarray, bool], float]
+
+    def default_config(self, problem):
+        if self.config_type is MosaicPrefillConfig and problem.head_dim > 128:
+            return MosaicPrefillConfig(block_kv=64)  # K/V slots of 128 x 256 overflow shared memory
+        return self.config_type()
+
+
+def _visible_keys(qo_lens, kv_lens, tile_tokens, causal):
+    """Keys a tile of tile_tokens query tokens computes, summed over each request's tiles."""
+    tiles = -(-qo_lens // tile_tokens)
+    if not causal:
+        return tiles * kv_lens
+    # Tile i of a request ends at token min((i + 1) * T, qo) and sees kv - qo + that many keys.
+    full = qo_lens // tile_tokens
+    ends = tile_tokens * full * (full + 1) / 2.0 + np.where(tiles > full, qo_lens, 0)
+    return np.maximum(tiles * (kv_lens - qo_lens) + ends, 0)
+
+
+def _decode_cost(problem, qo_lens, kv_lens, causal):
+    kv_bytes = 2.0 * KV_ITEMSIZE * problem.num_kv_heads * problem.head_dim * float(kv_lens.sum())
+    return LAUNCH_US + kv_bytes / HBM_BYTES_PER_US
+
+
+def _triton_prefill_cost(problem, qo_lens, kv_lens, causal):
+    rows = prefill_planner.choose_tile_rows(qo_lens, problem.group)
+    keys = float(_visible_keys(qo_lens, kv_lens, max(1, rows // problem.group), causal).sum())
+    flops = 4.0 * rows * problem.head_dim * keys * problem.num_kv_heads
+    kv_bytes = 2.0 * KV_ITEMSIZE * problem.head_dim * keys * problem.num_kv_heads
+    return LAUNCH_US + max(flops / TRITON_FLOPS_PER_US, kv_bytes / HBM_BYTES_PER_US)
+
+
+def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
+    keys = _visible_keys(qo_lens, kv_lens, MOSAIC_TILE_TOKENS, causal)
+    tile_flops = 4.0 * MOSAIC_TILE_TOKENS * problem.head_dim  # per key, per query head
+    total = tile_flops * float(keys.sum()) * problem.num_qo_heads / MOSAIC_FLOPS_PER_US
+    # KV is never split: the longest single tile bounds the step (one SM runs it alone).
+    longest = tile_flops * float(kv_lens.max(initial=0)) / (MOSAIC_FLOPS_PER_US / _backend.num_sms())
+    kv_bytes = 2.0 * KV_ITEMSIZE * problem.head_dim * float(keys.sum()) * problem.num_kv_heads
+    return LAUNCH_US + max(total, longest, kv_bytes / HBM_BYTES_PER_US)
+
+
+def _always(problem, explicit):
+    return None
+
+
+def _mosaic_unsupported(problem, explicit):
+    """Why the Mosaic GPU prefill kernel cannot run the problem (dtypes are checked per call:
+    it takes 16-bit q/K/V only, and plans for it carry a Triton plan for the others)."""
+    if not explicit and not problem.hopper:
+        return "needs a Hopper GPU (compiled; interpret mode runs it only with impl='mosaic')"
+    if problem.layout != "NHD":
+        return f"layout must be 'NHD', got {problem.layout!r}"
+    if problem.head_dim % 64:
+        return f"head_dim must be a multiple of 64, got {problem.head_dim}"
+    if problem.kv_format == "bsr":
+        return "block-sparse attention runs on Triton only"
+    if problem.custom_mask:
+        return "custom masks run on Triton only"
+    block_kv = IMPLEMENTATIONS_BY_NAME["prefill_mosaic"].default_config(problem).block_kv
+    ps = problem.page_size
+    if problem.kv_format == "paged" and (ps % 8 or (block_kv % ps and ps % block_kv)):
+        return f"page_size must be a multiple of 8 dividing {block_kv} (or a multiple of it), got {ps}"
+    v = problem.variant
+    if v is not None and (v.has_query_transform or v.has_key_transform):
+        return f"variant {v.name!r} has query / key transforms (RoPE runs on Triton)"
+    if v is not None and not explicit and not variants.mosaic_ready(v):
+        return f"variant {v.name!r} has hooks not checked on the Mosaic kernel (impl='mosaic' forces it)"
+    return None
+
+
+IMPLEMENTATIONS = (
+    Implementation("decode_triton", "decode", "triton", DecodeConfig, _always, _decode_cost),
+    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost),
+    Implementation("prefill_mosaic", "prefill", "mosaic", MosaicPrefillConfig, _mosaic_unsupported,
+                   _mosaic_prefill_cost),
+)
+IMPLEMENTATIONS_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
+
+
+def implementations(problem, impl="auto"):
+    """The implementations of problem's family that impl admits: (Implementation, reason or None)."""
+    rows = [i for i in IMPLEMENTATIONS if i.family == problem.family]
+    if impl != "auto":
+        names = [i.short_name for i in rows]
+        rows = [i for i in rows if i.short_name == impl]
+        if not rows:
+            raise ValueError(f"impl must be 'auto' or one of {names} for {problem.family}, got {impl!r}")
+    return [(i, i.unsupported(problem, impl != "auto")) for i in rows]
+
+
+def check(problem, impl="auto"):
+    """ValueError (naming impl, or what the problem lacks) unless some implementation can run it."""
+    rows = implementations(problem, impl)
+    if all(reason is not None for _, reason in rows):
+        why = "; ".join(f"{i.name}: {reason}" for i, reason in rows)
+        raise ValueError(f"impl={impl!r}: no kernel runs this {problem.family} problem ({why})")
+
+
+def supported(problem, impl="auto"):
+    """Names of the implementations that can run `problem`."""
+    return [i.name for i, reason in implementations(problem, impl) if reason is None]
+
+
+def choose(problem, qo_lens, kv_lens, causal, impl="auto"):
+    """The Implementation expected fastest for one step (qo_lens, kv_lens: host int arrays)."""
+    check(problem, impl)
+    rows = [i for i, reason in implementations(problem, impl) if reason is None]
+    if len(rows) == 1:  # nothing to weigh (lengths may be None)
+        return rows[0]
+    qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
+    return min(rows, key=lambda i: i.cost_us(problem, qo_lens, kv_lens, causal))
+
+
+def config_for(implementation, problem, configs):
+    """The user's config for this implementation (configs: a config or a tuple of them, matched
+    by type), else its default for the problem."""
+    for c in configs:
+        if isinstance(c, implementation.config_type):
+            return c
+    return implementation.default_config(problem)
+
+
+def check_configs(config):
+    """config (None, one config dataclass or a tuple of them) as a tuple; ValueError otherwise."""
+    configs = () if config is None else tuple(config) if isinstance(config, (tuple, list)) else (config,)
+    types = tuple({i.config_type for i in IMPLEMENTATIONS})
+    for c in configs:
+        if not isinstance(c, types):
+            raise ValueError(f"config must hold kernel configs ({', '.join(t.__name__ for t in types)}), "
+                             f"got {c!r}")
+    return configs
+
+
+def cascade_pays(qo_lens, kv_pages, levels_groups, *, page_size, problem):
+    """Whether a two-level cascade (levels_groups: ((rows, pages) per shared group, (rows, pages)
+    per request)) is expected faster than one level; the model and its calibration rows are in
+    planner/prefix.py."""
+    return prefix_planner.cascade_pays(
+        qo_lens, kv_pages, levels_groups, page_size=page_size, num_qo_heads=problem.num_qo_heads,
+        num_kv_heads=problem.num_kv_heads, head_dim=problem.head_dim, itemsize=KV_ITEMSIZE)

@@ -1,0 +1,164 @@
+"""The vectorized planner makes bitwise the plans of the planner it replaced (issue 22): same
+layout, same work items in the same order, same packed buffer, same info, on grids of random
+batches. The oracle is the old code, kept verbatim in tests/_old_planner.py for this test only."""
+import numpy as np
+import pytest
+
+import _old_planner as old
+from helpers import page_table
+from planner import decode as decode_planner
+from planner import prefill as prefill_planner
+from planner import scheduler, validate
+
+
+def _same(new, ref):
+    (layout, buf, info), (ref_layout, ref_buf, ref_info) = new, ref
+    assert layout == ref_layout
+    assert buf.dtype == ref_buf.dtype == np.int32
+    np.testing.assert_array_equal(buf, ref_buf)
+    assert info == ref_info
+
+
+def _lens(rng, batch, hi):
+    """Lengths with empty requests, one-token requests and long ones mixed in."""
+    lens = rng.integers(1, hi, batch)
+    lens[rng.random(batch) < 0.1] = 0
+    lens[rng.random(batch) < 0.1] = 1
+    return lens
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decode_plans_match_the_old_planner(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.choice([1, 2, 5, 33, 64, 130]))
+    page = int(rng.choice([1, 4, 16]))
+    lens = _lens(rng, batch, int(rng.choice([40, 600, 5000])))
+    if seed % 4 == 0:  # all requests of (nearly) one length: many equal costs, ties
+        lens = 1000 - rng.integers(0, 3, batch)
+    indptr, indices, last, num_pages = page_table(rng, lens, page)
+    kw = dict(page_size=page, num_cells=int(rng.choice([1, 3, 8, 33, 264])), num_pages=num_pages)
+    if seed % 3 == 0:
+        kw.update(max_batch_size=batch + int(rng.integers(0, 9)), max_num_pages=int(indptr[-1]) + 50)
+    if seed % 5 == 1:
+        kw["fixed_split_pages"] = int(rng.integers(1, 40))
+    if seed % 7 == 2:
+        kw["item_cost"] = 1.5  # a fractional alpha: costs truncated as before
+    if seed % 6 == 5:
+        kw["min_split_tokens"] = 16
+    _same(decode_planner.plan_decode(indptr, indices, last, **kw), old.plan_decode(indptr, indices, last, **kw))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_assign_cells_matches_the_old_heap(seed):
+    rng = np.random.default_rng(seed)
+    n, cells = int(rng.integers(0, 1200)), int(rng.choice([1, 2, 33, 264, 1000]))
+    costs = rng.integers(1, int(rng.choice([3, 100, 10 ** 6])), n)
+    order, indptr = scheduler.assign_cells(costs, cells)
+    ref_order, ref_indptr = old.assign_cells(costs, cells)
+    np.testing.assert_array_equal(order, ref_order)
+    np.testing.assert_array_equal(indptr, ref_indptr)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_page_table_checks_match(seed):
+    rng = np.random.default_rng(seed)
+    lens = _lens(rng, int(rng.integers(0, 40)), 200)
+    page = int(rng.choice([1, 8]))
+    indptr, indices, last, num_pages = page_table(rng, lens, page)
+    bad = int(rng.integers(0, 4))
+    if bad == 1 and lens.size:
+        last[rng.integers(0, lens.size)] = int(rng.choice([0, page + 1, -3]))
+    if bad == 2 and indices.size:
+        indices[rng.integers(0, indices.size)] = int(rng.choice([num_pages, -1]))
+    if bad == 3 and lens.size > 1:
+        indptr[1], indptr[-1] = indptr[-1], indptr[1]
+    args = (indptr, indices, last, page, num_pages)
+    try:
+        ref = old.check_page_table(*args)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=str(e).split(" ")[0]):
+            validate.check_page_table(*args)
+        return
+    for a, b in zip(validate.check_page_table(*args), ref):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_prefill_plans_match_the_old_planner(seed):
+    rng = np.random.default_rng(1000 + seed)
+    batch = int(rng.choice([1, 3, 8, 40]))
+    qo = _lens(rng, batch, int(rng.choice([4, 300, 2100])))
+    kv = qo + _lens(rng, batch, int(rng.choice([2, 500, 3000])))
+    if seed % 5 == 0:  # decode rows mixed with prefill chunks
+        qo[: batch // 2] = 1
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    page = int(rng.choice([1, 16]))
+    indptr, indices, _, _ = page_table(rng, kv, page)
+    tails, contiguous = seed % 4 == 3, seed % 8 == 7
+    base = indptr[:-1]
+    if contiguous:
+        base, indices = (np.cumsum(kv) - kv + rng.integers(0, 8)).astype(np.int32), np.zeros(0, np.int32)
+    kw = dict(group=int(rng.choice([1, 4, 8])), causal=bool(seed % 3), num_cells=int(rng.choice([1, 8, 33, 264])),
+              tails=tails, contiguous_kv=contiguous)
+    if tails:
+        kw["rows"] = 128 * kw["group"]
+    elif seed % 6 == 1:
+        kw["rows"] = 64
+    if seed % 3 == 0:
+        kw.update(max_num_tokens=int(qo_indptr[-1]) + int(rng.integers(0, 40)), max_batch_size=batch + 2,
+                  max_num_pages=indices.shape[0] + 7)
+    if seed % 7 == 2 and not tails:
+        kw["fixed_split_tokens"] = int(rng.integers(16, 600))
+        kw.pop("max_num_tokens", None)
+    if seed % 5 == 4:
+        kw["window_left"] = int(rng.choice([0, 37, 400]))
+    if seed % 9 == 5:
+        kw["mask_offsets"] = np.cumsum(qo * kv) - qo * kv
+    if seed % 4 == 1:  # cascade levels: positions given
+        kw["kv_pos_offset"] = rng.integers(0, 100, batch)
+        kw["q_positions"] = rng.integers(0, 5000, int(qo_indptr[-1]))
+    if seed % 10 == 6:
+        kw["item_cost"] = 2.5
+    if seed % 3 == 2:  # short chunks: many split tiles
+        kw["min_split_tokens"] = int(rng.choice([16, 64]))
+        kw["num_cells"] = 264
+    args = (qo_indptr, kv.astype(np.int32), base, indices)
+    _same(prefill_planner.plan_prefill(*args, **kw), old.plan_prefill(*args, **kw))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_first_page_check_never_hides_a_shared_prefix(seed):
+    """prefix.may_share (O(B), run before the grouping) is False only where the old grouping
+    found nothing to share: cascade="auto" then plans as before, without the deeper work."""
+    from planner import prefix
+    rng = np.random.default_rng(2000 + seed)
+    batch = int(rng.integers(1, 30))
+    lens = rng.integers(1, 300, batch)  # (the old grouping fails on empty requests: see test_prefix)
+    page = int(rng.choice([1, 8]))
+    indptr, indices, last, _ = page_table(rng, lens, page)
+    if seed % 2:  # some consecutive requests start on the same full pages
+        for b in rng.integers(0, max(batch - 1, 1), 3):
+            n = min(int(indptr[b + 1] - indptr[b]), int(indptr[min(b + 2, batch)] - indptr[b + 1]) if b + 1 < batch else 0)
+            k = int(rng.integers(0, n + 1))
+            indices[indptr[b + 1]:indptr[b + 1] + k] = indices[indptr[b]:indptr[b] + k]
+    qo_indptr = np.arange(batch + 1, dtype=np.int32)
+    (_, _), saved = old.two_level_cascade(qo_indptr, indptr, indices, last, page, causal=False)
+    if not prefix.may_share(indptr, indices):
+        assert saved == 0
+    if seed % 2 == 0:  # distinct pages everywhere: the check alone settles it
+        assert not prefix.may_share(indptr, indices)
+
+
+def test_wrapper_plans_own_their_buffers(rng):
+    """Each plan() hands the runtime a fresh host buffer (jax may alias it: on CPU,
+    device_put of a 64-byte-aligned NumPy array aliases it even with may_alias=False), so
+    a later plan never changes an earlier one."""
+    import jaxinfer as ji
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, 16, max_batch_size=8, max_num_pages=200)
+    tables = [page_table(rng, rng.integers(1, 400, 8), 16) for _ in range(3)]
+    plans = [dec.plan(*t[:3], num_pages=t[3]) for t in tables]
+    for (indptr, indices, last, num_pages), plan in zip(tables, plans):
+        ref = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=dec.num_cells,
+                                         num_pages=num_pages, max_batch_size=8, max_num_pages=200)[1]
+        np.testing.assert_array_equal(np.asarray(plan.buffer), ref)

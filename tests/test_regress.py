@@ -1,0 +1,66 @@
+"""benchmarks/regress.py: --help without JAX, the row table, the marks, and a smoke run of two rows."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import regress  # noqa: E402  (imports no JAX)
+
+
+def _run(args, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw)
+
+
+def test_help_imports_no_jax():
+    code = ("import runpy, sys\n"
+            "sys.argv = ['regress.py', '--help']\n"
+            "try:\n    runpy.run_path('benchmarks/regress.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "assert 'jax' not in sys.modules, 'regress.py --help imported jax'\n")
+    out = _run(["-c", code], timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--update" in out.stdout and "cascade auto B64 prefix32768" in out.stdout
+
+
+def test_rows_are_unique_and_many():
+    names = [r.name for r in regress.ROWS]
+    assert len(names) >= 20 and len(set(names)) == len(names)
+    assert all(callable(r.build) and 0 < r.tol < 0.1 for r in regress.ROWS)
+
+
+def test_marks():
+    ok = {"name": "r", "tol": 2e-2, "median_us": 106.0, "rel_err": 3e-3, "nan": False}
+    assert regress.status(ok, {"median_us": 100.0}) == "SLOWER"
+    assert regress.status(ok, {"median_us": 102.0}) == ""
+    assert regress.status(ok, {"median_us": 120.0}) == "faster"
+    assert regress.status(ok, None) == "new"
+    assert regress.status(ok | {"rel_err": 5e-2}, {"median_us": 106.0}) == "BAD"
+    assert regress.status(ok | {"rel_err": float("nan")}, None) == "BAD"
+    assert regress.status(ok | {"nan": True}, None) == "BAD"
+    assert regress.status({"name": "r", "tol": 2e-2, "error": "ValueError: x"}, None) == "ERROR"
+    text = regress.table([ok | {"mark": "SLOWER"}], {"r": {"median_us": 100.0}})
+    assert "1.060" in text and "SLOWER" in text
+
+
+def test_smoke_two_rows(tmp_path):
+    """Both builders end to end in interpret mode: checked against the reference, timed."""
+    path = tmp_path / "smoke.json"
+    out = _run(["benchmarks/regress.py", "--smoke", "--rows", r"^(decode B16 kv1024|ragged softcap30.*)$",
+                "--json", str(path)], timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads(path.read_text())["results"]
+    assert [r["name"] for r in results] == ["decode B16 kv1024", "ragged softcap30 B16 S4096 16/16"]
+    for r in results:
+        assert r["rel_err"] < r["tol"] and not r["nan"] and r["median_us"] > 0, r
+
+
+@pytest.mark.parametrize("args", [["--smoke", "--update"], ["--rows", "no such row"]])
+def test_refuses(args):
+    out = _run(["benchmarks/regress.py", *args], timeout=60)
+    assert out.returncode == 2, out.stderr
