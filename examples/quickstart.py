@@ -78,7 +78,7 @@ def main(argv=None):
                                      causal=True)
     for impl in ("auto", "triton"):
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=True, impl=impl)
-        plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
         errors[f"paged prefill ({impl})"] = rel_err(pre.run(q_ragged, cache, plan), want.o)
     # ... and over contiguous K/V per request (ragged).
     kv_tok_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -107,21 +107,21 @@ def main(argv=None):
     q4 = randn(4, hq, d)
     dec4 = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page)
     want = reference.decode(q4, cache, c_indptr, c_indices, c_last)
-    o = dec4.run(q4, cache, dec4.plan(c_indptr, c_indices, c_last, cascade="auto"))
+    o = dec4.run(q4, cache, dec4.plan(c_indptr, c_indices, c_last, num_pages=cache.num_pages, cascade="auto"))
     errors["decode, cascade='auto'"] = rel_err(o, want.o)
     one_each = np.arange(5, dtype=np.int32)  # qo_indptr: one query per request
     levels, saved_pages = ji.two_level_cascade(one_each, c_indptr, c_indices, c_last, page)
     assert saved_pages == 2 * len(shared), saved_pages  # requests 1 and 2 no longer read the prefix
     cas = ji.MultiLevelCascadeAttention(2, hq, hkv, d, page)
-    errors["two-level cascade"] = rel_err(cas.run(q4, cache, cas.plan(levels)), want.o)
+    errors["two-level cascade"] = rel_err(cas.run(q4, cache, cas.plan(levels, num_pages=cache.num_pages)), want.o)
 
     # Attention variants: static jnp functions traced into the kernel; their parameters are data.
     from jaxinfer import variants
     var = variants.compose(variants.rope(), variants.soft_cap(), variants.sliding_window())
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, variant=var)
     params = {"rope_theta": 5e5, "rope_scale": 1.0, "logits_soft_cap": 30.0, "window_left": page + 3}
-    o = pre.run(q_ragged, cache, pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len),
-                variant_params=params)
+    plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
+    o = pre.run(q_ragged, cache, plan, variant_params=params)
     want = reference.paged_attention(q_ragged, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                      causal=True, variant=var, params=params)
     errors["variants (rope, soft-cap, window)"] = rel_err(o, want.o)
