@@ -297,17 +297,20 @@ def mismatches_against_alone(engine, requests, outputs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--page-size", type=int, default=8)
+    ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS),
+                    help="model shapes (weights are random); tiny runs on CPU")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
+    ap.add_argument("--requests", type=int, default=8, help="requests in the scenario")
+    ap.add_argument("--page-size", type=int, default=8, help="tokens per KV cache page")
     ap.add_argument("--num-pages", type=int, default=128, help="cache pages per layer")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--max-prefill-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--cascade", default="always", choices=CASCADE_MODES)
+    ap.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    ap.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt tokens prefilled per step")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--cascade", default="always", choices=CASCADE_MODES,
+                    help="always: two-level cascade whenever pages are shared; auto: the decode "
+                         "plan's cost estimate decides; off: plain decode")
     ap.add_argument("--check", action="store_true", help="also serve each request alone and compare")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the scenario")
     args = ap.parse_args(argv)
     cfg = llama.get_config(args.config, args.layers)
     engine = Engine(cfg, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,

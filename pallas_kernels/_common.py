@@ -3,6 +3,7 @@ import contextlib
 import contextvars
 import math
 import struct
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax._src import core as jax_core
 from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas import core as pallas_core
 from jax._src.pallas.triton import lowering as triton_lowering
 
 LOG2E = math.log2(math.e)
@@ -156,8 +158,33 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+class _TritonParams(plgpu.CompilerParams):
+    """Pallas-Triton compiler params of jaxinfer's own kernels: Pallas picks a kernel's GPU
+    lowering rule by the type of its compiler params, so this type marks jaxinfer's kernels."""
+
+
+def _lower_triton_quietly(ctx, *args, **params):
+    """Pallas' Triton lowering, without jax's deprecation warning for it.
+
+    jax >= 0.11 emits a DeprecationWarning ("The Pallas Triton backend is deprecated") each time
+    a Pallas kernel lowers to Triton, i.e. when the user's jit compiles a jaxinfer call on a GPU.
+    The warning is addressed to jaxinfer, not to its users, so it is filtered here, only while
+    jaxinfer's own kernels lower: other Triton kernels still warn and other warnings are
+    untouched. It goes away once decode and prefill (and merge) have Mosaic GPU implementations
+    everywhere they run (today prefill's impl="mosaic" covers Hopper only)."""
+    from jax._src.pallas.triton import pallas_call_registration  # noqa: F401 (registers the rule)
+    rule = pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                                category=DeprecationWarning)
+        return rule(ctx, *args, **params)
+
+
+pallas_core.register_lowering_rule(_TritonParams, _lower_triton_quietly, "gpu")
+
+
 def compiler_params(num_warps, num_stages):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return _TritonParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def dispatch(implementations, impl, name):

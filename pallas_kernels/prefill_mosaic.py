@@ -29,6 +29,7 @@ window) moves the tile's first KV block to the block holding the first key any o
 sees (item fields 14, 15 bound its query positions); blocks before full_lo are masked.
 """
 import functools
+import inspect
 import math
 import os
 import warnings
@@ -46,6 +47,9 @@ TILE_TOKENS = 2 * WG_ROWS  # = prefill.MOSAIC_TILE_TOKENS
 LOG2E = math.log2(math.e)
 ITEM_FIELDS = 16  # = prefill.ITEM_FIELDS
 NUM_WARPGROUPS = 3  # two compute warpgroups and one memory warpgroup
+# plgpu.load takes an index argument up to jax 0.11 (the empty index: the whole ref); 0.12
+# dropped it (load the ref itself).
+_LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()
 
 
 def _warn_if_interpreter_pool_too_small():
@@ -144,7 +148,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
         if variant is not None:  # the rows' query positions [64]
             q_pos = (pos_smem2[wg] if interpret else plgpu.load(
-                pos_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
+                pos_smem2.at[wg], *_LOAD_IDX, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
 
         @pl.when(tile_steps > 0)
         def _():
@@ -157,7 +161,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             slot = lax.rem(step, jnp.int32(slots))
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 schedule_barrier()
                 return acc_ref[...]
 

@@ -1,4 +1,7 @@
 """Backend selection: interpret mode on CPU by default, forced by argument or environment."""
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,7 +46,6 @@ def test_explicit_interpret_matches_reference(rng):
 def test_interpret_mode_poisons_outputs():
     """Interpret mode starts every float output as NaN, so any element a kernel fails to
     write shows up as NaN (helpers.rel_err rejects NaN): the suite's poisoned outputs."""
-    import jax
     from jax.experimental import pallas as pl
 
     def writes_nothing(x_ref, o_ref):
@@ -65,7 +67,6 @@ def test_ptx_float_literals_round_trip():
 
 
 def test_math_helpers_are_jnp_outside_compiled_kernels_and_asm_inside(rng):
-    import jax
     from pallas_kernels import _common
     s = randn(rng, (8, 16), jnp.float32).at[0, :3].set(-jnp.inf)
     m = randn(rng, (8,), jnp.float32)
@@ -81,7 +82,6 @@ def test_math_helpers_are_jnp_outside_compiled_kernels_and_asm_inside(rng):
 
 
 def test_uniform_marks_scalars_only_inside_compiled_kernels():
-    import jax
     from pallas_kernels import _common
     x = jnp.int32(7)
     assert _common.uniform(x) is x
@@ -91,26 +91,44 @@ def test_uniform_marks_scalars_only_inside_compiled_kernels():
             assert ("jaxinfer_uniform" in jaxpr) == fast
 
 
+def cuda_target():
+    """Context for lowering to CUDA on a host without a GPU. Pallas' Triton lowering asks for the
+    target GPU's compute capability; jax >= 0.11 takes it only from an abstract mesh's
+    AbstractDevice (0.10 falls back to a default), so name an H100 for every version."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev))
+
+
+def lower_for_cuda(fn, *args):
+    """The StableHLO text of fn(*args) lowered for CUDA."""
+    with cuda_target():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call of a Pallas-Triton kernel
+MOSAIC_CALL = "mosaic_gpu"  # ... and of a Mosaic GPU one
+
+
 def test_gpu_kernels_lower_for_cuda_on_any_host():
     """The compiled (non-interpret) decode and prefill kernels lower to Triton IR for CUDA; this
     runs the Pallas-Triton lowering rules (inline PTX, the uniform scalar rule) without a GPU."""
-    import jax
     from benchmarks.common import random_paged_cache
     b, s, hq, hkv, d, page = 2, 40, 8, 2, 64, 16
     cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
                                                       jnp.bfloat16)
+    num_pages = cache.num_pages
     q = jnp.ones((b, hq, d), jnp.bfloat16)
     dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
     plan = dec.plan(indptr, indices, last, num_pages=num_pages)
-    jax.jit(dec.run).trace(q, cache, plan).lower(lowering_platforms=("cuda",))
+    assert TRITON_CALL in lower_for_cuda(dec.run, q, cache, plan)
     for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # V read as byte pairs, widened by inline PTX
         c8 = ji.PagedKVCache(cache.k_pages.astype(fp8), cache.v_pages.astype(fp8))
-        jax.jit(dec.run).trace(q, c8, plan).lower(lowering_platforms=("cuda",))
+        assert TRITON_CALL in lower_for_cuda(dec.run, q, c8, plan)
     qo_indptr = (np.arange(b + 1) * 7).astype(np.int32)
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu")
     plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
     qp = jnp.ones((b * 7, hq, d), jnp.bfloat16)
-    jax.jit(pre.run).trace(qp, cache, plan).lower(lowering_platforms=("cuda",))
+    assert TRITON_CALL in lower_for_cuda(pre.run, qp, cache, plan)
     # impl="mosaic" (Mosaic GPU): its Python lowering passes (layouts, TMA descriptors) run here too.
     for paged in (True, False):
         if paged:
@@ -120,11 +138,40 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
             k = jnp.ones((b * s, hkv, d), jnp.bfloat16)
             pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu", impl="mosaic")
             args = (qp, k, k, pre.plan(qo_indptr, (np.arange(b + 1) * s).astype(np.int32)))
-        jax.jit(pre.run).trace(*args).lower(lowering_platforms=("cuda",))
+        assert MOSAIC_CALL in lower_for_cuda(pre.run, *args)
     # ... and with variants: the built-ins' hooks traced into the Mosaic kernel.
     from jaxinfer import variants as V
     for var in (V.compose(V.soft_cap(), V.alibi(), V.sliding_window(), V.sinks()), V.sigmoid()):
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", variant=var)
         plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
-        run = jax.jit(lambda q, c, p, vp: pre.run(q, c, p, variant_params=vp))
-        run.trace(qp, cache, plan, V.default_params(var, hq)).lower(lowering_platforms=("cuda",))
+        run = lambda q, c, p, vp: pre.run(q, c, p, variant_params=vp)  # noqa: E731
+        assert MOSAIC_CALL in lower_for_cuda(run, qp, cache, plan, V.default_params(var, hq))
+
+
+def test_triton_deprecation_is_hidden_for_jaxinfer_kernels_only(rng):
+    """jax >= 0.11 warns that Pallas' Triton backend is deprecated whenever a Triton kernel lowers.
+    jaxinfer hides that warning while its own kernels lower (pallas_kernels/_common.py); a user's
+    own Triton kernel and a user's own warnings still warn."""
+    from jax._src import deprecations
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pl_triton
+    jax_warns = "jax-pallas-triton" in deprecations._registered_deprecations  # jax >= 0.11
+
+    def user_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    user_call = pl.pallas_call(user_kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                               compiler_params=pl_triton.CompilerParams(num_warps=4))  # Triton
+    q = randn(rng, (2, 4, 32), jnp.float32)  # [S, H, D]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert TRITON_CALL in lower_for_cuda(
+            lambda q: ji.single_decode_with_kv_cache(q[0], q, q, backend="gpu"), q)
+        jaxinfer_warnings = [str(w.message) for w in caught]
+        warnings.warn("the user's own deprecation", DeprecationWarning)
+        assert TRITON_CALL in lower_for_cuda(user_call, jnp.ones((16, 16), jnp.float32))
+    assert not [m for m in jaxinfer_warnings if "deprecated" in m], jaxinfer_warnings
+    user_warnings = [str(w.message) for w in caught[len(jaxinfer_warnings):]]
+    assert user_warnings[0] == "the user's own deprecation"
+    triton = [m for m in user_warnings if m.startswith("The Pallas Triton backend is deprecated")]
+    assert len(triton) == (1 if jax_warns else 0), (jax.__version__, user_warnings)

@@ -1,19 +1,21 @@
 """The model examples: the Flax Llama on jaxinfer against dense jnp attention, the serving loop
-against requests served alone, generate.py end to end, and the host page allocator."""
+against requests served alone, generate.py end to end, quickstart.py (the README's API tour) and
+the host page allocator."""
 import os
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx  # the test extra (Python >= 3.11, as jaxinfer requires)
 
 import jaxinfer as ji
 from planner.allocator import PageAllocator, PrefixCache, page_table, pad
 
-nnx = pytest.importorskip("flax.nnx", reason="flax (test extra) needs Python >= 3.11")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import generate  # noqa: E402
 import llama  # noqa: E402
+import quickstart  # noqa: E402
 import serve  # noqa: E402
 
 TINY = llama.get_config("tiny")  # float32
@@ -111,6 +113,20 @@ def test_generate_end_to_end_and_scan_horizon():
     np.testing.assert_array_equal(scanned["tokens"], step["tokens"])
     with pytest.raises(ValueError, match="--batch"):
         generate.parse_args(["--batch", "0"])
+
+
+def test_quickstart_runs_the_readme_api_tour():
+    """quickstart.py runs every paragraph of the README's API tour and checks each output against
+    jaxinfer.reference (it exits if one is off by more than 2e-2, bf16)."""
+    errors = quickstart.main(["--quiet"])
+    assert len(errors) == 12 and max(errors.values()) < 2e-2, errors
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    tour = readme.split("## API tour")[1].split("```")[1]
+    for call in ("BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchPrefillWithRaggedKVCache",
+                 "BlockSparseMatrix", "BlockSparseAttention", "two_level_cascade", "MultiLevelCascadeAttention",
+                 "variants.compose", "float8_e4m3fn", "with_page_offset", "get_batch_indices_positions",
+                 "append_paged_kv_cache", "single_prefill_with_kv_cache", "merge_state", "reference.attention"):
+        assert call in tour and call in open(quickstart.__file__).read(), call
 
 
 def test_page_allocator_refcounts_and_prefix_cache():
