@@ -83,7 +83,7 @@ class BatchAttention:
             qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]], is_short,
             page_size=self.page_size, num_cells=self.num_cells, tokens_per_item=tokens,
             num_tokens=num_tokens, batch_cap=bcap, index_cap=icap)
-        long_plan, impls = None, ["decode_triton"]
+        long_plan, impls = None, ["decode_triton"] if info["num_short"] else []
         if info["num_long_tokens"]:
             long_reqs = np.flatnonzero(~is_short)
             sub_qo = np.concatenate([[0], np.cumsum(qo_lens[long_reqs])]).astype(np.int32)
@@ -94,7 +94,7 @@ class BatchAttention:
             long_plan = self.prefill.plan(sub_qo, sub_indptr, sub_indices.astype(np.int32),
                                           sub_last.astype(np.int32), num_pages=num_pages)
             impls.append(long_plan.impl)
-        return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "+".join(impls)),
+        return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "+".join(impls) or "none (no query rows)"),
                          long_plan, bool(info["num_short"]), info=info)
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):
@@ -115,7 +115,9 @@ class BatchAttention:
         n, hq, d = q.shape
         o = jnp.zeros((n, hq, d), q.dtype)
         lse = jnp.full((n, hq), -jnp.inf, jnp.float32)
-        if plan.long is not None:  # long requests' rows, gathered, attended, scattered back
+        if plan.long is not None and not plan.has_short:  # every row is long: no gather
+            o, lse = self.prefill.run_raw(q, kv_cache, plan.long, params, scales)
+        elif plan.long is not None:  # long requests' rows, gathered, attended, scattered back
             rows = sec["prefill_rows"][: plan.long.layout.num_tokens]
             o_l, lse_l = self.prefill.run_raw(q[jnp.minimum(rows, n - 1)], kv_cache, plan.long, params, scales)
             o, lse = o.at[rows].set(o_l, mode="drop"), lse.at[rows].set(lse_l, mode="drop")
