@@ -80,6 +80,15 @@ def main(argv=None):
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=True, impl=impl)
         plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
         errors[f"paged prefill ({impl})"] = rel_err(pre.run(q_ragged, cache, plan), want.o)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=True, impl="triton",
+                                          config=ji.PrefillConfig(block_kv=64))
+    plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
+    print("prefill kernel:", plan.impl)  # jaxinfer.dispatch's choice
+    errors["paged prefill (config)"] = rel_err(pre.run(q_ragged, cache, plan), want.o)
+    # One call for a serving step's mixed query lengths (short rows on the decode kernel).
+    attn = ji.BatchAttention(hq, hkv, d, page)
+    plan = attn.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
+    errors["BatchAttention"] = rel_err(attn.run(q_ragged, cache, plan), want.o)
     # ... and over contiguous K/V per request (ragged).
     kv_tok_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     k_ragged, v_ragged = randn(int(kv_tok_indptr[-1]), hkv, d), randn(int(kv_tok_indptr[-1]), hkv, d)
