@@ -1,0 +1,89 @@
+"""jaxinfer.dispatch: the support table, the cost model's choices, plan.impl, and no import circles."""
+import ast
+import itertools
+import pathlib
+
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer import _backend, dispatch
+from jaxinfer import variants as V
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("family, kv_format, layout, head_dim, page, mask, variant", list(itertools.product(
+    ("decode", "prefill"), ("paged", "ragged", "bsr"), ("NHD", "HND"), (64, 96, 256), (1, 16),
+    (False, True), (None, V.soft_cap(), V.rope()))))
+def test_every_combination_picks_a_supported_kernel(monkeypatch, family, kv_format, layout, head_dim, page,
+                                                    mask, variant):
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)  # a Hopper GPU
+    problem = dispatch.Problem(family, 8, 2, head_dim, kv_format, page, layout, variant, mask, interpret=False)
+    choice = dispatch.choose(problem, np.array([3, 300]), np.array([500, 700]), True)
+    assert choice.name in dispatch.supported(problem)
+    assert choice.unsupported(problem, False) is None
+    if choice.name == "prefill_mosaic":  # the Mosaic kernel's limits hold
+        assert layout == "NHD" and head_dim % 64 == 0 and not mask and kv_format != "bsr"
+
+
+def test_unsupported_explicit_impl_raises_naming_why():
+    problem = dispatch.Problem("prefill", 8, 2, 96, "paged", 16, "HND")
+    with pytest.raises(ValueError, match="layout must be 'NHD'"):
+        dispatch.check(problem, "mosaic")
+    with pytest.raises(ValueError, match="impl must be"):
+        dispatch.check(problem, "cuda")
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):
+        ji.BatchPrefillWithRaggedKVCache(4, 2, 96, impl="mosaic")
+
+
+def test_cost_model_choices_match_h100_rows(monkeypatch):
+    """The choices regress.py measured as faster on the H100 (BENCHMARKS.md, session 8)."""
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
+    monkeypatch.setattr(_backend, "num_sms", lambda default=132: 132)
+    gqa = dispatch.Problem("prefill", 32, 8, 128, "paged", 16, interpret=False)
+    mha = dispatch.Problem("prefill", 16, 16, 128, "paged", 16, interpret=False)
+    pick = lambda p, qo, kv: dispatch.choose(p, np.array(qo), np.array(kv), True).name  # noqa: E731
+    assert pick(gqa, [4] * 64, [4096] * 64) == "prefill_triton"           # q4: 409 vs 999 µs
+    assert pick(gqa, [64], [32768]) == "prefill_triton"                    # cascade shared level
+    assert pick(gqa, [8192] * 4, [8192] * 4) == "prefill_mosaic"          # 521 vs ~420 TFLOP/s
+    assert pick(mha, [4096] * 16, [4096] * 16) == "prefill_mosaic"        # 483 vs 352 TFLOP/s
+    assert dispatch.IMPLEMENTATIONS_BY_NAME["prefill_mosaic"].default_config(
+        dispatch.Problem("prefill", 16, 8, 256, "ragged")).block_kv == 64  # fits shared memory
+
+
+def test_every_plan_names_its_kernel(rng):
+    from helpers import page_table
+    indptr, indices, last, num_pages = page_table(rng, np.array([20, 5]), 4)
+    qo = np.array([0, 3, 4], np.int32)
+    plans = [ji.BatchDecodeWithPagedKVCache(4, 2, 32, 4).plan(indptr, indices, last, num_pages=num_pages),
+             ji.BatchPrefillWithPagedKVCache(4, 2, 32, 4).plan(qo, indptr, indices, last, num_pages=num_pages),
+             ji.BatchPrefillWithRaggedKVCache(4, 2, 32).plan(qo, np.array([0, 20, 25], np.int32)),
+             ji.BatchAttention(4, 2, 32, 4).plan(qo, indptr, indices, last, num_pages=num_pages)]
+    for plan in plans:
+        assert isinstance(plan.impl, str) and plan.impl
+
+
+def test_jaxinfer_has_no_import_circles():
+    """Imports among jaxinfer, pallas_kernels and planner (module level or local) form no cycle."""
+    graph = {}
+    for pkg in ("jaxinfer", "pallas_kernels", "planner"):
+        for path in (ROOT / pkg).glob("*.py"):
+            name = f"{pkg}.{path.stem}" if path.stem != "__init__" else pkg
+            deps = set()
+            for node in ast.walk(ast.parse(path.read_text())):  # function-local imports too
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                elif isinstance(node, ast.Import):
+                    deps |= {a.name for a in node.names}
+            graph[name] = deps
+    internal = {n: {d for d in deps if d in graph and d != n and not n.startswith(d + ".")}
+                for n, deps in graph.items() if n != "jaxinfer"}
+
+    def visit(n, stack):
+        assert n not in stack, f"import circle: {' -> '.join(stack + [n])}"
+        for d in internal.get(n, ()):
+            visit(d, stack + [n])
+
+    for n in internal:
+        visit(n, [])
