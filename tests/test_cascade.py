@@ -81,7 +81,7 @@ def test_three_levels_and_partial_sharing(rng):
                         np.concatenate(own).astype(np.int32), last),
     ]
     cas = ji.MultiLevelCascadeAttention(3, hq, hkv, d, page, num_ctas=4)
-    o = cas.run(q, cache, cas.plan(levels, num_pages=num_pages))
+    o = cas.run(q, cache, cas.plan(levels, num_pages=cache.num_pages))
     want = ref.decode(q, cache, indptr, indices, last)
     assert rel_err(o, want.o) < 2e-5
     # Only requests 0-2 share more than the system prompt: detection finds the bigger group.
