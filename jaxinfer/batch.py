@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, variants
-from jaxinfer.decode import run_decode_sections
+from jaxinfer.runners import run_short_sections
 from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, kv_scales
 from jaxinfer.plans import BatchPlan, WrapperFacts
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache, _check_q
-from pallas_kernels import decode as decode_kernels
 from planner import batch as batch_planner
 from planner import validate
 
@@ -75,10 +74,7 @@ class BatchAttention:
                                    ("pages", int(kv_indptr[-1]), icap, "max_num_pages")):
             if n > cap:
                 raise ValueError(f"the step has {n} {what}, over {name}={cap}")
-        if not self.causal:  # every key visible: the short class needs the causal mask, so none
-            tokens, is_short = 1, qo_lens == 1
-        else:
-            tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
+        tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
         layout, buf, info = batch_planner.plan_short(
             qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]], is_short,
             page_size=self.page_size, num_cells=self.num_cells, tokens_per_item=tokens,
@@ -95,7 +91,7 @@ class BatchAttention:
                                           sub_last.astype(np.int32), num_pages=num_pages)
             impls.append(long_plan.impl)
         return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "+".join(impls) or "none (no query rows)"),
-                         long_plan, bool(info["num_short"]), info=info)
+                         long_plan, bool(info["num_short"]), self.causal, info=info)
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq]) (natural log)."""
@@ -124,13 +120,12 @@ class BatchAttention:
         if plan.has_short:
             k_rows, v_rows = kv_cache.rows()
             impl = dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"]
-            o_s, lse_s = run_decode_sections(
-                q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), sec["kv_lens"], lay,
+            o_s, lse_s = run_short_sections(
+                q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), lay,
                 page_size=self.page_size, num_kv_heads=self.num_kv_heads, cache_layout=self.layout,
-                sm_scale=self.sm_scale, interpret=self.interpret,
+                sm_scale=self.sm_scale, interpret=self.interpret, causal=self.causal,
                 config=dispatch.config_for(impl, self.problem, self.configs), scales=scales,
-                variant=self.variant, params=params, columns=decode_kernels.MULTI_ITEM_COLUMNS,
-                tokens_per_item=lay.tokens_per_item)
+                variant=self.variant, params=params)
             short = sec["row_is_short"] != 0
             o, lse = jnp.where(short[:, None, None], o_s, o), jnp.where(short[:, None], lse_s, lse)
         out = variants.finish(self.variant, params, o, lse, return_lse)

@@ -28,15 +28,16 @@ class MultiLevelCascadeAttention:
 
     def __init__(self, num_levels, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True,
                  layout="NHD", max_batch_size=None, max_num_tokens=None, max_num_pages=None,
-                 sm_scale=None, num_ctas=None, backend=None, variant=None, impl="auto", config=None):
+                 sm_scale=None, num_ctas=None, fixed_split_tokens=None, tile_rows=None, backend=None,
+                 variant=None, impl="auto", config=None):
         if num_levels < 1:
             raise ValueError(f"num_levels must be >= 1, got {num_levels}")
         self.num_levels, self.causal = num_levels, causal
         self.prefill = BatchPrefillWithPagedKVCache(
             num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal, layout=layout,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
-            sm_scale=sm_scale, num_ctas=num_ctas, backend=backend, variant=variant, impl=impl,
-            config=config)
+            sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
+            tile_rows=tile_rows, backend=backend, variant=variant, impl=impl, config=config)
 
     def plan(self, levels, *, num_pages=None):
         """levels: num_levels CascadeLevels (or 4-tuples) of host int32 arrays; num_pages: the

@@ -12,27 +12,10 @@ from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale, is_concrete, kv_scales
 from jaxinfer.plans import CascadePlan, DecodePlan, WrapperFacts
 from jaxinfer.prefill import auto_cascade_levels
+from jaxinfer.runners import run_decode_sections
 from pallas_kernels import decode as decode_kernels
-from pallas_kernels import merge as merge_kernels
 from planner import decode as decode_planner
 from planner import validate
-
-
-def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, page_size, num_kv_heads,
-                        cache_layout, sm_scale, interpret, config, scales=None, variant=None, params=None,
-                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1):
-    """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [N,Hq,D], lse [N,Hq]),
-    before any variant output transform."""
-    n, hq, d = q.shape
-    o, lse, o_part, lse_part = decode_kernels.paged_decode(
-        q, k_rows, v_rows, kv_indices, kv_lens, sec["items"], sec["cell_indptr"],
-        num_parts=layout.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
-        sm_scale=sm_scale, interpret=interpret, columns=columns, tokens_per_item=tokens_per_item,
-        scales=scales, variant=variant, params=params, config=config)
-    return merge_kernels.merge_varlen(
-        o_part.reshape(layout.part_cap, hq, d), lse_part.reshape(layout.part_cap, hq),
-        sec["merge_indptr"], sec["merge_dest"], out=(o.reshape(n, hq, d), lse.reshape(n, hq)),
-        interpret=interpret)
 
 
 class BatchDecodeWithPagedKVCache:

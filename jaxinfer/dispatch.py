@@ -23,7 +23,8 @@ from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
 
 # --- cost-model constants (per µs) -----------------------------------------------------------
-HBM_BYTES_PER_US = 2.9e6        # decode (64, 4096) bf16: 1.07 GB of K/V in 366 µs
+HBM_BYTES_PER_US = 2.88e6       # decode (64, 4096) bf16: 1.07 GB of K/V in 372.7 µs (decode kernel)
+TRITON_BYTES_PER_US = 2.62e6    # q4 B64 kv4096 through prefill_triton (16-row tiles): 409.5 µs
 TRITON_FLOPS_PER_US = 3.8e8     # paged causal prefill B4 S8192 32/8, Triton kernel: ~380 TFLOP/s
 MOSAIC_FLOPS_PER_US = 5.3e8     # the same row on the Mosaic GPU kernel: 539-572 TFLOP/s
 LAUNCH_US = 8.0                 # one kernel launch plus its merge (decode (16, 1024): 37 µs total)
@@ -92,9 +93,9 @@ def _visible_keys(qo_lens, kv_lens, tile_tokens, causal):
     return np.maximum(tiles * (kv_lens - qo_lens) + ends, 0)
 
 
-def _kv_us(problem, kv_lens):
+def _kv_us(problem, kv_lens, bytes_per_us=HBM_BYTES_PER_US):
     """Reading the step's K/V once (µs)."""
-    return 2.0 * KV_ITEMSIZE * problem.num_kv_heads * problem.head_dim * float(kv_lens.sum()) / HBM_BYTES_PER_US
+    return 2.0 * KV_ITEMSIZE * problem.num_kv_heads * problem.head_dim * float(kv_lens.sum()) / bytes_per_us
 
 
 def _decode_cost(problem, qo_lens, kv_lens, causal):
@@ -105,7 +106,7 @@ def _triton_prefill_cost(problem, qo_lens, kv_lens, causal):
     rows = prefill_planner.choose_tile_rows(qo_lens, problem.group)
     keys = float(_visible_keys(qo_lens, kv_lens, max(1, rows // problem.group), causal).sum())
     flops = 4.0 * rows * problem.head_dim * keys * problem.num_kv_heads
-    return LAUNCH_US + max(flops / TRITON_FLOPS_PER_US, _kv_us(problem, kv_lens))
+    return LAUNCH_US + max(flops / TRITON_FLOPS_PER_US, _kv_us(problem, kv_lens, TRITON_BYTES_PER_US))
 
 
 def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
@@ -115,6 +116,26 @@ def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
     # KV is never split: the longest single tile bounds the step (one SM runs it alone).
     longest = tile_flops * float(kv_lens.max(initial=0)) / (MOSAIC_FLOPS_PER_US / _backend.num_sms())
     return LAUNCH_US + max(total, longest, _kv_us(problem, kv_lens))
+
+
+SHORT_MAX_ROWS = 64               # a short request's tokens x head group fill at most one decode tile
+SHORT_FLOPS_PER_US = 1.5e8        # decode-kernel tiles of 16-64 rows (q4 B64 kv4096: 378 µs, K/V-bound)
+
+
+def _short_cost(problem, qo_lens, kv_lens, causal):
+    if qo_lens.size and int(qo_lens.max()) * problem.group > SHORT_MAX_ROWS:
+        return float("inf")  # a request too long for one decode tile
+    rows = max(16, 1 << max(0, (int(qo_lens.max(initial=1)) * problem.group - 1).bit_length()))
+    flops = 4.0 * rows * problem.head_dim * float(kv_lens.sum()) * problem.num_kv_heads
+    return LAUNCH_US + max(flops / SHORT_FLOPS_PER_US, _kv_us(problem, kv_lens))
+
+
+def _short_unsupported(problem, explicit):
+    if problem.kv_format != "paged":
+        return "short-query tiles read paged caches only"
+    if problem.custom_mask:
+        return "custom masks run on the prefill kernels"
+    return None
 
 
 def _always(problem, explicit):
@@ -151,6 +172,9 @@ IMPLEMENTATIONS = (
     Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost),
     Implementation("prefill_mosaic", "prefill", "mosaic", MosaicPrefillConfig, _mosaic_unsupported,
                    _mosaic_prefill_cost),
+    # Prefill steps whose every request is short (speculative verify, small appends): the decode
+    # kernel with each request's tokens x head group in one tile, split-KV (planner.batch).
+    Implementation("prefill_short", "prefill", "short", DecodeConfig, _short_unsupported, _short_cost),
 )
 IMPLEMENTATIONS_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
 
@@ -183,10 +207,15 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto"):
     """The Implementation expected fastest for one step (qo_lens, kv_lens: host int arrays)."""
     check(problem, impl)
     rows = [i for i, reason in implementations(problem, impl) if reason is None]
-    if len(rows) == 1:  # nothing to weigh (lengths may be None)
-        return rows[0]
+    if qo_lens is None:  # static choice (decode): one kernel serves every length
+        return min(rows, key=lambda i: i.name)
     qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
-    return min(rows, key=lambda i: i.cost_us(problem, qo_lens, kv_lens, causal))
+    costs = {i.name: i.cost_us(problem, qo_lens, kv_lens, causal) for i in rows}
+    finite = [i for i in rows if costs[i.name] < float("inf")]
+    if not finite:
+        raise ValueError(f"impl={impl!r}: no kernel runs this step's lengths "
+                         f"({', '.join(i.name for i in rows)} cannot)")
+    return min(finite, key=lambda i: costs[i.name])
 
 
 def config_for(implementation, problem, configs):

@@ -181,12 +181,14 @@ class CascadePlan:
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan(_PagedPlan):
     """A BatchAttention plan: the short requests' decode-kernel work list (one packed buffer)
-    and, when the step has longer requests, the prefill plan of their rows."""
+    and, when the step has longer requests, the prefill plan of their rows. Also a prefill
+    wrapper's plan when every request is short (impl "prefill_short": long is None)."""
     buffer: jax.Array
     layout: object            # planner.batch.ShortLayout (static)
     spec: PlanSpec
     long: Optional[PrefillPlan] = None
     has_short: bool = True
+    causal: bool = True
     page_offset: Optional[jax.Array] = None
     info: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -199,10 +201,10 @@ class BatchPlan(_PagedPlan):
         return dataclasses.replace(self, **kw)
 
     def tree_flatten(self):
-        return (self.buffer, self.long, self.page_offset), (self.layout, self.spec, self.has_short)
+        return (self.buffer, self.long, self.page_offset), (self.layout, self.spec, self.has_short, self.causal)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         buffer, long, page_offset = children
-        layout, spec, has_short = aux
-        return cls(buffer, layout, spec, long, has_short, page_offset)
+        layout, spec, has_short, causal = aux
+        return cls(buffer, layout, spec, long, has_short, causal, page_offset)

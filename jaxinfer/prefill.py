@@ -9,32 +9,14 @@ from jaxinfer import _backend, dispatch, variants
 from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_kv_dtype,
                               check_layout, check_paged_cache, check_qkv, default_sm_scale, kv_scales,
                               two_level_cascade)
-from jaxinfer.plans import CascadePlan, PrefillPlan, WrapperFacts
+from jaxinfer.plans import BatchPlan, CascadePlan, PrefillPlan, WrapperFacts
+from jaxinfer.runners import run_prefill_sections, run_short_sections
 from jaxinfer.state import merge_state
-from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
+from planner import batch as batch_planner
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
 from planner import validate
-
-
-def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, page_size, num_kv_heads, cache_layout,
-                         sm_scale, interpret, impl="triton", config=None, scales=None, variant=None,
-                         params=None, global_kv_pos=False):
-    """Prefill kernel + per-token merge of split tiles. kv_indices: the plan's page ids (None for
-    contiguous K/V). Returns (o [nnz, Hq, D], lse [nnz, Hq]), before any variant output transform."""
-    nnz, hq, d = q.shape
-    lay, sec = plan.layout, plan.sections()
-    o, lse, o_part, lse_part = prefill_kernels.prefill(
-        q, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], mask=plan.mask,
-        num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
-        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, impl=impl,
-        config=config, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
-        global_kv_pos=global_kv_pos,
-        **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}))
-    return merge_kernels.merge_varlen(
-        o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
-        sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
 
 
 def _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, max_mask_len):
@@ -95,6 +77,8 @@ class _Prefill:
         # small grid: it runs the grid serially on the CPU.
         ctas = num_ctas or (2 if self.interpret else PREFILL_CTAS_PER_SM) * _backend.num_sms()
         self.num_cells = max(1, ctas // num_kv_heads)
+        # Short-query plans run the decode kernel: all of its cells resident at once (2 per SM).
+        self.short_cells = max(1, (num_ctas or 2 * _backend.num_sms()) // num_kv_heads)
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
         self.variant, self.impl = variant, impl
         self.configs = dispatch.check_configs(config)
@@ -117,6 +101,10 @@ class _Prefill:
             causal = False  # the custom mask replaces the causal mask
             problem = dataclasses.replace(problem, custom_mask=True)
         choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl)
+        if choice.name == "prefill_short" and positions:  # cascade levels need their positions
+            choice = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
+        if choice.name == "prefill_short":
+            return self._plan_short(qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal)
         tails = choice.name == "prefill_mosaic"
 
         def plan_for(tails, impl_name):
@@ -135,11 +123,25 @@ class _Prefill:
         alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" else None
         return dataclasses.replace(plan_for(tails, choice.name), alt=alt)
 
+    def _plan_short(self, qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal):
+        """Every request short: the decode kernel's multi-token items (planner.batch)."""
+        qo_lens = np.diff(qo_indptr)
+        tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
+        nnz = int(qo_indptr[-1])
+        layout, buf, info = batch_planner.plan_short(
+            qo_indptr, kv_lens, page_base, kv_indices, is_short, page_size=self.page_size,
+            num_cells=self.short_cells, tokens_per_item=tokens,
+            num_tokens=nnz if self.max_num_tokens is None else int(self.max_num_tokens),
+            batch_cap=kv_lens.shape[0] if self.max_batch_size is None else int(self.max_batch_size),
+            index_cap=max(kv_indices.shape[0], 1) if self.max_num_pages is None else int(self.max_num_pages))
+        return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "prefill_short"),
+                         causal=causal, info=info)
+
     def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, num_rows, kv_name, facts=None,
                  **cache_kw):
         """(o, lse) of one PrefillPlan, before the variant's output transform. num_rows: pages (or
         K/V rows) the cache holds; kv_name names it in errors."""
-        if not isinstance(plan, PrefillPlan):
+        if not isinstance(plan, (PrefillPlan, BatchPlan)):
             raise ValueError(f"plan must be a PrefillPlan from {type(self).__name__}.plan()")
         plan.spec.check(facts or self.facts)
         plan.spec.check_rows(num_rows, kv_name)
@@ -147,6 +149,15 @@ class _Prefill:
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
+        if isinstance(plan, BatchPlan):  # impl "prefill_short"
+            sec = plan.sections()
+            return run_short_sections(
+                q, k_rows, v_rows, sec, plan.page_ids(sec, num_rows), plan.layout,
+                page_size=cache_kw["page_size"], num_kv_heads=self.num_kv_heads,
+                cache_layout=cache_kw["cache_layout"], sm_scale=self.sm_scale, interpret=self.interpret,
+                causal=plan.causal, scales=scales, variant=self.variant, params=variant_params,
+                config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["prefill_short"], self.problem,
+                                           self.configs))
         impl = plan.spec.impl
         if impl == "prefill_mosaic":  # 16-bit q/K/V only; else the Triton plan beside it
             fits = q.dtype in (jnp.bfloat16, jnp.float16) and k_rows.dtype == q.dtype and scales is None

@@ -4,10 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch
-from jaxinfer.decode import run_decode_sections
+from jaxinfer.runners import run_decode_sections, run_prefill_sections
 from jaxinfer.formats import AttentionState, check_qkv, default_sm_scale
 from jaxinfer.plans import PrefillPlan, WrapperFacts
-from jaxinfer.prefill import run_prefill_sections
 from planner import decode as decode_planner
 from planner import prefill as prefill_planner
 

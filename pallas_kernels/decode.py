@@ -18,7 +18,7 @@ which merge.merge_varlen combines afterwards.
 Multi-token items (BatchAttention's short rows: speculative verify, small chunks) fold up to
 tokens_per_item query tokens x the head group into the tile rows: row r is token r // G of
 query head kv_head * G + r % G, q rows q_start + t, causal bottom-right (token t sees keys
-<= kv_len - qo_len + t); a split item's token t writes partial row part_slot + t * part_stride.
+<= kv_len - qo_len + t) unless causal=False; a split item's token t writes partial row part_slot + t * part_stride.
 
 Loads of tokens past the chunk's end are masked off, so the kernel only ever
 reads rows of pages in the request's own list; stale or NaN slots of a last
@@ -41,7 +41,7 @@ MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
 
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
-                   *refs, num_qo_heads, num_kv_heads, group, rows, columns, has_scales, variant,
+                   *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant,
                    param_tree, heads_fastest, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
@@ -74,7 +74,7 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
                 tok_start, n_tok, n_head = _attention.skip_to_bounds(
                     variant, params, first_pos, kv_len - 1, 0, tok_start, n_tok, block_kv)
         n_plain = n_tok // block_kv  # blocks every row sees whole, counted from tok_start
-        if multi:  # causal, bottom-right: token t sees keys <= first_pos + t
+        if multi and causal:  # bottom-right: token t sees keys <= first_pos + t
             n_plain = jnp.clip((first_pos + 1 - tok_start) // block_kv, 0, n_plain)
             visible = lambda tok: tok[None, :] <= first_pos + q_tok[:, None]  # [rows, BK]
         n_plain = jnp.maximum(n_plain - n_head, 0)
@@ -125,14 +125,15 @@ def tile_rows(group, tokens_per_item=1):
 
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, interpret, columns=ITEM_COLUMNS,
-                 tokens_per_item=1, scales=None, variant=None, params=None, config=DecodeConfig()):
+                 tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
+                 config=DecodeConfig()):
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
     [num_pages*page_size*Hkv, D] (q's dtype, or fp8); kv_indices int32[*]; kv_lens int32[B]
     (live lengths); items int32[W, len(columns)], columns naming its fields (ITEM_COLUMNS, or
     MULTI_ITEM_COLUMNS for items of up to tokens_per_item query tokens of one request, causal
-    bottom-right); cell_indptr int32[num_cells + 1]; scales: (k_scale, v_scale) f32[Hkv] or None;
+    bottom-right unless causal=False); cell_indptr int32[num_cells + 1]; scales: (k_scale, v_scale) f32[Hkv] or None;
     variant / params: an attention variant and its parameter pytree (see _attention).
     Returns flat (o [N*Hq, D], lse [N*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that no writethrough item covers are left for
@@ -149,7 +150,8 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
-        rows=tile_rows(group, tokens_per_item), columns=tuple(columns), has_scales=scales is not None,
+        rows=tile_rows(group, tokens_per_item), columns=tuple(columns), causal=causal,
+        has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest)
     call = pl.pallas_call(

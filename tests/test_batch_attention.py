@@ -90,3 +90,20 @@ def test_plan_is_bound_to_wrapper_and_cache(rng):
 
 def test_item_columns_agree():
     assert batch_planner.ITEM_COLUMNS == decode_kernels.MULTI_ITEM_COLUMNS
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_wrapper_runs_short_steps_on_the_decode_kernel(rng, causal):
+    """A prefill step whose requests all fit one decode tile (speculative verify) plans
+    impl "prefill_short"; causal and not, against the reference, padding rows zero."""
+    hq, hkv, d, page = 4, 2, 32, 8
+    qo, kv = np.array([4, 1, 0, 3]), np.array([70, 9, 5, 200])
+    q, cache, table, num_pages = _case(rng, qo, kv, page, hq, hkv, d)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=causal, num_ctas=8, max_num_tokens=10)
+    plan = pre.plan(*table, num_pages=num_pages)
+    assert plan.impl == "prefill_short"
+    o, lse = pre.run(jnp.pad(q, ((0, 2), (0, 0), (0, 0))), cache, plan, return_lse=True)
+    want = ref.paged_attention(q, cache, *table, causal=causal)
+    assert rel_err(o[:8], want.o) < TOL[jnp.float32]
+    assert_lse_close(lse[:8], want.lse)
+    assert not np.any(np.asarray(o[8:])) and np.all(np.isneginf(np.asarray(lse[8:])))

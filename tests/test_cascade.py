@@ -122,7 +122,7 @@ def test_decode_auto_cascade(rng, monkeypatch):
     assert rel_err(o, ref.decode(q, cache, indptr, indices, last).o) < 2e-2
     # No sharing: the planner keeps the single format.
     indptr2, indices2, last2, n2 = _shared_table(rng, batch, 1024, rng.integers(1, 40, batch), page, sharing=1)
-    assert isinstance(dec.plan(indptr2, indices2, last2, num_pages=num_pages, cascade="auto"), ji.DecodePlan)
+    assert isinstance(dec.plan(indptr2, indices2, last2, num_pages=n2, cascade="auto"), ji.DecodePlan)
     with pytest.raises(ValueError, match="cascade"):
         dec.plan(indptr, indices, last, num_pages=num_pages, cascade="always")
 

@@ -1,0 +1,60 @@
+"""Plan sections -> kernels -> merged (o, lse): the launches every wrapper shares.
+
+Each runner takes a plan's unpacked sections and page ids and returns (o [N, Hq, D], lse [N, Hq])
+before any variant output transform; wrappers check their inputs first.
+"""
+import jax.numpy as jnp
+
+from pallas_kernels import decode as decode_kernels
+from pallas_kernels import merge as merge_kernels
+from pallas_kernels import prefill as prefill_kernels
+
+
+def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, page_size, num_kv_heads,
+                        cache_layout, sm_scale, interpret, config, scales=None, variant=None, params=None,
+                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1, causal=True):
+    """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [N,Hq,D], lse [N,Hq]),
+    before any variant output transform."""
+    n, hq, d = q.shape
+    o, lse, o_part, lse_part = decode_kernels.paged_decode(
+        q, k_rows, v_rows, kv_indices, kv_lens, sec["items"], sec["cell_indptr"],
+        num_parts=layout.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
+        sm_scale=sm_scale, interpret=interpret, columns=columns, tokens_per_item=tokens_per_item,
+        causal=causal, scales=scales, variant=variant, params=params, config=config)
+    return merge_kernels.merge_varlen(
+        o_part.reshape(layout.part_cap, hq, d), lse_part.reshape(layout.part_cap, hq),
+        sec["merge_indptr"], sec["merge_dest"], out=(o.reshape(n, hq, d), lse.reshape(n, hq)),
+        interpret=interpret)
+
+
+def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, page_size, num_kv_heads, cache_layout,
+                         sm_scale, interpret, impl="triton", config=None, scales=None, variant=None,
+                         params=None, global_kv_pos=False):
+    """Prefill kernel + per-token merge of split tiles. kv_indices: the plan's page ids (None for
+    contiguous K/V). Returns (o [nnz, Hq, D], lse [nnz, Hq]), before any variant output transform."""
+    nnz, hq, d = q.shape
+    lay, sec = plan.layout, plan.sections()
+    o, lse, o_part, lse_part = prefill_kernels.prefill(
+        q, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], mask=plan.mask,
+        num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
+        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, impl=impl,
+        config=config, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
+        global_kv_pos=global_kv_pos,
+        **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}))
+    return merge_kernels.merge_varlen(
+        o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
+        sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
+
+
+def run_short_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size, num_kv_heads,
+                       cache_layout, sm_scale, interpret, causal, config, scales=None, variant=None,
+                       params=None):
+    """A short-query plan (planner.batch: items of up to tokens_per_item tokens of one request on
+    the decode kernel) over q [N, Hq, D]. Rows the plan does not cover give o = 0, lse = -inf."""
+    o, lse = run_decode_sections(
+        q, k_rows, v_rows, sec, kv_indices, sec["kv_lens"], layout, page_size=page_size,
+        num_kv_heads=num_kv_heads, cache_layout=cache_layout, sm_scale=sm_scale, interpret=interpret,
+        config=config, scales=scales, variant=variant, params=params,
+        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=layout.tokens_per_item, causal=causal)
+    covered = sec["row_is_short"] != 0  # [N]
+    return jnp.where(covered[:, None, None], o, 0).astype(o.dtype), jnp.where(covered[:, None], lse, -jnp.inf)
