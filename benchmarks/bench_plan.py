@@ -83,6 +83,15 @@ def prefill_case(rng, qo_lens, kv_lens, name, page=16):
     return name, lambda: pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
 
 
+def batch_case(rng, qo_lens, kv_lens, name, page=16):
+    indptr, indices, last, num_pages = page_table(rng, kv_lens, page)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    attn = ji.BatchAttention(**HEADS, page_size=page, max_batch_size=len(qo_lens),
+                             max_num_tokens=int(qo_indptr[-1]), max_num_pages=int(indptr[-1]),
+                             num_ctas=DECODE_CTAS)
+    return name, lambda: attn.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+
+
 def cases(rng):
     for batch in (1, 64, 128, 256, 1024):
         for page in (1, 16):
@@ -92,6 +101,8 @@ def cases(rng):
     qo = np.r_[np.full(4, 512), np.ones(60, np.int64)]
     kv = np.r_[rng.integers(512, 4097, 4), rng.integers(1024, 4097, 60)]
     yield prefill_case(rng, qo, kv, "prefill B64 mixed (4 x 512 + 60 x 1) page 16")
+    yield batch_case(rng, qo, kv, "BatchAttention B64 mixed (4 x 512 + 60 decode)")
+    yield batch_case(rng, np.full(64, 4), rng.integers(1024, 4097, 64), "BatchAttention q4 B64")
 
 
 def copy_us(plan, budget_s):

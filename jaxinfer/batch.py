@@ -2,17 +2,16 @@
 chunked prefill, whole prompts) over one PagedKVCache."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend, dispatch, variants
+from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.runners import run_short_sections
 from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, kv_scales
 from jaxinfer.plans import BatchPlan, WrapperFacts
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache, _check_q
 from planner import batch as batch_planner
-from planner import validate
+from planner import scheduler, validate
 
 
 class BatchAttention:
@@ -65,33 +64,51 @@ class BatchAttention:
         batch, nnz = kv_lens.shape[0], int(qo_indptr[-1])
         if qo_indptr.shape[0] != batch + 1:
             raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests, kv_indptr {batch}")
-        qo_lens = np.diff(qo_indptr)
+        qo_lens = qo_indptr[1:] - qo_indptr[:-1]
         num_tokens = nnz if self.max_num_tokens is None else int(self.max_num_tokens)
         bcap = batch if self.max_batch_size is None else int(self.max_batch_size)
-        icap = max(int(kv_indptr[-1]), 1) if self.max_num_pages is None else int(self.max_num_pages)
+        num_listed = int(kv_indptr[-1])
+        icap = max(num_listed, 1) if self.max_num_pages is None else int(self.max_num_pages)
         for what, n, cap, name in (("tokens", nnz, num_tokens, "max_num_tokens"),
                                    ("requests", batch, bcap, "max_batch_size"),
-                                   ("pages", int(kv_indptr[-1]), icap, "max_num_pages")):
+                                   ("pages", num_listed, icap, "max_num_pages")):
             if n > cap:
                 raise ValueError(f"the step has {n} {what}, over {name}={cap}")
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
+        page_base = kv_indptr[:-1]
         layout, buf, info = batch_planner.plan_short(
-            qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]], is_short,
+            qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short,
             page_size=self.page_size, num_cells=self.num_cells, tokens_per_item=tokens,
             num_tokens=num_tokens, batch_cap=bcap, index_cap=icap)
         long_plan, impls = None, ["decode_triton"] if info["num_short"] else []
         if info["num_long_tokens"]:
+            # The long requests' sub-batch: their rows and their pages (already checked above).
             long_reqs = np.flatnonzero(~is_short)
-            sub_qo = np.concatenate([[0], np.cumsum(qo_lens[long_reqs])]).astype(np.int32)
-            sub_indptr = np.concatenate([[0], np.cumsum(np.diff(kv_indptr)[long_reqs])]).astype(np.int32)
-            sub_indices = np.concatenate([kv_indices[kv_indptr[b]:kv_indptr[b + 1]] for b in long_reqs])
-            sub_last = np.where(kv_lens[long_reqs] > 0,
-                                kv_lens[long_reqs] - (np.diff(kv_indptr)[long_reqs] - 1) * self.page_size, 1)
-            long_plan = self.prefill.plan(sub_qo, sub_indptr, sub_indices.astype(np.int32),
-                                          sub_last.astype(np.int32), num_pages=num_pages)
+            pages = kv_indptr[1:] - kv_indptr[:-1]
+            sub_pages = pages.take(long_reqs)
+            sub_indptr = np.zeros(long_reqs.shape[0] + 1, np.int32)
+            np.cumsum(sub_pages, out=sub_indptr[1:])
+            sub_qo = np.zeros(long_reqs.shape[0] + 1, np.int32)
+            np.cumsum(qo_lens.take(long_reqs), out=sub_qo[1:])
+            first, last = int(long_reqs[0]), int(long_reqs[-1])
+            if last - first + 1 == long_reqs.shape[0]:  # consecutive requests: their pages are one slice
+                sub_indices = kv_indices[kv_indptr[first]:kv_indptr[last + 1]]
+            else:  # entry j of the sub-table: kv_indices[j + (request's first entry - its sub first)]
+                shift = np.repeat(page_base.take(long_reqs) - sub_indptr[:-1], sub_pages)
+                sub_indices = kv_indices.take(shift + scheduler.arange(int(sub_indptr[-1])))
+            long_plan = self.prefill._plan(sub_qo, kv_lens.take(long_reqs), sub_indptr[:-1], sub_indices,
+                                           None, None, num_pages)
             impls.append(long_plan.impl)
-        return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "+".join(impls) or "none (no query rows)"),
-                         long_plan, bool(info["num_short"]), self.causal, info=info)
+        impl = "+".join(impls) or "none (no query rows)"
+        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl): made once
+        if len(specs) > 16:
+            specs.clear()
+        spec = specs.get((num_pages, impl))
+        if spec is None:
+            spec = specs[num_pages, impl] = self.facts.spec(num_pages, impl)
+        fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
+        return BatchPlan(transfer.plan_buffer(buf, fixed), layout, spec, long_plan, bool(info["num_short"]),
+                         self.causal, info=info)
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq]) (natural log)."""

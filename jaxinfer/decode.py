@@ -3,11 +3,10 @@
 The decode path in three files: this wrapper, its planner (planner/decode.py: split-KV work items
 balanced by Algorithm 1) and its kernel (pallas_kernels/decode.py).
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend, dispatch, variants
+from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale, is_concrete, kv_scales
 from jaxinfer.plans import CascadePlan, DecodePlan, WrapperFacts
@@ -89,14 +88,16 @@ class BatchDecodeWithPagedKVCache:
                                          kv_last_page_len, self.page_size, causal=False, problem=self.problem)
             if levels is not None:
                 return self._cascade_wrapper().plan(levels, num_pages=num_pages)
-        choice = dispatch.choose(self.problem, None, None, False)
         layout, buf, info = decode_planner.plan_decode_checked(
             table, page_size=self.page_size, num_cells=self.num_cells, max_batch_size=self.max_batch_size,
             max_num_pages=self.max_num_pages, fixed_split_pages=self.fixed_split_pages)
         info["kv_lens"] = table[3]  # run(kv_lens=) checks against it
-        # buf is fresh and never written again, so the runtime may alias it instead of copying.
-        return DecodePlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, choice.name),
-                          int(horizon), info=info)
+        # The spec depends on num_pages alone (one decode kernel, chosen without lengths): cached.
+        spec = getattr(self, "_spec", None)
+        if spec is None or spec.num_pages != num_pages:
+            spec = self._spec = self.facts.spec(num_pages, dispatch.choose(self.problem, None, None, False).name)
+        fixed = self.max_batch_size is not None and self.max_num_pages is not None
+        return DecodePlan(transfer.plan_buffer(buf, fixed), layout, spec, int(horizon), info=info)
 
     def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False, variant_params=None,
             k_scale=None, v_scale=None):

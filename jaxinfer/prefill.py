@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend, dispatch, variants
+from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_kv_dtype,
                               check_layout, check_paged_cache, check_qkv, default_sm_scale, kv_scales,
                               two_level_cascade)
@@ -106,8 +106,14 @@ class _Prefill:
         if choice.name == "prefill_short":
             return self._plan_short(qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal)
         tails = choice.name == "prefill_mosaic"
+        # Capacities fix the buffer's shape (up to the tile height: at most 4 shapes).
+        fixed = (self.max_num_tokens is not None and self.max_batch_size is not None
+                 and (self.max_num_pages is not None or contiguous_kv))
+        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl): made once
+        if len(specs) > 16:
+            specs.clear()
 
-        def plan_for(tails, impl_name):
+        def plan_for(tails, impl_name, alt=None):
             layout, buf, info = prefill_planner.plan_prefill(
                 qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
                 num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
@@ -116,12 +122,14 @@ class _Prefill:
                 mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
                 tails=tails, contiguous_kv=contiguous_kv, **positions)
             dev_mask = None if mask is None else jax.device_put(mask, may_alias=True)
-            return PrefillPlan(jax.device_put(buf, may_alias=True), dev_mask, layout, causal,
-                               self.facts.spec(num_pages, impl_name), info=info)
+            spec = specs.get((num_pages, impl_name))
+            if spec is None:
+                spec = specs[num_pages, impl_name] = self.facts.spec(num_pages, impl_name)
+            return PrefillPlan(transfer.plan_buffer(buf, fixed), dev_mask, layout, causal, spec, alt, info=info)
 
         # impl="auto" plans for Mosaic keep a Triton plan beside, for dtypes Mosaic cannot run.
         alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" else None
-        return dataclasses.replace(plan_for(tails, choice.name), alt=alt)
+        return plan_for(tails, choice.name, alt)
 
     def _plan_short(self, qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal):
         """Every request short: the decode kernel's multi-token items (planner.batch)."""

@@ -7,6 +7,7 @@ prefill kernel over their own rows, gathered from q through prefill_rows. Shapes
 capacities, so one compiled run() serves every composition with the same tokens_per_item.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -53,62 +54,102 @@ class ShortLayout(PackedLayout):
                 ("prefill_rows", self.num_tokens), ("row_is_short", self.num_tokens))
 
 
+@lru_cache(maxsize=256)
+def short_layout(num_tokens, batch, index_cap, num_cells, tokens_per_item):
+    """ShortLayout.for_capacities, one instance per capacities (its offsets computed once)."""
+    return ShortLayout.for_capacities(num_tokens, batch, index_cap, num_cells, tokens_per_item)
+
+
 def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size, num_cells, tokens_per_item,
                num_tokens, batch_cap, index_cap, min_split_tokens=256, item_cost=32.0):
     """Work list of the short requests (is_short) on the decode kernel, and the rows of the others
-    (prefill_rows: their q rows in order, padded with num_tokens). Returns (layout, buffer, info)."""
+    (prefill_rows: their q rows in order, padded with num_tokens). Returns (layout, buffer, info).
+
+    kv_indptr: each request's first entry in kv_indices (int32[B])."""
     batch = kv_lens.shape[0]
     nnz = int(qo_indptr[-1])
-    layout = ShortLayout.for_capacities(num_tokens, batch_cap, index_cap, num_cells, tokens_per_item)
-    qo_lens = np.diff(qo_indptr).astype(np.int64)
+    layout = short_layout(num_tokens, batch_cap, index_cap, num_cells, tokens_per_item)
+    qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)  # int64[B]
     reqs = np.flatnonzero(is_short & (qo_lens > 0))
-    pages = -(-kv_lens[reqs].astype(np.int64) // page_size)
+    lens_r = kv_lens.take(reqs).astype(np.int64)
+    pages = -(-lens_r // page_size)
     chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
-    nchunks = np.maximum(-(-pages // chunk), 1)
-    split = nchunks > 1
-    n_items = int(nchunks.sum())
-    req = np.repeat(reqs, nchunks)
-    local = np.repeat(np.arange(reqs.shape[0]), nchunks)
-    chunk_idx = np.arange(n_items) - (np.cumsum(nchunks) - nchunks)[local]
-    parts = np.where(split, nchunks * qo_lens[reqs], 0)  # partial rows of each request
-    part_first = np.cumsum(parts) - parts
-    items = np.zeros((n_items, len(ITEM_COLUMNS)), np.int64)
-    tok_start = chunk_idx * chunk * page_size
-    items[:, 0] = req
-    items[:, 1] = kv_indptr[req]
-    items[:, 2] = tok_start
-    items[:, 3] = np.minimum(tok_start + chunk * page_size, kv_lens[req])
-    items[:, 4] = np.where(split[local], part_first[local] + chunk_idx, -1)
-    items[:, 5] = nchunks[local]
-    items[:, 6] = qo_indptr[req]
-    items[:, 7] = qo_lens[req]
-    if n_items > layout.item_cap or int(parts.sum()) > layout.part_cap:
+    nchunks = -(-pages // chunk)
+    np.maximum(nchunks, 1, out=nchunks)
+    num_short = reqs.shape[0]
+    work = np.empty((int(nchunks.sum()), len(ITEM_COLUMNS)), np.int64)  # items in request order
+    if not num_short or int(nchunks.max()) == 1:  # nothing split: one writethrough item per request
+        n_items, n_parts, n_merge = num_short, 0, 0
+        work[:, 0] = reqs
+        work[:, 1] = kv_indptr.take(reqs)
+        work[:, 2] = 0
+        work[:, 3] = lens_r
+        work[:, 4:6] = (-1, 1)
+        work[:, 6] = qo_indptr.take(reqs)
+        work[:, 7] = qo_lens.take(reqs)
+        spans = lens_r
+    else:
+        split = nchunks > 1
+        n_items = work.shape[0]
+        local = np.repeat(scheduler.arange(num_short), nchunks)
+        chunk_idx = scheduler.arange(n_items) - (np.cumsum(nchunks) - nchunks).take(local)
+        parts = np.where(split, nchunks * qo_lens.take(reqs), 0)  # partial rows of each request
+        part_first = np.cumsum(parts)
+        n_parts = int(part_first[-1])
+        part_first -= parts
+        req = reqs.take(local)
+        tok_start = chunk_idx * (chunk * page_size)
+        work[:, 0] = req
+        work[:, 1] = kv_indptr.take(req)
+        work[:, 2] = tok_start
+        work[:, 3] = np.minimum(tok_start + chunk * page_size, lens_r.take(local))
+        work[:, 4] = np.where(split.take(local), part_first.take(local) + chunk_idx, -1)
+        work[:, 5] = nchunks.take(local)
+        work[:, 6] = qo_indptr.take(req)
+        work[:, 7] = qo_lens.take(req)
+        spans = work[:, 3] - tok_start
+        # Merge groups: one per token of a split request, its nchunks partials contiguous.
+        sreq = np.flatnonzero(split)
+        tokens = qo_lens.take(reqs.take(sreq))
+        n_merge = int(tokens.sum())
+    if n_items > layout.item_cap or n_parts > layout.part_cap:
         raise ValueError("the split needs more work items or partial states than the plan holds")
-    order, cell_indptr = scheduler.assign_cells(
-        (item_cost * tokens_per_item + items[:, 3] - items[:, 2]).astype(np.int64), layout.num_cells)
-
-    # Merge groups: one per token of a split request, its nchunks partials contiguous.
-    sreq = np.flatnonzero(split)
-    tokens = qo_lens[reqs[sreq]]
-    n_merge = int(tokens.sum())
+    ic = int(item_cost) if float(item_cost).is_integer() and item_cost >= 1 else None
+    if ic is not None:  # integer costs, all positive
+        order, cell_indptr = scheduler.assign_positive(spans + ic * tokens_per_item, layout.num_cells)
+    else:
+        order, cell_indptr = scheduler.assign_cells(
+            (item_cost * tokens_per_item + spans).astype(np.int64), layout.num_cells)
     if n_merge > layout.merge_cap:
         raise ValueError("the split needs more merge groups than the plan holds")
-    g_req = np.repeat(sreq, tokens)
-    t_in = np.arange(n_merge) - np.repeat(np.cumsum(tokens) - tokens, tokens)
+
     buf = np.zeros(layout.size, np.int32)
-    sec = layout.unpack(buf)
-    sec["kv_indices"][:kv_indices.shape[0]] = kv_indices
-    sec["kv_lens"][:batch] = kv_lens
-    sec["items"][:n_items] = items[order]
-    sec["cell_indptr"][:] = cell_indptr
-    sec["merge_indptr"][1:n_merge + 1] = part_first[g_req] + (t_in + 1) * nchunks[g_req]
-    sec["merge_indptr"][n_merge + 1:] = sec["merge_indptr"][n_merge]
-    sec["merge_dest"][:] = -1
-    sec["merge_dest"][:n_merge] = qo_indptr[reqs[g_req]] + t_in
-    long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
-    sec["prefill_rows"][:] = num_tokens
-    sec["prefill_rows"][:long_rows.shape[0]] = long_rows
-    sec["row_is_short"][:nnz] = np.repeat(is_short, qo_lens)
-    info = dict(chunk_pages=chunk, num_items=n_items, num_short=int(reqs.shape[0]),
-                num_long_tokens=int(long_rows.shape[0]), nnz=nnz)
+    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1), (p0, p1), (r0, _) = (
+        layout.offsets[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
+                                          "merge_dest", "prefill_rows", "row_is_short"))
+    buf[i0:i0 + kv_indices.shape[0]] = kv_indices
+    buf[l0:l0 + batch] = kv_lens
+    buf[t0:t0 + n_items * len(ITEM_COLUMNS)].reshape(n_items, len(ITEM_COLUMNS))[:] = work.take(order, axis=0)
+    buf[c0:c1] = cell_indptr
+    merge_dest = buf[d0:d1]
+    merge_dest[:] = -1
+    if n_merge:
+        g_req = np.repeat(sreq, tokens)
+        t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(tokens) - tokens, tokens)
+        merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
+        merge_indptr[:n_merge] = part_first.take(g_req) + (t_in + 1) * nchunks.take(g_req)
+        merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
+        merge_dest[:n_merge] = qo_indptr.take(reqs.take(g_req)) + t_in
+    prefill_rows = buf[p0:p1]
+    if bool(is_short.all()):  # every row is short
+        prefill_rows[:] = num_tokens
+        buf[r0:r0 + nnz] = 1
+        num_long = 0
+    else:
+        long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
+        num_long = long_rows.shape[0]
+        prefill_rows[:num_long] = long_rows
+        prefill_rows[num_long:] = num_tokens
+        buf[r0:r0 + nnz] = np.repeat(is_short, qo_lens)
+    info = dict(chunk_pages=chunk, num_items=n_items, num_short=num_short, num_long_tokens=num_long, nnz=nnz)
     return layout, buf, info

@@ -50,17 +50,53 @@ def assign_positive(costs, num_cells, out=None):
         np.minimum(arange(num_cells + 1), n, out=cell_indptr)
         return by_cost, cell_indptr
     # The first num_cells items go to the empty cells in index order; the rest to the least-loaded.
-    # A heap entry packs (load, cell) into one int, load << bits | cell: ints compare
-    # faster than tuples and order the same way, ties going to the lower cell.
+    # A cell's key packs (load, cell) into one int, load << bits | cell: ints compare faster
+    # than tuples and order the same way, ties going to the lower cell; keys are distinct.
     bits = max(num_cells - 1, 1).bit_length()
     shifted = np.left_shift(costs.take(by_cost), bits, dtype=np.int64)
-    heap = (shifted[:num_cells] | arange(num_cells)).tolist()
-    heapq.heapify(heap)
-    replace, mask = heapq.heapreplace, (1 << bits) - 1  # pop the least-loaded cell, push its new load
-    cells = [replace(heap, heap[0] + s) & mask for s in shifted[num_cells:].tolist()]
-    cell_of_item = np.empty(n, np.int16 if num_cells <= 1 << 15 else np.int64)
-    cell_of_item[by_cost] = [*range(num_cells), *cells]
+    cell_of_sorted = np.empty(n, np.int16 if num_cells <= 1 << 15 else np.int64)
+    if shifted[0] == shifted[n - 1]:  # equal costs: the cells take turns (ties go to the lower cell)
+        np.remainder(arange(n), num_cells, out=cell_of_sorted, casting="unsafe")
+    else:
+        cell_of_sorted[:num_cells] = arange(num_cells)
+        _greedy(shifted, num_cells, bits, cell_of_sorted)
+    cell_of_item = np.empty_like(cell_of_sorted)
+    cell_of_item[by_cost] = cell_of_sorted
     order = cell_of_item.argsort(kind="stable")  # by cell, then by item id (radix sort: int16)
     cell_indptr[0] = 0
     np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells), out=cell_indptr[1:])
     return order, cell_indptr
+
+
+ROUND_MIN_ITEMS = 48  # a vectorized round pays for its ~10 NumPy calls past this many items
+
+
+def _greedy(shifted, num_cells, bits, cell_of_sorted):
+    """Items num_cells.. (shifted: sorted costs << bits) each to the least-loaded cell, written
+    into cell_of_sorted.
+
+    Rounds first: with the cells sorted by key, item pos + k takes the k-th cell as long as
+    every cell an earlier item of the round took now has a larger key (a cumulative minimum
+    says how far that holds: that prefix is exactly what the heap does). Rounds stop paying
+    when they place few items; a heap of packed keys does the rest."""
+    n = shifted.shape[0]
+    keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
+    pos = num_cells
+    while n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
+        m = min(num_cells, n - pos)
+        by_key = keys.argsort()[:m]
+        old = keys.take(by_key)
+        new = old + shifted[pos:pos + m]
+        # item pos + k + 1 goes to by_key[k + 1] iff min(new[:k + 1]) > old[k + 1]
+        stop = np.flatnonzero(np.minimum.accumulate(new[:-1]) < old[1:])
+        took = m if stop.shape[0] == 0 else int(stop[0]) + 1
+        keys[by_key[:took]] = new[:took]
+        cell_of_sorted[pos:pos + took] = by_key[:took]
+        pos += took
+        if took < ROUND_MIN_ITEMS:
+            break
+    if pos < n:
+        heap = keys.tolist()
+        heapq.heapify(heap)
+        replace, mask = heapq.heapreplace, (1 << bits) - 1  # pop the least-loaded cell, push its new load
+        cell_of_sorted[pos:] = [replace(heap, heap[0] + s) & mask for s in shifted[pos:].tolist()]

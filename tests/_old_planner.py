@@ -1,10 +1,12 @@
 """The planner as it was before issue 22 (loops, three validations): the oracle of
 test_planner_equivalence.py, which checks that the vectorized planner makes bitwise identical plans.
-Copied verbatim (function bodies) from planner/ and jaxinfer/cascade.py at commit 0d7f301."""
+Copied verbatim (function bodies) from planner/ and jaxinfer/cascade.py at commit 0d7f301;
+plan_short from planner/batch.py at commit 0db9aa7."""
 import heapq
 
 import numpy as np
 
+from planner.batch import ITEM_COLUMNS, ShortLayout
 from planner.decode import ITEM_FIELDS as DECODE_FIELDS, DecodeLayout
 from planner.prefill import ITEM_FIELDS as PREFILL_FIELDS, ROW_ALIGN, PrefillLayout, choose_tile_rows
 
@@ -419,3 +421,64 @@ def two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_s
         kv_last_page_len)
     saved = int(np.sum((np.diff(gi) - 1) * shared))
     return (level0, level1), saved
+
+
+def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size, num_cells, tokens_per_item,
+               num_tokens, batch_cap, index_cap, min_split_tokens=256, item_cost=32.0):
+    """Work list of the short requests (is_short) on the decode kernel, and the rows of the others
+    (prefill_rows: their q rows in order, padded with num_tokens). Returns (layout, buffer, info)."""
+    batch = kv_lens.shape[0]
+    nnz = int(qo_indptr[-1])
+    layout = ShortLayout.for_capacities(num_tokens, batch_cap, index_cap, num_cells, tokens_per_item)
+    qo_lens = np.diff(qo_indptr).astype(np.int64)
+    reqs = np.flatnonzero(is_short & (qo_lens > 0))
+    pages = -(-kv_lens[reqs].astype(np.int64) // page_size)
+    chunk = kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
+    nchunks = np.maximum(-(-pages // chunk), 1)
+    split = nchunks > 1
+    n_items = int(nchunks.sum())
+    req = np.repeat(reqs, nchunks)
+    local = np.repeat(np.arange(reqs.shape[0]), nchunks)
+    chunk_idx = np.arange(n_items) - (np.cumsum(nchunks) - nchunks)[local]
+    parts = np.where(split, nchunks * qo_lens[reqs], 0)  # partial rows of each request
+    part_first = np.cumsum(parts) - parts
+    items = np.zeros((n_items, len(ITEM_COLUMNS)), np.int64)
+    tok_start = chunk_idx * chunk * page_size
+    items[:, 0] = req
+    items[:, 1] = kv_indptr[req]
+    items[:, 2] = tok_start
+    items[:, 3] = np.minimum(tok_start + chunk * page_size, kv_lens[req])
+    items[:, 4] = np.where(split[local], part_first[local] + chunk_idx, -1)
+    items[:, 5] = nchunks[local]
+    items[:, 6] = qo_indptr[req]
+    items[:, 7] = qo_lens[req]
+    if n_items > layout.item_cap or int(parts.sum()) > layout.part_cap:
+        raise ValueError("the split needs more work items or partial states than the plan holds")
+    order, cell_indptr = assign_cells(
+        (item_cost * tokens_per_item + items[:, 3] - items[:, 2]).astype(np.int64), layout.num_cells)
+
+    # Merge groups: one per token of a split request, its nchunks partials contiguous.
+    sreq = np.flatnonzero(split)
+    tokens = qo_lens[reqs[sreq]]
+    n_merge = int(tokens.sum())
+    if n_merge > layout.merge_cap:
+        raise ValueError("the split needs more merge groups than the plan holds")
+    g_req = np.repeat(sreq, tokens)
+    t_in = np.arange(n_merge) - np.repeat(np.cumsum(tokens) - tokens, tokens)
+    buf = np.zeros(layout.size, np.int32)
+    sec = layout.unpack(buf)
+    sec["kv_indices"][:kv_indices.shape[0]] = kv_indices
+    sec["kv_lens"][:batch] = kv_lens
+    sec["items"][:n_items] = items[order]
+    sec["cell_indptr"][:] = cell_indptr
+    sec["merge_indptr"][1:n_merge + 1] = part_first[g_req] + (t_in + 1) * nchunks[g_req]
+    sec["merge_indptr"][n_merge + 1:] = sec["merge_indptr"][n_merge]
+    sec["merge_dest"][:] = -1
+    sec["merge_dest"][:n_merge] = qo_indptr[reqs[g_req]] + t_in
+    long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
+    sec["prefill_rows"][:] = num_tokens
+    sec["prefill_rows"][:long_rows.shape[0]] = long_rows
+    sec["row_is_short"][:nnz] = np.repeat(is_short, qo_lens)
+    info = dict(chunk_pages=chunk, num_items=n_items, num_short=int(reqs.shape[0]),
+                num_long_tokens=int(long_rows.shape[0]), nnz=nnz)
+    return layout, buf, info

@@ -162,3 +162,33 @@ def test_wrapper_plans_own_their_buffers(rng):
         ref = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=dec.num_cells,
                                          num_pages=num_pages, max_batch_size=8, max_num_pages=200)[1]
         np.testing.assert_array_equal(np.asarray(plan.buffer), ref)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_attention_short_plans_match_the_old_planner(seed):
+    from planner import batch as batch_planner
+    rng = np.random.default_rng(3000 + seed)
+    batch = int(rng.choice([1, 4, 17, 64]))
+    qo = rng.choice([0, 1, 1, 2, 4, 9, 40, 300], batch)
+    if seed % 4 == 0:  # every request short, one length (speculative verify)
+        qo[:] = int(rng.choice([1, 4]))
+    kv = qo + _lens(rng, batch, int(rng.choice([30, 600, 4000])))
+    page = int(rng.choice([1, 16]))
+    indptr, indices, _, _ = page_table(rng, kv, page)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    tokens, is_short = batch_planner.short_tokens(qo, int(rng.choice([1, 4, 8])))
+    nnz, extra = int(qo_indptr[-1]), int(rng.integers(0, 9)) * (seed % 3 == 0)
+    kw = dict(page_size=page, num_cells=int(rng.choice([1, 8, 33, 132])), tokens_per_item=tokens,
+              num_tokens=nnz + extra, batch_cap=batch + extra, index_cap=int(indptr[-1]) + extra + 1)
+    if seed % 5 == 1:
+        kw["min_split_tokens"] = 16
+    if seed % 7 == 2:
+        kw["item_cost"] = 2.5
+    args = (qo_indptr, kv.astype(np.int32), indptr[:-1], indices[: indptr[-1]], is_short)
+    try:
+        ref = old.plan_short(*args, **kw)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=str(e)[:30]):
+            batch_planner.plan_short(*args, **kw)
+        return
+    _same(batch_planner.plan_short(*args, **kw), ref)
