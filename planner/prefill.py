@@ -146,7 +146,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if causal:  # keys visible to the tile's last token
         kv_hi = np.minimum(tile_tok + tpt, qo_r)
         kv_hi += d_r
-        np.clip(kv_hi, 0, kv_r, out=kv_hi)
+        np.maximum(kv_hi, 0, out=kv_hi)  # (np.clip, without its Python overhead)
+        np.minimum(kv_hi, kv_r, out=kv_hi)
     else:
         kv_hi = kv_r
     if window_left is not None and window_left >= 0:  # keys left of the first row's window
@@ -222,7 +223,11 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         delta = all_kv[:batch] - all_qo[:batch] - qo_start[:batch]
         if pos_off is not None:
             delta += pos_off
-        np.add(scheduler.arange(nnz), np.repeat(delta, qo_lens), out=q_pos[:nnz], casting="unsafe")
+        if batch and int(qo_lens.max()) * batch == nnz:  # equal lengths: [B, qo_len] rows, no repeat
+            np.add(scheduler.arange(nnz).reshape(batch, -1), delta[:, None],
+                   out=q_pos[:nnz].reshape(batch, -1), casting="unsafe")
+        else:
+            np.add(scheduler.arange(nnz), np.repeat(delta, qo_lens), out=q_pos[:nnz], casting="unsafe")
     else:
         q_pos[:nnz] = q_positions
     buf[q0 + nnz:t0] = 0
@@ -265,8 +270,15 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if num_tiles:
         first_row = qo_start.take(req)
         first_row += np.maximum(tile_tok, 0) if tails else tile_tok
-        per_tile[:, 14] = np.minimum.reduceat(q_pos, first_row)
-        per_tile[:, 15] = np.maximum.reduceat(q_pos, first_row)
+        if q_positions is None:  # positions rise within each request (and tile): first and last row
+            per_tile[:, 14] = q_pos.take(first_row)
+            last_row = np.empty_like(first_row)
+            np.subtract(first_row[1:], 1, out=last_row[:-1])
+            last_row[-1] = num_tokens - 1
+            per_tile[:, 15] = q_pos.take(last_row)
+        else:
+            per_tile[:, 14] = np.minimum.reduceat(q_pos, first_row)
+            per_tile[:, 15] = np.maximum.reduceat(q_pos, first_row)
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
     live = items[:num_items]
     tile_sorted = tile_of.take(order)
@@ -285,7 +297,14 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
     merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
-    if n_merge:
+    if n_merge and n_merge == split_tiles.shape[0] * tpt:  # full tiles only: [tiles, tpt] groups
+        tok = scheduler.arange(tpt + 1)
+        np.add(np.multiply.outer(nchunks.take(split_tiles), tok[1:]), part_base.take(split_tiles)[:, None],
+               out=merge_indptr[:n_merge].reshape(-1, tpt), casting="unsafe")
+        merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
+        np.add((qo_start.take(req.take(split_tiles)) + tile_tok.take(split_tiles))[:, None], tok[:tpt],
+               out=merge_dest[:n_merge].reshape(-1, tpt), casting="unsafe")
+    elif n_merge:
         t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(m_tokens) - m_tokens, m_tokens)
         tile_m = np.repeat(split_tiles, m_tokens)
         merge_indptr[:n_merge] = part_base.take(tile_m) + (t_in + 1) * nchunks.take(tile_m)
