@@ -20,6 +20,7 @@ How the block's own query positions reach the kernel: a multi-token item's first
 kv_lens[item.request] - qo_len. Here `request` names the block, and the kv_lens the kernel reads
 hold each block's causal end (kv_len - q_len + t0 + qo), so no new item column is needed.
 """
+import functools
 from typing import NamedTuple
 
 import jax
@@ -210,23 +211,43 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window)
     if sliding_window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
+    hq, d = queries.shape[1:]
+    hkv = kv_cache.num_kv_heads
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
+    cap = None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32)
+    variant = _variant(window is not None, cap is not None)
+    interpret = _backend.use_interpret(backend)
+    problem = dispatch.Problem("decode", hq, hkv, d, "paged", kv_cache.page_size, kv_cache.layout, variant,
+                               interpret=interpret)
+    dispatch.check(problem)
+    config = dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"], problem,
+                                 dispatch.check_configs(config))
+    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap,
+                kv_scales(k_scale, v_scale, kv_cache.dtype, hkv), causal=causal,
+                sm_scale=default_sm_scale(d, sm_scale), num_cells=max(1, (num_ctas or 2 * _backend.num_sms()) // hkv),
+                interpret=interpret, config=config)
+
+
+def _variant(has_window, has_cap):
+    """The static variant of the sliding window and soft-cap options (None without either)."""
+    parts = ([variants.sliding_window()] if has_window else []) + ([variants.soft_cap()] if has_cap else [])
+    return None if not parts else parts[0] if len(parts) == 1 else variants.compose(*parts)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "interpret", "config"))
+def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, scales, *,
+         causal, sm_scale, num_cells, interpret, config):
+    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None)."""
     t, hq, d = queries.shape
     hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
     s = kv_lens.shape[0]
     pages_per_seq = page_indices.shape[0] // s
-    interpret = _backend.use_interpret(backend)
-    parts, params = [], {}
-    if sliding_window is not None:  # keys p - W < k <= p: window_left W - 1
-        parts.append(variants.sliding_window())
-        params["window_left"] = jnp.asarray(sliding_window, jnp.int32) - 1
-    if soft_cap is not None:
-        parts.append(variants.soft_cap())
-        params["logits_soft_cap"] = jnp.asarray(soft_cap, jnp.float32)
-    variant = None if not parts else parts[0] if len(parts) == 1 else variants.compose(*parts)
-    problem = dispatch.Problem("decode", hq, hkv, d, "paged", page_size, kv_cache.layout, variant,
-                               interpret=interpret)
-    dispatch.check(problem)
-    scales = kv_scales(k_scale, v_scale, kv_cache.dtype, hkv)
+    variant = _variant(window is not None, cap is not None)
+    params = {}
+    if window is not None:  # keys p - W < k <= p: window_left W - 1
+        params["window_left"] = window - 1
+    if cap is not None:
+        params["logits_soft_cap"] = cap
 
     # The KV write: padding rows go to page num_pages, dropped.
     page, slot, live = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
@@ -242,17 +263,14 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
 
     # The work list, then the decode kernel and the merge.
     tokens = 1 if not causal else max(x for x in batch_planner.SHORT_TOKENS if x * (hq // hkv) <= 64 or x == 1)
-    cells = max(1, (num_ctas or 2 * _backend.num_sms()) // hkv)
-    caps = _caps(t, s, cells, tokens)
+    caps = _caps(t, s, num_cells, tokens)
     sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, caps=caps,
                                causal=causal, window_left=params.get("window_left"))
     k_rows, v_rows = new_cache.rows()
-    impl = dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"]
     o, lse = run_decode_sections(
         queries, k_rows, v_rows, sec, jnp.clip(page_indices, 0, kv_cache.num_pages - 1), block_kv_lens, caps,
-        page_size=page_size, num_kv_heads=hkv, cache_layout=kv_cache.layout, sm_scale=default_sm_scale(d, sm_scale),
-        interpret=interpret, config=dispatch.config_for(impl, problem, dispatch.check_configs(config)),
-        scales=scales, variant=variant, params=params or None, columns=decode_kernels.MULTI_ITEM_COLUMNS,
-        tokens_per_item=tokens)
+        page_size=page_size, num_kv_heads=hkv, cache_layout=kv_cache.layout, sm_scale=sm_scale,
+        interpret=interpret, config=config, scales=scales, variant=variant, params=params or None,
+        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=tokens)
     out = variants.finish(variant, params, o, lse, False)
     return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), new_cache
