@@ -9,6 +9,7 @@ from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
 from jaxinfer.formats import AttentionState, BlockSparseMatrix, CascadeLevel, PagedKVCache, two_level_cascade
 from jaxinfer.plans import BatchPlan, CascadePlan, DecodePlan, PlanSpec, PrefillPlan
+from jaxinfer.ragged import ragged_paged_attention
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, BlockSparseAttention
 from pallas_kernels.decode import DecodeConfig
 from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
@@ -22,6 +23,6 @@ __all__ = [
     "AttentionState", "AttentionVariant", "CascadeLevel", "CascadePlan", "MultiLevelCascadeAttention", "two_level_cascade", "BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache",
     "BatchPrefillWithRaggedKVCache", "BlockSparseAttention", "BlockSparseMatrix", "DecodePlan", "PrefillPlan",
     "PagedKVCache", "append_paged_kv_cache", "get_batch_indices_positions", "merge_state",
-    "merge_state_varlen", "merge_states", "reference", "single_decode_with_kv_cache",
+    "merge_state_varlen", "merge_states", "ragged_paged_attention", "reference", "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache", "variants",
 ]

@@ -1,0 +1,276 @@
+"""ragged_paged_attention: a whole serving step (decode, speculative verify, chunked prefill,
+prompts) in one jittable call, with the arguments of tpu-inference's ragged paged attention v3.
+
+The new tokens' K/V are scattered into the paged cache, then every query row attends over its
+sequence. Planning runs on the device: a small XLA prologue turns the metadata into a
+fixed-capacity work list for the decode kernel's multi-token items (pallas_kernels/decode.py)
+and its split-KV merge (pallas_kernels/merge.merge_varlen). There is no host round trip, and one
+compilation serves every composition with the same shapes.
+
+The work list. Sequence i's q_len query tokens are cut into blocks of up to T tokens (T x the
+GQA group fits a 64-row decode tile; T = 1 when causal=False). Block (i, t0) with qo tokens
+reaches keys [lo, kv_len - q_len + t0 + qo) (causal; lo > 0 only under a sliding window).
+Blocks longer than a chunk of L keys, L = max(ceil(all blocks' keys / cells), 256) rounded to
+128-key units, split into L-key items whose float32 partial states are merged afterwards. With
+this L at most cells - 1 blocks split into fewer than 2 x cells items in all, which bounds the
+static capacities. Each cell runs a contiguous run of items of about equal cost (keys plus a
+per-tile constant).
+
+How the block's own query positions reach the kernel: a multi-token item's first query sits at
+kv_lens[item.request] - qo_len. Here `request` names the block, and the kv_lens the kernel reads
+hold each block's causal end (kv_len - q_len + t0 + qo), so no new item column is needed.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import _backend, dispatch, variants
+from jaxinfer.decode import run_decode_sections
+from jaxinfer.formats import PagedKVCache, check_int32, check_kv_dtype, default_sm_scale, is_concrete, kv_scales
+from jaxinfer.prefill import _check_q
+from pallas_kernels import decode as decode_kernels
+from planner import batch as batch_planner
+
+CHUNK_UNIT = 128       # keys: KV chunks are multiples of this (the kernel's default block_kv)
+MIN_CHUNK_UNITS = 2    # no item splits below 256 keys (planner/batch.py's min_split_tokens)
+TILE_COST = 32         # an item's fixed cost in keys per query token of its tile (cell balance)
+
+
+class _Caps(NamedTuple):
+    """Static capacities of the device work list."""
+    blocks: int      # query blocks (each up to tokens_per_item tokens of one sequence)
+    items: int       # work items: blocks plus at most 2 x cells extra chunks
+    part_cap: int    # partial-state rows (run_decode_sections reads this name)
+    merges: int      # merge groups: one per query token of a split block
+    cells: int
+    tokens_per_item: int
+
+
+def _caps(num_tokens, num_seqs, num_cells, tokens_per_item):
+    t = tokens_per_item
+    blocks = max(1, min(num_tokens, (num_tokens + num_seqs * (t - 1)) // t))
+    return _Caps(blocks, blocks + 2 * num_cells, 2 * num_cells * t, max(1, (num_cells - 1) * t), num_cells, t)
+
+
+def _excl_cumsum(x):
+    return jnp.cumsum(x) - x
+
+
+def _owner(counts, n):
+    """For slots 0..n-1 laid out as counts[0] slots of owner 0, then counts[1] of owner 1, ...:
+    (owner of each slot clipped to a valid index, index within the owner, slot is used)."""
+    ends = jnp.cumsum(counts)
+    slot = jnp.arange(n, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right"), counts.shape[0] - 1).astype(jnp.int32)
+    return owner, slot - (ends - counts)[owner], slot < ends[-1]
+
+
+def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, caps, causal, window_left):
+    """The device prologue: work items (MULTI_ITEM_COLUMNS), cell_indptr, merge groups, the
+    per-block kv_lens the kernel reads, and which query rows are live. All int32 jnp."""
+    s = kv_lens.shape[0]
+    t_item = caps.tokens_per_item
+    seq_ok = jnp.arange(s) < distribution[2]
+    q_len = jnp.where(seq_ok, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)  # [S]
+    kv_len = jnp.where(seq_ok, kv_lens, 0)
+
+    # Query blocks of up to t_item tokens.
+    seq, j, blk_ok = _owner(-(-q_len // t_item), caps.blocks)  # [NB]
+    t0 = j * t_item
+    qo = jnp.where(blk_ok, jnp.minimum(q_len[seq] - t0, t_item), 0)
+    first_pos = kv_len[seq] - q_len[seq] + t0
+    end = first_pos + qo if causal else kv_len[seq]  # the block's keys end here (its kernel kv_len)
+    lo = jnp.zeros_like(end)
+    if window_left is not None:  # keys left of the first token's window are never seen
+        lo = jnp.where(window_left < 0, 0, jnp.maximum(first_pos - window_left, 0)) // CHUNK_UNIT * CHUNK_UNIT
+    units = jnp.where(blk_ok, -(-(end - lo) // CHUNK_UNIT), 0)
+    chunk = jnp.maximum(-(-jnp.sum(units) // caps.cells), MIN_CHUNK_UNITS) * CHUNK_UNIT  # keys per item
+    n_chunks = jnp.where(blk_ok, jnp.maximum(-(-(end - lo) // chunk), 1), 0)
+    split = n_chunks > 1
+    parts = jnp.where(split, n_chunks * qo, 0)
+    part_first = _excl_cumsum(parts)
+
+    # Items: block b's n_chunks KV chunks.
+    blk, c, item_ok = _owner(n_chunks, caps.items)  # [IC]
+    tok_start = lo[blk] + c * chunk
+    tok_end = jnp.minimum(tok_start + chunk, end[blk])
+    items = jnp.stack([
+        blk, seq[blk] * pages_per_seq, tok_start, tok_end,
+        jnp.where(split[blk], part_first[blk] + c, -1), n_chunks[blk],
+        cu_q_lens[seq[blk]] + t0[blk], qo[blk]], axis=1).astype(jnp.int32)
+
+    # Cells: contiguous runs of about total / cells cost each.
+    cost = jnp.where(item_ok, TILE_COST * t_item + tok_end - tok_start, 0).astype(jnp.float32)
+    start = _excl_cumsum(cost)
+    cell_of = jnp.where(item_ok, jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * caps.cells), caps.cells)
+    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(caps.cells + 1, dtype=jnp.float32),
+                                   side="left").astype(jnp.int32)
+
+    # Merge groups: one per query token of a split block, its n_chunks partials contiguous.
+    mb, tin, m_ok = _owner(jnp.where(split, qo, 0), caps.merges)
+    merge_end = jnp.where(m_ok, part_first[mb] + (tin + 1) * n_chunks[mb], jnp.sum(parts))
+    merge_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), merge_end.astype(jnp.int32)])
+    merge_dest = jnp.where(m_ok, cu_q_lens[seq[mb]] + t0[mb] + tin, -1).astype(jnp.int32)
+    sec = dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr, merge_dest=merge_dest)
+    return sec, end.astype(jnp.int32)
+
+
+def _token_slots(kv_lens, cu_q_lens, distribution, page_indices, *, pages_per_seq, page_size, num_pages,
+                 num_tokens):
+    """Cache page and slot of each of the num_tokens rows; padding rows get page num_pages
+    (dropped by the scatter). Returns (page int32[T], slot int32[T], live bool[T])."""
+    s = kv_lens.shape[0]
+    n_valid = distribution[2]
+    cu = jnp.where(jnp.arange(s + 1) <= n_valid, cu_q_lens, jnp.iinfo(jnp.int32).max)  # monotone
+    row = jnp.arange(num_tokens, dtype=jnp.int32)
+    live = row < cu[n_valid]
+    seq = jnp.clip(jnp.searchsorted(cu, row, side="right") - 1, 0, s - 1)
+    pos = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + (row - cu_q_lens[seq])
+    pos = jnp.clip(pos, 0, pages_per_seq * page_size - 1)
+    page = page_indices[seq * pages_per_seq + pos // page_size]
+    return jnp.where(live, page, num_pages), pos % page_size, live
+
+
+def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window):
+    _check_q(queries, "queries")
+    if queries.ndim != 3:
+        raise ValueError(f"queries must be [T, Hq, D], got shape {queries.shape}")
+    if not isinstance(kv_cache, PagedKVCache):
+        raise ValueError("kv_cache must be a PagedKVCache")
+    t, hq, d = queries.shape
+    hkv = kv_cache.num_kv_heads
+    if kv_cache.head_dim != d or hq % hkv:
+        raise ValueError(f"kv_cache (num_kv_heads {hkv}, head_dim {kv_cache.head_dim}) does not fit "
+                         f"queries [T, {hq}, {d}] (Hq must be a multiple of num_kv_heads)")
+    check_kv_dtype(queries.dtype, kv_cache.dtype, "kv_cache")
+    for name, x in (("keys", keys), ("values", values)):
+        if tuple(x.shape) != (t, hkv, d):
+            raise ValueError(f"{name} must have shape {(t, hkv, d)}, got {tuple(x.shape)}")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("distribution", distribution)):
+        check_int32(name, x)
+        if jnp.ndim(x) != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {jnp.shape(x)}")
+    s = kv_lens.shape[0]
+    if s < 1 or page_indices.shape[0] % s or page_indices.shape[0] == 0:
+        raise ValueError(f"page_indices must hold S * pages_per_seq entries (S = {s}), got {page_indices.shape[0]}")
+    if cu_q_lens.shape[0] != s + 1:
+        raise ValueError(f"cu_q_lens must have shape [{s + 1}], got {cu_q_lens.shape}")
+    if distribution.shape[0] != 3:
+        raise ValueError(f"distribution must have shape [3], got {distribution.shape}")
+    if sliding_window is not None and is_concrete(sliding_window) and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {int(sliding_window)}")
+    if not is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
+        return
+    kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
+    n = int(dist[2])
+    if not 0 <= dist[0] <= dist[1] <= n <= s:
+        raise ValueError(f"distribution must satisfy 0 <= d[0] <= d[1] <= d[2] <= {s}, got {dist.tolist()}")
+    q_len = np.diff(cu[: n + 1])
+    if cu[0] != 0 or np.any(q_len < 0) or cu[n] > t:
+        raise ValueError(f"cu_q_lens must start at 0 and rise to at most {t} over the valid sequences")
+    if np.any(q_len[: dist[0]] != 1):
+        raise ValueError("cu_q_lens: sequences [0, distribution[0]) must have q_len 1")
+    pages_per_seq = pi.shape[0] // s
+    if np.any(kv[:n] < q_len) or np.any(kv[:n] > pages_per_seq * kv_cache.page_size):
+        raise ValueError(f"kv_lens must lie in [q_len, pages_per_seq * page_size = "
+                         f"{pages_per_seq * kv_cache.page_size}] for the valid sequences")
+    used = np.arange(pages_per_seq)[None, :] < -(-kv[:n, None] // kv_cache.page_size)
+    ids = pi[: n * pages_per_seq].reshape(n, pages_per_seq)[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= kv_cache.num_pages):
+        raise ValueError(f"page_indices lists page ids outside [0, {kv_cache.num_pages})")
+
+
+def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
+                           causal=True, sm_scale=None, sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None, num_ctas=None, backend=None, config=None):
+    """One serving step: writes the new K/V, then ragged attention over the paged cache.
+
+    queries [T, Hq, D]; keys, values [T, Hkv, D] (row-aligned with queries); kv_cache: a
+    PagedKVCache (NHD as RPA v3; HND works too); kv_lens i32[S] (each INCLUDES its sequence's
+    new tokens); page_indices i32[S * pages_per_seq]; cu_q_lens i32[S + 1]; distribution i32[3] =
+    (decode_end, prefill_end, mixed_end). Sequence i < distribution[2] is valid (those before
+    distribution[0] have q_len 1): its new rows keys/values[cu_q_lens[i] + j] land at token
+    position kv_len - q_len + j (cast to the cache dtype, not rescaled), then its q rows attend
+    over its kv_len keys, causal bottom-right if causal. Rows from cu_q_lens[distribution[2]] on
+    are padding: they write nothing and give o = 0.
+
+    sm_scale: a static float (default 1 / sqrt(D); RPA v3's own default is 1.0).
+    sliding_window W (int, may be traced; needs causal): the query at position p sees keys
+    p - W < k <= p. soft_cap c (float, may be traced): logits s -> c * tanh(s / c) after sm_scale.
+    k_scale / v_scale: fp8 caches' dequantization scales (scalars or [Hkv]).
+    num_ctas (grid size, default 2 x SMs), backend, config (a DecodeConfig): as the wrappers.
+
+    Returns (out [T, Hq, D] in queries' dtype, the updated PagedKVCache). Metadata are checked
+    when concrete; under jax.jit (one compilation for all compositions of the same shapes, cache
+    donated for an in-place write) inputs that break the contract give undefined results.
+    """
+    _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window)
+    if sliding_window is not None and not causal:
+        raise ValueError("sliding_window needs causal=True")
+    hq, d = queries.shape[1:]
+    hkv = kv_cache.num_kv_heads
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
+    cap = None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32)
+    variant = _variant(window is not None, cap is not None)
+    interpret = _backend.use_interpret(backend)
+    problem = dispatch.Problem("decode", hq, hkv, d, "paged", kv_cache.page_size, kv_cache.layout, variant,
+                               interpret=interpret)
+    dispatch.check(problem)
+    config = dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"], problem,
+                                 dispatch.check_configs(config))
+    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap,
+                kv_scales(k_scale, v_scale, kv_cache.dtype, hkv), causal=causal,
+                sm_scale=default_sm_scale(d, sm_scale), num_cells=max(1, (num_ctas or 2 * _backend.num_sms()) // hkv),
+                interpret=interpret, config=config)
+
+
+def _variant(has_window, has_cap):
+    """The static variant of the sliding window and soft-cap options (None without either)."""
+    parts = ([variants.sliding_window()] if has_window else []) + ([variants.soft_cap()] if has_cap else [])
+    return None if not parts else parts[0] if len(parts) == 1 else variants.compose(*parts)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "interpret", "config"))
+def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, scales, *,
+         causal, sm_scale, num_cells, interpret, config):
+    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None)."""
+    t, hq, d = queries.shape
+    hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
+    s = kv_lens.shape[0]
+    pages_per_seq = page_indices.shape[0] // s
+    variant = _variant(window is not None, cap is not None)
+    params = {}
+    if window is not None:  # keys p - W < k <= p: window_left W - 1
+        params["window_left"] = window - 1
+    if cap is not None:
+        params["logits_soft_cap"] = cap
+
+    # The KV write: padding rows go to page num_pages, dropped.
+    page, slot, live = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
+                                    page_size=page_size, num_pages=kv_cache.num_pages, num_tokens=t)
+    k_new, v_new = keys.astype(kv_cache.dtype), values.astype(kv_cache.dtype)
+    if kv_cache.layout == "NHD":
+        k_pages = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
+        v_pages = kv_cache.v_pages.at[page, slot].set(v_new, mode="drop")
+    else:
+        k_pages = kv_cache.k_pages.at[page, :, slot].set(k_new, mode="drop")
+        v_pages = kv_cache.v_pages.at[page, :, slot].set(v_new, mode="drop")
+    new_cache = PagedKVCache(k_pages, v_pages, kv_cache.layout)
+
+    # The work list, then the decode kernel and the merge.
+    tokens = 1 if not causal else max(x for x in batch_planner.SHORT_TOKENS if x * (hq // hkv) <= 64 or x == 1)
+    caps = _caps(t, s, num_cells, tokens)
+    sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, caps=caps,
+                               causal=causal, window_left=params.get("window_left"))
+    k_rows, v_rows = new_cache.rows()
+    o, lse = run_decode_sections(
+        queries, k_rows, v_rows, sec, jnp.clip(page_indices, 0, kv_cache.num_pages - 1), block_kv_lens, caps,
+        page_size=page_size, num_kv_heads=hkv, cache_layout=kv_cache.layout, sm_scale=sm_scale,
+        interpret=interpret, config=config, scales=scales, variant=variant, params=params or None,
+        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=tokens)
+    out = variants.finish(variant, params, o, lse, False)
+    return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), new_cache

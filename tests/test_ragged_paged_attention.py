@@ -1,0 +1,185 @@
+"""ragged_paged_attention (device-planned, fused KV write) in interpret mode, against
+jaxinfer.reference over a cache written by a NumPy scatter, and float64 NumPy for one case."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from helpers import TOL, np64_attention, randn, rel_err
+from jaxinfer import ragged
+from jaxinfer import reference as ref
+from jaxinfer import variants
+
+HQ, HKV, D = 4, 2, 32
+NUM_CTAS = 8  # 4 cells: small interpret-mode grids, and long blocks split
+GARBAGE = 1 << 20  # page_indices entries no valid sequence uses: never read
+
+
+def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, num_pages=None, layout="NHD",
+          poison=True):
+    """A random step: valid sequences q_lens / cached (kv_len = cached + q_len), padded to
+    seq_cap sequences and tok_cap tokens, over num_pages pages (default: 4 more than needed).
+    Returns (args, want_cache, csr table)."""
+    q_lens, kv = np.asarray(q_lens), np.asarray(cached) + np.asarray(q_lens)
+    n = len(q_lens)
+    npages = -(-kv // page)
+    num_pages = num_pages or int(npages.sum()) + 4
+    perm = rng.permutation(num_pages).astype(np.int32)
+    page_indices = np.full(seq_cap * pages_per_seq, GARBAGE, np.int32)
+    first = np.concatenate([[0], np.cumsum(npages)])
+    for i in range(n):
+        page_indices[i * pages_per_seq: i * pages_per_seq + npages[i]] = perm[first[i]:first[i + 1]]
+    shape = (num_pages, page, HKV, D) if layout == "NHD" else (num_pages, HKV, page, D)
+    k_pages, v_pages = randn(rng, shape, jnp.float32), randn(rng, shape, jnp.float32)
+    if poison:  # pages no valid sequence lists hold NaN: any read of them shows
+        unlisted = perm[first[-1]:]
+        k_pages, v_pages = k_pages.at[unlisted].set(jnp.nan), v_pages.at[unlisted].set(jnp.nan)
+    cu = np.full(seq_cap + 1, np.sum(q_lens), np.int32)
+    cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kv_lens = np.zeros(seq_cap, np.int32)
+    kv_lens[:n] = kv
+    q, k, v = (randn(rng, (tok_cap, h, D), jnp.float32) for h in (HQ, HKV, HKV))
+
+    want_k, want_v = np.array(k_pages), np.array(v_pages)  # the NumPy scatter of the new rows
+    for i in range(n):
+        for j in range(q_lens[i]):
+            pos = kv[i] - q_lens[i] + j
+            pg, slot = page_indices[i * pages_per_seq + pos // page], pos % page
+            idx = (pg, slot) if layout == "NHD" else (pg, slice(None), slot)
+            want_k[idx], want_v[idx] = k[cu[i] + j], v[cu[i] + j]
+    want = ji.PagedKVCache(jnp.asarray(want_k), jnp.asarray(want_v), layout)
+    kv_indptr = first.astype(np.int32)
+    table = (cu[: n + 1], kv_indptr, perm[: first[-1]], (kv - (npages - 1) * page).astype(np.int32))
+    args = (q, k, v, ji.PagedKVCache(k_pages, v_pages, layout), jnp.asarray(kv_lens), jnp.asarray(page_indices),
+            jnp.asarray(cu), jnp.asarray(dist, jnp.int32))
+    return args, want, table
+
+
+def _reference(q, cache, table, **kw):
+    """ref.paged_attention, jitted around the host table (one XLA compile, not one per op)."""
+    fn = jax.jit(lambda q, c: ref.paged_attention(q, c, *table, **kw).o)
+    return fn(q, cache)
+
+
+def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.float32], **variant_kw):
+    q, nnz = args[0], int(table[0][-1])
+    np.testing.assert_array_equal(new_cache.k_pages, want_cache.k_pages)  # NaN == NaN here
+    np.testing.assert_array_equal(new_cache.v_pages, want_cache.v_pages)
+    want = _reference(q[:nnz], want_cache, table, causal=causal, **variant_kw)
+    assert rel_err(out[:nnz], want) < tol
+    np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
+
+
+def _splits(args, tokens):
+    """Whether the device plan of this step splits some block's KV (the merge path runs)."""
+    q, _, _, cache, kv_lens, page_indices, cu, dist = args
+    caps = ragged._caps(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, tokens)
+    sec, _ = ragged._plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], caps=caps,
+                          causal=True, window_left=None)
+    return bool(np.any(np.asarray(sec["merge_dest"]) >= 0))
+
+
+# Decode rows first (q_len 1), then 0, 4, 37 and others; one long decode splits its KV.
+QO = [1, 1, 0, 4, 37, 2, 3]
+CACHED = [700, 8, 5, 60, 20, 0, 129]
+
+
+@pytest.mark.parametrize("page, causal", [(8, True), (16, False)])
+def test_mixed_step_matches_reference(rng, page, causal):
+    args, want_cache, table = _step(rng, QO, CACHED, page=page, dist=(2, 2, 7), seq_cap=9, tok_cap=56,
+                                    pages_per_seq=-(-760 // page))
+    if causal:
+        assert _splits(args, 16)
+    out, new_cache = ji.ragged_paged_attention(*args, causal=causal, num_ctas=NUM_CTAS)
+    _check(args, want_cache, table, out, new_cache, causal=causal)
+
+
+def test_sliding_window_and_soft_cap_hnd(rng):
+    """The mixed step with both options, page size 1, HND pages."""
+    window, cap = 5, 2.5
+    args, want_cache, table = _step(rng, QO, CACHED, page=1, dist=(2, 2, 7), seq_cap=8, tok_cap=50,
+                                    pages_per_seq=760, layout="HND")
+    out, new_cache = ji.ragged_paged_attention(*args, sliding_window=window, soft_cap=cap, sm_scale=0.3,
+                                               num_ctas=NUM_CTAS)
+    variant = variants.compose(variants.sliding_window(), variants.soft_cap())
+    params = {"window_left": jnp.int32(window - 1), "logits_soft_cap": jnp.float32(cap)}
+    _check(args, want_cache, table, out, new_cache, variant=variant, params=params, sm_scale=0.3)
+
+
+# Decode-only, prefill-only and other steps of one shape (one compilation).
+SMALL = dict(page=16, seq_cap=7, tok_cap=64, pages_per_seq=16, num_pages=48)
+
+
+def test_float64_numpy(rng):
+    args, want_cache, table = _step(rng, [1, 5, 19], [40, 3, 30], dist=(1, 1, 3), **SMALL)
+    out, _ = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
+    k, v, tok = ref.gather_pages(want_cache, *table[1:])
+    cu = table[0]
+    for i in range(3):
+        o, _ = np64_attention(args[0][cu[i]:cu[i + 1]], k[tok[i]:tok[i + 1]], v[tok[i]:tok[i + 1]], causal=True)
+        assert rel_err(out[cu[i]:cu[i + 1]], o) < TOL[jnp.float32]
+
+
+def test_sliding_window_float64(rng):
+    """Query at position p sees keys p - W < k <= p (RPA's convention); the long decode row skips
+    the chunks left of its window."""
+    window = 6
+    args, want_cache, table = _step(rng, [1, 9, 3], [200, 20, 2], dist=(1, 1, 3), **SMALL)
+    out, _ = ji.ragged_paged_attention(*args, sliding_window=window, num_ctas=NUM_CTAS)
+    k, v, tok = ref.gather_pages(want_cache, *table[1:])
+    cu = table[0]
+    for i in range(3):
+        qo, kv = cu[i + 1] - cu[i], tok[i + 1] - tok[i]
+        pos = kv - qo + np.arange(qo)
+        mask = np.arange(kv)[None, :] > pos[:, None] - window
+        o, _ = np64_attention(args[0][cu[i]:cu[i + 1]], k[tok[i]:tok[i + 1]], v[tok[i]:tok[i + 1]], causal=True,
+                              mask=mask)
+        assert rel_err(out[cu[i]:cu[i + 1]], o) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_decode_only_and_prefill_only(rng, kind):
+    if kind == "decode":
+        q_lens, cached, dist = [1] * 6, [33, 1, 0, 17, 90, 8], (6, 6, 6)
+    else:
+        q_lens, cached, dist = [20, 7, 33], [0, 15, 40], (0, 3, 3)
+    args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+    out, new_cache = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
+    _check(args, want_cache, table, out, new_cache)
+
+
+def test_jit_donated_one_compilation(rng):
+    """Two compositions of the same shapes: one trace, the cache updated in place."""
+    traces = []
+
+    def step(q, k, v, cache, kv_lens, page_indices, cu, dist):
+        traces.append(1)
+        return ji.ragged_paged_attention(q, k, v, cache, kv_lens, page_indices, cu, dist, num_ctas=NUM_CTAS)
+
+    fn = jax.jit(step, donate_argnums=(3,))
+    for q_lens, cached, dist in (([1, 1, 6], [30, 4, 9], (2, 2, 3)), ([12, 1], [3, 50], (0, 2, 2))):
+        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+        k_before = args[3].k_pages
+        out, new_cache = fn(*args)
+        assert k_before.is_deleted()  # donated
+        _check(args, want_cache, table, out, new_cache)
+    assert len(traces) == 1
+
+
+def test_bad_inputs_raise(rng):
+    args, _, _ = _step(rng, [1, 3], [5, 2], page=8, dist=(1, 1, 2), seq_cap=2, tok_cap=4, pages_per_seq=2)
+    q, k, v, cache, kv_lens, pi, cu, dist = args
+    with pytest.raises(ValueError, match="keys"):
+        ji.ragged_paged_attention(q, k[:3], v, cache, kv_lens, pi, cu, dist)
+    with pytest.raises(ValueError, match="distribution"):
+        ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, jnp.asarray([2, 1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="kv_lens"):
+        ji.ragged_paged_attention(q, k, v, cache, kv_lens.at[1].set(2), pi, cu, dist)
+    with pytest.raises(ValueError, match="kv_lens"):
+        ji.ragged_paged_attention(q, k, v, cache, kv_lens.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16),
+                                  pi, cu, dist)
+    with pytest.raises(ValueError, match="page_indices"):
+        ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi.at[0].set(cache.num_pages), cu, dist)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, causal=False, sliding_window=4)
