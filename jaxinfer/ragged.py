@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, variants
-from jaxinfer.decode import run_decode_sections
+from jaxinfer.runners import run_decode_sections
 from jaxinfer.formats import PagedKVCache, check_int32, check_kv_dtype, default_sm_scale, is_concrete, kv_scales
 from jaxinfer.prefill import _check_q
 from pallas_kernels import decode as decode_kernels
