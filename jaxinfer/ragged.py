@@ -10,11 +10,10 @@ compilation serves every composition with the same shapes.
 The work list. Sequence i's q_len query tokens are cut into blocks of up to T tokens (T x the
 GQA group fits a 64-row decode tile). Block (i, t0) with qo tokens reaches keys
 [lo, kv_len - q_len + t0 + qo) (causal; all kv_len keys if not; lo > 0 only under a sliding
-window).
-Blocks longer than a chunk of L keys, L = max(ceil(all blocks' keys / cells), 256) rounded to
-128-key units, split into L-key items whose float32 partial states are merged afterwards. With
-this L at most cells - 1 blocks split into fewer than 2 x cells items in all, which bounds the
-static capacities. Each cell runs a contiguous run of items of about equal cost (keys plus a
+window). Blocks longer than a chunk of L keys, L = max(ceil(all blocks' keys / cells), 256)
+rounded to 128-key units, split into L-key items whose float32 partial states are merged
+afterwards. With this L at most cells - 1 blocks split, into fewer than 2 x cells items in all,
+and the list holds at most blocks + cells items: that bounds the static capacities. Each cell runs a contiguous run of items of about equal cost (keys plus a
 per-tile constant).
 
 How the block's own query positions reach the kernel: a multi-token item's first query sits at
