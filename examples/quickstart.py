@@ -89,6 +89,24 @@ def main(argv=None):
     attn = ji.BatchAttention(hq, hkv, d, page)
     plan = attn.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
     errors["BatchAttention"] = rel_err(attn.run(q_ragged, cache, plan), want.o)
+    # ... or planned on the device with the new K/V written (RPA v3's arguments): the same three
+    # requests append 5, 1 and 8 tokens, kv_lens counting them; a 4th sequence slot is padding.
+    pages_per_seq = 5
+    page_indices = np.zeros((batch + 1, pages_per_seq), np.int32)
+    r_lens = (kv_lens + np.diff(qo_indptr)).astype(np.int32)  # after the append
+    r_indptr, r_indices, r_last = table(r_lens, page, rng.permutation(num_pages))
+    for b in range(batch):
+        page_indices[b, :r_indptr[b + 1] - r_indptr[b]] = r_indices[r_indptr[b]:r_indptr[b + 1]]
+    cu_q_lens = np.append(qo_indptr, qo_indptr[-1]).astype(np.int32)
+    distribution = np.array([0, batch, batch], np.int32)  # no q_len-1 rows first; 3 valid sequences
+    k_new, v_new = randn(int(qo_indptr[-1]), hkv, d), randn(int(qo_indptr[-1]), hkv, d)
+    rpa = jax.jit(ji.ragged_paged_attention, donate_argnums=3)  # the cache written in place
+    o, written = rpa(q_ragged, k_new, v_new, ji.PagedKVCache(k_pages + 0, v_pages + 0), np.append(r_lens, 0),
+                     page_indices.reshape(-1), cu_q_lens, distribution)
+    want = reference.paged_attention(q_ragged, written, qo_indptr, r_indptr, r_indices, r_last, causal=True)
+    pos = np.concatenate([np.arange(kv - q, kv) for q, kv in zip(np.diff(qo_indptr), r_lens)])
+    slots = page_indices[np.repeat(np.arange(batch), np.diff(qo_indptr)), pos // page], pos % page
+    errors["ragged_paged_attention"] = max(rel_err(o, want.o), rel_err(written.k_pages[slots], k_new))
     # ... and over contiguous K/V per request (ragged).
     kv_tok_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     k_ragged, v_ragged = randn(int(kv_tok_indptr[-1]), hkv, d), randn(int(kv_tok_indptr[-1]), hkv, d)

@@ -3,6 +3,7 @@
     python examples/serve.py                     # CPU: tiny random model, a scenario of requests
     python examples/serve.py --check             # also run every request alone and compare
     python examples/serve.py --config llama3-8b --page-size 16 --num-pages 4096 --max-batch 64
+    python examples/serve.py --chunk 32 --check  # chunked prefill mixed into decode steps
 
 Requests arrive over time (some share a system prompt; some ask for n > 1 parallel samples),
 join the running batch after their prefill and leave when done. The host side is NumPy:
@@ -11,10 +12,17 @@ over prompt pages, found again by content). Samples of a request, and requests w
 cached system prompt, reference the same full pages: nothing is copied. A decode step whose
 batch shares pages runs two-level cascade attention (shared pages read once per group).
 A greedy request's output is identical to running it alone (--check, tests/test_examples.py).
+
+With --chunk N, each engine step is one forward pass, one attention call per layer
+(ji.ragged_paged_attention, which also writes the step's K/V): a decode row for every
+sequence past its prompt, plus up to N prompt tokens of the sequences still prefilling
+(chunked prefill, in admission order).
 """
 import argparse
 import dataclasses
+import functools
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -55,32 +63,57 @@ class Sequence:
         return self.request.rid * 4096 + self.sample
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["kv_lens", "page_indices", "cu_q_lens", "distribution"],
+                   meta_fields=["pages_per_layer", "num_ctas"])
+@dataclasses.dataclass(frozen=True)
+class RaggedAttention:
+    """One mixed step's attention for every layer: ji.ragged_paged_attention writes the step's
+    K/V and attends (the arguments as RPA v3's; page ids of one layer). pages_per_layer: a
+    stacked cache (scan) holds layer l's page p at l * pages_per_layer + p."""
+    kv_lens: Any
+    page_indices: Any
+    cu_q_lens: Any
+    distribution: Any
+    pages_per_layer: int
+    num_ctas: Any = None
+
+    def __call__(self, layer, q, k, v, kv_cache):
+        pages = self.page_indices if layer is None else self.page_indices + layer * self.pages_per_layer
+        return ji.ragged_paged_attention(q, k, v, kv_cache, self.kv_lens, pages, self.cu_q_lens,
+                                         self.distribution, num_ctas=self.num_ctas)
+
+
 class Engine:
     """Continuous batching over one paged KV cache. Compiles three steps once (prefill, decode,
-    cascade decode) and reuses them for every run().
+    cascade decode), or with chunk one mixed step, and reuses them for every run().
 
     page_size, num_pages: the cache (pages per layer). max_batch: sequences decoded together;
     max_prefill_tokens: prompt tokens prefilled per step; max_len: KV tokens per sequence.
     cascade: "always" (two-level cascade whenever pages are shared), "auto" (decode plan's
-    cost estimate decides) or "off".
+    cost estimate decides) or "off". chunk N: every step is one forward pass (decode rows plus up
+    to N prompt tokens, see _mixed_step); cascade does not apply.
     """
 
     def __init__(self, cfg, *, seed=0, page_size=8, num_pages=128, max_batch=8,
-                 max_prefill_tokens=256, max_len=128, cascade="always"):
+                 max_prefill_tokens=256, max_len=128, cascade="always", chunk=None):
         if cascade not in CASCADE_MODES:
             raise ValueError(f"cascade must be one of {CASCADE_MODES}, got {cascade!r}")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
         for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_batch", max_batch),
                             ("max_prefill_tokens", max_prefill_tokens), ("max_len", max_len)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
         self.max_batch, self.max_prefill_tokens, self.max_len = max_batch, max_prefill_tokens, max_len
-        self.cascade_mode = cascade
+        self.cascade_mode, self.chunk = cascade, chunk
         self.index_cap = max_batch * -(-max_len // page_size)  # page-table entries of a batch
         graphdef, self.params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(seed)))
         self.step_fn = llama.make_step(graphdef)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
         opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode: small grid
+        self.num_ctas = opts.get("num_ctas")
         self.prefill = ji.BatchPrefillWithPagedKVCache(
             *heads, causal=True, max_batch_size=max_batch, max_num_tokens=max_prefill_tokens,
             max_num_pages=self.index_cap, tile_rows=32, **opts)
@@ -126,14 +159,20 @@ class Engine:
                 waiting.append(pending.pop(0))
             admitted = self._admit(waiting, running)
             notes = [f"+r{s.request.rid}" for s in admitted if s.sample == 0]
-            if admitted:
-                self._prefill(admitted)
-                running.extend(admitted)
-            running, finished = self._retire(running, outputs)
-            if running:
-                notes.append(self._decode(running))
-                running, done = self._retire(running, outputs)
-                finished += done
+            if self.chunk is not None:
+                running.extend(admitted)  # admission order: prompts are chunked in this order
+                if running:
+                    notes.append(self._mixed_step(running))
+                running, finished = self._retire(running, outputs)
+            else:
+                if admitted:
+                    self._prefill(admitted)
+                    running.extend(admitted)
+                running, finished = self._retire(running, outputs)
+                if running:
+                    notes.append(self._decode(running))
+                    running, done = self._retire(running, outputs)
+                    finished += done
             notes += [f"-r{rid}" for rid in finished]
             self._count_pages(running)
             if log is not None and notes:
@@ -199,6 +238,54 @@ class Engine:
         for s, t in zip(seqs, np.asarray(first)):
             s.tokens.append(int(t))
         self.stats["prefill_tokens"] += nnz
+
+    def _mixed_step(self, running):
+        """One forward pass for the step (chunk mode): a decode row for each sequence past its
+        prompt (first, as ragged_paged_attention's distribution wants), then prompt chunks of at
+        most self.chunk tokens in all, in admission order. A sequence's chunk runs only once every
+        earlier sequence's prompt is written (in an earlier step or this one): it may read their
+        pages (a sample's shared prefix, the prefix cache). A chunk that ends its prompt samples the
+        first token."""
+        decoding = [s for s in running if s.tokens]
+        chunks, budget = [], self.chunk
+        for s in running:
+            if s.tokens:
+                continue
+            n = min(s.length - s.prefill_from, budget)
+            if n == 0:
+                break
+            chunks.append((s, s.prefill_from, s.prefill_from + n))
+            budget -= n
+            if s.prefill_from + n < s.length:
+                break  # later prompts wait for this one
+        q_lens = [1] * len(decoding) + [b - a for _, a, b in chunks]
+        kv_lens = [s.length + 1 for s in decoding] + [b for _, _, b in chunks]
+        seqs = decoding + [s for s, _, _ in chunks]
+        tokens = [s.tokens[-1] for s in decoding] + [t for s, a, b in chunks for t in s.request.prompt[a:b]]
+        positions = [s.length for s in decoding] + [p for _, a, b in chunks for p in range(a, b)]
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        sampled = decoding + [s for s, _, b in chunks if b == s.length]  # rows that sample a token
+        logits_index = [cu[i + 1] - 1 for i in range(len(decoding))] + [
+            cu[len(decoding) + j + 1] - 1 for j, (s, _, b) in enumerate(chunks) if b == s.length]
+        pages_per_seq = -(-self.max_len // self.page_size)
+        page_indices = np.zeros((self.max_batch, pages_per_seq), np.int32)
+        for i, s in enumerate(seqs):
+            page_indices[i, :len(s.pages)] = s.pages
+        bcap, tcap = self.max_batch, self.max_batch + self.chunk
+        attention = RaggedAttention(
+            pad(np.asarray(kv_lens, np.int32), bcap), page_indices.reshape(-1), pad(cu, bcap + 1, cu[-1]),
+            np.array([len(decoding), len(decoding), len(seqs)], np.int32), self.num_pages, self.num_ctas)
+        out, self.kv_cache = self.step_fn(
+            self.params, pad(np.asarray(tokens, np.int32), tcap), pad(np.asarray(positions, np.int32), tcap, -1),
+            self.kv_cache, attention, pad(np.asarray(logits_index, np.int32), bcap), *self._sampling(sampled))
+        for s in decoding:
+            s.length += 1
+        for s, _, b in chunks:
+            s.prefill_from = b
+        for s, t in zip(sampled, np.asarray(out)):
+            s.tokens.append(int(t))
+        self.stats["prefill_tokens"] += int(sum(b - a for _, a, b in chunks))
+        return f"mixed ({len(decoding)} decode, {len(chunks)} prompt chunk(s))"
 
     def _decode(self, running):
         """One decode step for every running sequence (sorted so that shared prefixes are adjacent)."""
@@ -309,12 +396,16 @@ def main(argv=None):
     ap.add_argument("--cascade", default="always", choices=CASCADE_MODES,
                     help="always: two-level cascade whenever pages are shared; auto: the decode "
                          "plan's cost estimate decides; off: plain decode")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="one forward pass (ragged_paged_attention) per step: decode rows plus up to "
+                         "N prompt tokens (chunked prefill)")
     ap.add_argument("--check", action="store_true", help="also serve each request alone and compare")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the scenario")
     args = ap.parse_args(argv)
     cfg = llama.get_config(args.config, args.layers)
     engine = Engine(cfg, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
-                    max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, cascade=args.cascade)
+                    max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, cascade=args.cascade,
+                    chunk=args.chunk)
     requests = make_requests(cfg.vocab_size, np.random.default_rng(args.seed), args.requests,
                              temperature=args.temperature)
     for r in requests:

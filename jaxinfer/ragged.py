@@ -8,12 +8,12 @@ and its split-KV merge (pallas_kernels/merge.merge_varlen). There is no host rou
 compilation serves every composition with the same shapes.
 
 The work list. Sequence i's q_len query tokens are cut into blocks of up to T tokens (T x the
-GQA group fits a 64-row decode tile; T = 1 when causal=False). Block (i, t0) with qo tokens
-reaches keys [lo, kv_len - q_len + t0 + qo) (causal; lo > 0 only under a sliding window).
-Blocks longer than a chunk of L keys, L = max(ceil(all blocks' keys / cells), 256) rounded to
-128-key units, split into L-key items whose float32 partial states are merged afterwards. With
-this L at most cells - 1 blocks split into fewer than 2 x cells items in all, which bounds the
-static capacities. Each cell runs a contiguous run of items of about equal cost (keys plus a
+GQA group fits a 64-row decode tile). Block (i, t0) with qo tokens reaches keys
+[lo, kv_len - q_len + t0 + qo) (causal; all kv_len keys if not; lo > 0 only under a sliding
+window). Blocks longer than a chunk of L keys, L = max(ceil(all blocks' keys / cells), 256)
+rounded to 128-key units, split into L-key items whose float32 partial states are merged
+afterwards. With this L at most cells - 1 blocks split, into fewer than 2 x cells items in all,
+and the list holds at most blocks + cells items: that bounds the static capacities. Each cell runs a contiguous run of items of about equal cost (keys plus a
 per-tile constant).
 
 How the block's own query positions reach the kernel: a multi-token item's first query sits at
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, variants
-from jaxinfer.runners import run_decode_sections
 from jaxinfer.formats import PagedKVCache, check_int32, check_kv_dtype, default_sm_scale, is_concrete, kv_scales
 from jaxinfer.prefill import _check_q
+from jaxinfer.runners import run_decode_sections
 from pallas_kernels import decode as decode_kernels
 from planner import batch as batch_planner
 
@@ -262,7 +262,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     new_cache = PagedKVCache(k_pages, v_pages, kv_cache.layout)
 
     # The work list, then the decode kernel and the merge.
-    tokens = 1 if not causal else max(x for x in batch_planner.SHORT_TOKENS if x * (hq // hkv) <= 64 or x == 1)
+    tokens = max(x for x in batch_planner.SHORT_TOKENS if x * (hq // hkv) <= 64 or x == 1)
     caps = _caps(t, s, num_cells, tokens)
     sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, caps=caps,
                                causal=causal, window_left=params.get("window_left"))
@@ -271,6 +271,6 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         queries, k_rows, v_rows, sec, jnp.clip(page_indices, 0, kv_cache.num_pages - 1), block_kv_lens, caps,
         page_size=page_size, num_kv_heads=hkv, cache_layout=kv_cache.layout, sm_scale=sm_scale,
         interpret=interpret, config=config, scales=scales, variant=variant, params=params or None,
-        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=tokens)
+        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=tokens, causal=causal)
     out = variants.finish(variant, params, o, lse, False)
     return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), new_cache

@@ -90,6 +90,18 @@ def test_serve_batched_equals_alone(rng):
     assert serve.mismatches_against_alone(engine, requests, outputs) == []
 
 
+def test_serve_chunked_prefill_equals_unchunked(rng):
+    """--chunk: one forward pass (ragged_paged_attention) per step, prompts in chunks mixed into
+    decode steps, gives the tokens of the prefill-then-decode engine, and of each request alone."""
+    seed = int(rng.integers(1 << 16))
+    requests = serve.make_requests(TINY.vocab_size, rng, 4, max_new_tokens=(3, 6), arrivals=3)
+    want = serve.Engine(TINY, seed=seed, page_size=8, num_pages=96, max_batch=6).run(requests)
+    engine = serve.Engine(TINY, seed=seed, page_size=8, num_pages=96, max_batch=6, chunk=16)
+    assert engine.run(requests) == want
+    assert engine.stats["steps"] > 0 and engine.stats["cascade_steps"] == 0
+    assert serve.mismatches_against_alone(engine, requests, want) == []
+
+
 def test_serve_rejects_requests_that_never_fit():
     engine = serve.Engine(TINY, page_size=8, num_pages=8, max_batch=2, max_len=64)
     with pytest.raises(ValueError, match="max_len"):
@@ -119,13 +131,14 @@ def test_quickstart_runs_the_readme_api_tour():
     """quickstart.py runs every paragraph of the README's API tour and checks each output against
     jaxinfer.reference (it exits if one is off by more than 2e-2, bf16)."""
     errors = quickstart.main(["--quiet"])
-    assert len(errors) == 12 and max(errors.values()) < 2e-2, errors
+    assert len(errors) == 15 and max(errors.values()) < 2e-2, errors
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     tour = readme.split("## API tour")[1].split("```")[1]
     for call in ("BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchPrefillWithRaggedKVCache",
                  "BlockSparseMatrix", "BlockSparseAttention", "two_level_cascade", "MultiLevelCascadeAttention",
                  "variants.compose", "float8_e4m3fn", "with_page_offset", "get_batch_indices_positions",
-                 "append_paged_kv_cache", "single_prefill_with_kv_cache", "merge_state", "reference.attention"):
+                 "append_paged_kv_cache", "single_prefill_with_kv_cache", "merge_state", "reference.attention", "BatchAttention",
+                 "ragged_paged_attention"):
         assert call in tour and call in open(quickstart.__file__).read(), call
 
 
