@@ -134,16 +134,14 @@ class BatchAttention:
             rows = sec["prefill_rows"][: plan.long.layout.num_tokens]
             o_l, lse_l = self.prefill.run_raw(q[jnp.minimum(rows, n - 1)], kv_cache, plan.long, params, scales)
             o, lse = o.at[rows].set(o_l, mode="drop"), lse.at[rows].set(lse_l, mode="drop")
-        if plan.has_short:
+        if plan.has_short:  # the decode kernel writes the short rows into o, lse in place
             k_rows, v_rows = kv_cache.rows()
             impl = dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"]
-            o_s, lse_s = run_short_sections(
+            o, lse = run_short_sections(
                 q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), lay,
                 page_size=self.page_size, num_kv_heads=self.num_kv_heads, cache_layout=self.layout,
                 sm_scale=self.sm_scale, interpret=self.interpret, causal=self.causal,
                 config=dispatch.config_for(impl, self.problem, self.configs), scales=scales,
-                variant=self.variant, params=params)
-            short = sec["row_is_short"] != 0
-            o, lse = jnp.where(short[:, None, None], o_s, o), jnp.where(short[:, None], lse_s, lse)
+                variant=self.variant, params=params, out=(o, lse))
         out = variants.finish(self.variant, params, o, lse, return_lse)
         return AttentionState(*out) if return_lse else out

@@ -12,15 +12,17 @@ from pallas_kernels import prefill as prefill_kernels
 
 def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, page_size, num_kv_heads,
                         cache_layout, sm_scale, interpret, config, scales=None, variant=None, params=None,
-                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1, causal=True):
+                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1, causal=True, out=None):
     """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [N,Hq,D], lse [N,Hq]),
-    before any variant output transform."""
+    before any variant output transform. out (optional): (o [N, Hq, D], lse [N, Hq]) whose rows the
+    plan does not write are kept (updated in place)."""
     n, hq, d = q.shape
+    flat_out = None if out is None else (out[0].reshape(n * hq, d), out[1].reshape(n * hq))
     o, lse, o_part, lse_part = decode_kernels.paged_decode(
         q, k_rows, v_rows, kv_indices, kv_lens, sec["items"], sec["cell_indptr"],
         num_parts=layout.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
         sm_scale=sm_scale, interpret=interpret, columns=columns, tokens_per_item=tokens_per_item,
-        causal=causal, scales=scales, variant=variant, params=params, config=config)
+        causal=causal, scales=scales, variant=variant, params=params, config=config, out=flat_out)
     return merge_kernels.merge_varlen(
         o_part.reshape(layout.part_cap, hq, d), lse_part.reshape(layout.part_cap, hq),
         sec["merge_indptr"], sec["merge_dest"], out=(o.reshape(n, hq, d), lse.reshape(n, hq)),
@@ -48,13 +50,16 @@ def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, page_size, num_
 
 def run_short_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size, num_kv_heads,
                        cache_layout, sm_scale, interpret, causal, config, scales=None, variant=None,
-                       params=None):
+                       params=None, out=None):
     """A short-query plan (planner.batch: items of up to tokens_per_item tokens of one request on
-    the decode kernel) over q [N, Hq, D]. Rows the plan does not cover give o = 0, lse = -inf."""
-    o, lse = run_decode_sections(
+    the decode kernel) over q [N, Hq, D]. Rows the plan does not cover keep out's values
+    (o [N, Hq, D], lse [N, Hq]; default o = 0, lse = -inf)."""
+    n, hq, _ = q.shape
+    if out is None:
+        out = (jnp.zeros(q.shape, q.dtype), jnp.full((n, hq), -jnp.inf, jnp.float32))
+    return run_decode_sections(
         q, k_rows, v_rows, sec, kv_indices, sec["kv_lens"], layout, page_size=page_size,
         num_kv_heads=num_kv_heads, cache_layout=cache_layout, sm_scale=sm_scale, interpret=interpret,
         config=config, scales=scales, variant=variant, params=params,
-        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=layout.tokens_per_item, causal=causal)
-    covered = sec["row_is_short"] != 0  # [N]
-    return jnp.where(covered[:, None, None], o, 0).astype(o.dtype), jnp.where(covered[:, None], lse, -jnp.inf)
+        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=layout.tokens_per_item, causal=causal,
+        out=out)

@@ -42,9 +42,9 @@ MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
                    *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant,
-                   param_tree, heads_fastest, **attend_kw):
+                   param_tree, heads_fastest, has_out, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
-    param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
+    param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-6 if has_out else -4], refs[-4:]
     cell, head = pl.program_id(0), pl.program_id(1)
     if heads_fastest:
         cell, head = head, cell
@@ -126,7 +126,7 @@ def tile_rows(group, tokens_per_item=1):
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, interpret, columns=ITEM_COLUMNS,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
-                 config=DecodeConfig()):
+                 config=DecodeConfig(), out=None):
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
@@ -135,9 +135,11 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     MULTI_ITEM_COLUMNS for items of up to tokens_per_item query tokens of one request, causal
     bottom-right unless causal=False); cell_indptr int32[num_cells + 1]; scales: (k_scale, v_scale) f32[Hkv] or None;
     variant / params: an attention variant and its parameter pytree (see _attention).
+    out (optional): (o [N*Hq, D], lse [N*Hq]) updated in place (aliased): rows no item writes
+    keep their values (BatchAttention: the prefill kernel's rows).
     Returns flat (o [N*Hq, D], lse [N*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]); rows of o that no writethrough item covers are left for
-    the caller's merge.
+    the caller's merge (or keep out's values).
     """
     n, num_qo_heads, d = q.shape
     heads_fastest = config.heads_fastest
@@ -153,7 +155,11 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         rows=tile_rows(group, tokens_per_item), columns=tuple(columns), causal=causal,
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
-        block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest)
+        block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
+        has_out=out is not None)
+    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * num_qo_heads, d), k_rows, v_rows,
+            *(scales or ()), *leaves]
+    aliases = {} if out is None else {len(args): 0, len(args) + 1: 1}
     call = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_cells) if heads_fastest else (num_cells, num_kv_heads),
@@ -163,10 +169,10 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
             jax.ShapeDtypeStruct((num_parts * num_qo_heads, d), jnp.float32),  # partial o
             jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32),  # partial lse
         ),
+        input_output_aliases=aliases,
         compiler_params=_common.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="jaxinfer_paged_decode",
     )
     with _common.kernel_math(fast=not interpret):
-        return call(items, cell_indptr, kv_lens, kv_indices, q.reshape(n * num_qo_heads, d), k_rows,
-                    v_rows, *(scales or ()), *leaves)
+        return call(*args, *(() if out is None else out))
