@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.formats import PagedKVCache, check_int32, is_concrete
+from planner import validate
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz):
@@ -16,8 +17,18 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
     check_int32("append_indptr", append_indptr)
     check_int32("seq_lens", seq_lens)
     append_indptr, seq_lens = jnp.asarray(append_indptr), jnp.asarray(seq_lens)
-    if seq_lens.shape[0] != append_indptr.shape[0] - 1:
+    if append_indptr.ndim != 1 or append_indptr.shape[0] < 1:
+        raise ValueError(f"append_indptr must be int32[B + 1], got shape {append_indptr.shape}")
+    if seq_lens.shape != (append_indptr.shape[0] - 1,):
         raise ValueError(f"seq_lens must have shape [{append_indptr.shape[0] - 1}], got {seq_lens.shape}")
+    if is_concrete(append_indptr, seq_lens):
+        ip = validate.check_indptr("append_indptr", np.asarray(append_indptr))
+        if np.any(np.asarray(seq_lens) < np.diff(ip)):
+            raise ValueError("seq_lens must be >= each request's appended rows (append_indptr)")
+        if int(ip[-1]) > nnz:
+            raise ValueError(f"nnz = {nnz} must be >= append_indptr[-1] = {int(ip[-1])} (rows appended)")
+    if seq_lens.shape[0] == 0:  # no requests: every row is padding
+        return jnp.full((nnz,), -1, jnp.int32), jnp.full((nnz,), -1, jnp.int32)
     row = jnp.arange(nnz, dtype=jnp.int32)
     batch = (jnp.searchsorted(append_indptr, row, side="right") - 1).astype(jnp.int32)
     live = row < append_indptr[-1]

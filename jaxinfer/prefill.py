@@ -157,6 +157,8 @@ class _Prefill:
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
+        if q.shape[0] == 0:  # no query rows (batch 0 or every qo_len 0, no capacities): no kernel
+            return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
         if isinstance(plan, BatchPlan):  # impl "prefill_short"
             sec = plan.sections()
             return run_short_sections(
@@ -381,6 +383,9 @@ class BlockSparseAttention(_Prefill):
         indptr, indices = np.asarray(bsr.indptr), np.asarray(bsr.indices)
         check_int32("bsr.indptr", indptr)
         nblocks = indptr[1:] - indptr[:-1]
+        used = indices[: indptr[-1]].astype(np.int64) + np.repeat(np.arange(m // r), nblocks) * (n // c)
+        if np.unique(used).size != used.size:  # the kernel would count those keys twice
+            raise ValueError("bsr.indices lists a column block twice in one row block")
         qo_indptr = (np.arange(m // r + 1) * r).astype(np.int32)
         custom_mask = None
         if bsr.block_mask is not None:  # [nnz, R, C] -> each row block's R x (blocks * C), row-major
