@@ -250,6 +250,7 @@ class Fuzzer:
         self.merge_state, self.ref_merge_state = jax.jit(ji.merge_state), jax.jit(ref.merge_state)
         self.merge_states, self.ref_merge_states = jax.jit(ji.merge_states), jax.jit(ref.merge_states)
         self.merge_state_varlen = jax.jit(ji.merge_state_varlen)
+        self.append_jit = jax.jit(ji.append_paged_kv_cache)
         self.single_prefill = jax.jit(
             lambda q, k, v: ji.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True))
 
@@ -681,9 +682,9 @@ class Fuzzer:
     NNZ = 8
 
     def append(self, rng):
-        corrs = ("none", "batch_oob", "pos_neg", "pos_past_pages", "page_oob", "int64_batch", "list_positions",
-                 "k_shape", "k_v_mismatch", "k_heads", "not_cache", "indptr_int64")
-        corr = self.pick(rng, corrs)
+        corrs = ("none", "jit_invalid_row", "batch_oob", "pos_neg", "pos_past_pages", "page_oob", "int64_batch",
+                 "list_positions", "k_shape", "k_v_mismatch", "k_heads", "not_cache", "indptr_int64")
+        corr = self.pick(rng, corrs, 2)
         batch = int(rng.integers(1, MAXB + 1))
         indptr, indices, last, kv_lens = table(rng, batch, zero_len=False)
         app = np.minimum(rng.integers(0, 4, batch), kv_lens)
@@ -699,7 +700,7 @@ class Fuzzer:
         live = np.flatnonzero(bi >= 0)
         call = lambda c=cache, k=ak, v=av, b=bi, p=pos, idx=indices, ip=indptr: ji.append_paged_kv_cache(
             c, jnp.asarray(k) if hasattr(k, "shape") else k, jnp.asarray(v) if hasattr(v, "shape") else v, b, p, idx, ip)
-        if corr in ("batch_oob", "pos_neg", "pos_past_pages", "page_oob") and not len(live):
+        if corr in ("batch_oob", "pos_neg", "pos_past_pages", "page_oob", "jit_invalid_row") and not len(live):
             return corr, "inapplicable"
         r = rng.choice(live) if len(live) else 0
         if corr == "batch_oob":
@@ -727,7 +728,23 @@ class Fuzzer:
                "indptr_int64": lambda: call(ip=indptr.astype(np.int64))}
         if corr in bad:
             return corr, rejected(bad[corr])
-        got = call()
+        if corr == "jit_invalid_row":  # under jit an invalid row is dropped; the others land
+            how = rng.integers(5)
+            bi, pos, indices = bi.copy(), pos.copy(), indices.copy()
+            if how == 0:
+                bi[r] = batch + rng.integers(0, 3)
+            elif how == 1:
+                pos[r] = -rng.integers(1, 5)
+            elif how == 2:
+                pos[r] = (indptr[bi[r] + 1] - indptr[bi[r]]) * P + rng.integers(0, 3)
+            else:  # the row's page id outside the cache, or negative: every row on that page drops
+                entry = indptr[bi[r]] + pos[r] // P
+                indices[entry] = NP + rng.integers(0, 3) if how == 3 else -rng.integers(1, 4)
+                live = live[indptr[bi[live]] + pos[live] // P != entry]
+            live = live[live != r]
+            got = self.append_jit(cache, jnp.asarray(ak), jnp.asarray(av), bi, pos, indices, indptr)
+        else:
+            got = call()
         want_k, want_v = cache_k.copy(), cache_v.copy()
         for i in live:
             page = indices[indptr[bi[i]] + pos[i] // P]
