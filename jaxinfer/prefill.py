@@ -91,6 +91,9 @@ class _Prefill:
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
               causal=None, window_left=None, contiguous_kv=False, **positions):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        if qo_indptr.shape[0] != kv_lens.shape[0] + 1:  # before any planner (prefill_short too)
+            raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests but the KV side has "
+                             f"{kv_lens.shape[0]}")
         if window_left is not None and not (self.variant is not None and self.variant.has_bounds):
             raise ValueError("window_left needs a variant with a sliding window (variants.sliding_window)")
         causal = self.causal if causal is None else causal

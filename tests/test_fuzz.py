@@ -227,9 +227,10 @@ class Fuzzer:
         self.dec_nocap = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, P, num_ctas=4)
         self.dec_other = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, 2 * P, num_ctas=4, **caps)
         pcaps = dict(caps, max_num_tokens=MAXT, tile_rows=16, num_ctas=4)
-        self.pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, P, **pcaps)
+        # impl="triton": one program (impl="auto" may pick prefill_short, one program per token class)
+        self.pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, P, impl="triton", **pcaps)
         self.pre_nocap = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, P, num_ctas=4)
-        self.pre_other = ji.BatchPrefillWithPagedKVCache(2 * HQ, HKV, D, P, **pcaps)
+        self.pre_other = ji.BatchPrefillWithPagedKVCache(2 * HQ, HKV, D, P, impl="triton", **pcaps)
         self.rag = ji.BatchPrefillWithRaggedKVCache(HQ, HKV, D, max_batch_size=MAXB, max_num_tokens=MAXT,
                                                     tile_rows=16, num_ctas=4)
         self.rag_nocap = ji.BatchPrefillWithRaggedKVCache(HQ, HKV, D, num_ctas=4)
