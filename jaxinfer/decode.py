@@ -8,7 +8,8 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.cascade import MultiLevelCascadeAttention
-from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, default_sm_scale, is_concrete, kv_scales
+from jaxinfer.formats import (AttentionState, check_int32, check_layout, check_paged_cache, default_sm_scale,
+                              is_concrete, kv_scales)
 from jaxinfer.plans import CascadePlan, DecodePlan, WrapperFacts
 from jaxinfer.prefill import auto_cascade_levels
 from jaxinfer.runners import run_decode_sections
@@ -117,6 +118,9 @@ class BatchDecodeWithPagedKVCache:
         self._check(q, kv_cache, plan)
         sec = plan.sections()
         lens = sec["kv_lens"] if kv_lens is None else self._check_kv_lens(kv_lens, plan)
+        if q.shape[0] == 0:  # batch 0 without capacities: empty outputs, no kernel
+            empty = AttentionState(jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32))
+            return empty if return_lse else empty.o
         k_rows, v_rows = kv_cache.rows()
         o, lse = run_decode_sections(
             q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), lens, plan.layout,
@@ -129,6 +133,7 @@ class BatchDecodeWithPagedKVCache:
         return AttentionState(*out) if return_lse else out
 
     def _check_kv_lens(self, kv_lens, plan):
+        check_int32("kv_lens", kv_lens)  # before jnp.asarray, which would make int64 int32 silently
         lens = jnp.asarray(kv_lens)
         if lens.dtype != jnp.int32 or lens.shape != (plan.layout.batch,):
             raise ValueError(f"kv_lens must be int32[{plan.layout.batch}], got {lens.dtype}{list(lens.shape)}")

@@ -257,6 +257,9 @@ def default_sm_scale(head_dim, sm_scale):
 
 def check_int32(name, x):
     """Index arrays must be int32 (NumPy or jax); raises ValueError naming the argument."""
+    if isinstance(x, (list, tuple)):
+        raise ValueError(f"{name} must be an int32 array, got a Python {type(x).__name__} "
+                         f"(pass np.asarray({name}, np.int32))")
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
     if dtype != np.int32:
         raise ValueError(f"{name} must be int32, got {dtype}")

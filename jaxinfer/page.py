@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.formats import PagedKVCache, check_int32, is_concrete
+from planner import validate
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz):
@@ -16,8 +17,18 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
     check_int32("append_indptr", append_indptr)
     check_int32("seq_lens", seq_lens)
     append_indptr, seq_lens = jnp.asarray(append_indptr), jnp.asarray(seq_lens)
-    if seq_lens.shape[0] != append_indptr.shape[0] - 1:
+    if append_indptr.ndim != 1 or append_indptr.shape[0] < 1:
+        raise ValueError(f"append_indptr must be int32[B + 1], got shape {append_indptr.shape}")
+    if seq_lens.shape != (append_indptr.shape[0] - 1,):
         raise ValueError(f"seq_lens must have shape [{append_indptr.shape[0] - 1}], got {seq_lens.shape}")
+    if is_concrete(append_indptr, seq_lens):
+        ip = validate.check_indptr("append_indptr", np.asarray(append_indptr))
+        if np.any(np.asarray(seq_lens) < np.diff(ip)):
+            raise ValueError("seq_lens must be >= each request's appended rows (append_indptr)")
+        if int(ip[-1]) > nnz:
+            raise ValueError(f"nnz = {nnz} must be >= append_indptr[-1] = {int(ip[-1])} (rows appended)")
+    if seq_lens.shape[0] == 0:  # no requests: every row is padding
+        return jnp.full((nnz,), -1, jnp.int32), jnp.full((nnz,), -1, jnp.int32)
     row = jnp.arange(nnz, dtype=jnp.int32)
     batch = (jnp.searchsorted(append_indptr, row, side="right") - 1).astype(jnp.int32)
     live = row < append_indptr[-1]
@@ -32,6 +43,9 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
     Position p of request b lands in page kv_indices[kv_indptr[b] + p // page_size]
     at slot p % page_size. Rows with batch index < 0 are skipped. Under jax.jit
     with the cache donated (donate_argnums), XLA updates the pages in place.
+    Concrete arguments are validated (ValueError). Under jit, where they cannot be, an invalid
+    row (batch index >= B, position < 0 or past the request's pages, page id outside
+    [0, num_pages)) is dropped: it writes nothing, never another page (docs/safety.md).
     """
     if not isinstance(kv_cache, PagedKVCache):
         raise ValueError("kv_cache must be a PagedKVCache")
@@ -62,9 +76,16 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
         pages = idx[ip[bi[live]] + pos[live] // p]
         if pages.size and (pages.min() < 0 or pages.max() >= kv_cache.num_pages):
             raise ValueError(f"kv_indices holds page ids outside [0, {kv_cache.num_pages})")
-    b = jnp.maximum(batch_indices, 0)
-    page = jnp.asarray(kv_indices)[jnp.asarray(kv_indptr)[b] + positions // p]
-    page = jnp.where(batch_indices >= 0, page, kv_cache.num_pages)  # out of range: dropped
+    ip, idx = jnp.asarray(kv_indptr), jnp.asarray(kv_indices)
+    num_requests = ip.shape[0] - 1
+    if num_requests < 1 or idx.shape[0] == 0:  # nothing to write to (every row is padding)
+        return kv_cache
+    b = jnp.clip(batch_indices, 0, num_requests - 1)
+    entry = ip[b] + positions // p  # the row's entry in kv_indices
+    page = idx[jnp.clip(entry, 0, idx.shape[0] - 1)]
+    ok = ((batch_indices >= 0) & (batch_indices < num_requests) & (positions >= 0) & (entry < ip[b + 1])
+          & (page >= 0) & (page < kv_cache.num_pages))
+    page = jnp.where(ok, page, kv_cache.num_pages)  # padding and invalid rows: dropped
     slot = positions % p
     k_new, v_new = append_k.astype(kv_cache.dtype), append_v.astype(kv_cache.dtype)
     if kv_cache.layout == "NHD":

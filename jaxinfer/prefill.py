@@ -91,6 +91,9 @@ class _Prefill:
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
               causal=None, window_left=None, contiguous_kv=False, **positions):
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        if qo_indptr.shape[0] != kv_lens.shape[0] + 1:  # before any planner (prefill_short too)
+            raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests but the KV side has "
+                             f"{kv_lens.shape[0]}")
         if window_left is not None and not (self.variant is not None and self.variant.has_bounds):
             raise ValueError("window_left needs a variant with a sliding window (variants.sliding_window)")
         causal = self.causal if causal is None else causal
@@ -157,6 +160,8 @@ class _Prefill:
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
+        if q.shape[0] == 0:  # no query rows (batch 0 or every qo_len 0, no capacities): no kernel
+            return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
         if isinstance(plan, BatchPlan):  # impl "prefill_short"
             sec = plan.sections()
             return run_short_sections(
@@ -381,6 +386,9 @@ class BlockSparseAttention(_Prefill):
         indptr, indices = np.asarray(bsr.indptr), np.asarray(bsr.indices)
         check_int32("bsr.indptr", indptr)
         nblocks = indptr[1:] - indptr[:-1]
+        used = indices[: indptr[-1]].astype(np.int64) + np.repeat(np.arange(m // r), nblocks) * (n // c)
+        if np.unique(used).size != used.size:  # the kernel would count those keys twice
+            raise ValueError("bsr.indices lists a column block twice in one row block")
         qo_indptr = (np.arange(m // r + 1) * r).astype(np.int32)
         custom_mask = None
         if bsr.block_mask is not None:  # [nnz, R, C] -> each row block's R x (blocks * C), row-major

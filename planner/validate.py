@@ -11,7 +11,11 @@ _min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def as_int32(name, x, ndim=1):
-    """Returns x as a host int32 array; rejects other integer widths and floats."""
+    """Returns x as a host int32 array; rejects other integer widths, floats and Python lists
+    (which NumPy would make int64)."""
+    if isinstance(x, (list, tuple)):
+        raise ValueError(f"{name} must be an int32 array, got a Python {type(x).__name__} "
+                         f"(pass np.asarray({name}, np.int32))")
     arr = x if type(x) is np.ndarray else np.asarray(x)
     if arr.dtype != np.int32:
         raise ValueError(f"{name} must be int32, got {arr.dtype}")
