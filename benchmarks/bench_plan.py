@@ -1,18 +1,17 @@
 """plan() latency on the host, steady state, through the public wrappers (one table).
 
-    PYTHONPATH=. python3 benchmarks/bench_plan.py [--quick]
+    PYTHONPATH=. python3 benchmarks/bench_plan.py [--quick] [--thread-time] [--only TEXT]
 
-Rows: decode B 1, 64, 128, 256, 1024 at page 1 and 16, cascade off / "auto" (no
-request shares a page, so "auto" plans a plain decode); paged prefill B 4 x 2048
-(causal) and B 64 mixed (4 chunks of 512 queries + 60 decode rows). Page ids are a
-shuffled subset of a cache of num_pages pages (given to plan(), as in serving).
-Columns: median and p99 of the wrapper's plan() (µs, not waiting for the transfer,
-which is asynchronous); "host" is the same call with jax.device_put replaced by the
-identity (the NumPy planner and wrapper logic alone); on a GPU, "copy" is the time to
-put the packed plan buffer on the device and wait for it.
+Rows (issue 22): decode B 1, 64, 128, 256, 1024 at page 1 and 16, cascade off / "auto" (no
+request shares a page, so "auto" plans a plain decode); paged prefill B 4 x 2048 (causal) and
+B 64 mixed (4 chunks of 512 queries + 60 decode rows); BatchAttention on the same mixed step
+and on 64 requests of 4 query tokens (speculative verify). Page ids are a shuffled subset of a
+cache of num_pages pages (given to plan(), as in serving); every wrapper has fixed capacities.
+Columns: median and p99 of the wrapper's plan() in µs (the device copy is asynchronous: plan()
+does not wait for it); KB: the packed buffer(s); on a GPU, "copy": putting those buffers on the
+device and waiting for them (µs).
 """
 import argparse
-import contextlib
 import time
 
 import jax
@@ -41,17 +40,6 @@ def timings(fn, budget_s):
         fn()
         ts[i] = CLOCK() - t
     return float(np.median(ts)) * 1e6, float(np.percentile(ts, 99)) * 1e6
-
-
-@contextlib.contextmanager
-def host_only():
-    """jax.device_put as the identity: what plan() costs before the transfer."""
-    put = jax.device_put
-    jax.device_put = lambda x, *a, **k: x
-    try:
-        yield
-    finally:
-        jax.device_put = put
 
 
 def page_table(rng, kv_lens, page):
@@ -105,9 +93,13 @@ def cases(rng):
     yield batch_case(rng, np.full(64, 4), rng.integers(1024, 4097, 64), "BatchAttention q4 B64")
 
 
-def copy_us(plan, budget_s):
+def buffers(plan):
+    """The plan's packed int32 buffers, as NumPy arrays."""
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(plan) if leaf.dtype == np.int32]
+
+
+def copy_us(bufs, budget_s):
     """Device copy of the plan's packed buffer(s), waited for (GPU only)."""
-    bufs = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(plan) if leaf.dtype == np.int32]
     return timings(lambda: jax.block_until_ready([jax.device_put(b) for b in bufs]), budget_s)[0]
 
 
@@ -126,17 +118,16 @@ def main():
     gpu = jax.default_backend() == "gpu"
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, µs per plan() (steady state, "
           f"{'thread CPU time' if args.thread_time else 'wall time'})")
-    head = f"{'plan':<46} {'median':>8} {'p99':>8} {'host':>8}" + (f" {'copy':>8}" if gpu else "")
+    head = f"{'plan':<48} {'median':>8} {'p99':>8} {'KB':>7}" + (f" {'copy':>8}" if gpu else "")
     print(head + "\n" + "-" * len(head))
     for name, fn in cases(np.random.default_rng(0)):
         if args.only not in name:
             continue
         med, p99 = timings(fn, budget)
-        with host_only():
-            host = timings(fn, budget / 2)[0]
-        row = f"{name:<46} {med:>8.1f} {p99:>8.1f} {host:>8.1f}"
+        bufs = buffers(fn())
+        row = f"{name:<48} {med:>8.1f} {p99:>8.1f} {sum(b.nbytes for b in bufs) / 1e3:>7.0f}"
         if gpu:
-            row += f" {copy_us(fn(), budget / 2):>8.1f}"
+            row += f" {copy_us(bufs, budget / 2):>8.1f}"
         print(row, flush=True)
 
 

@@ -45,7 +45,7 @@ def assign_positive(costs, num_cells, out=None):
     """assign_cells for integer costs known to be positive (no check)."""
     n = costs.shape[0]
     cell_indptr = np.empty(num_cells + 1, np.int32) if out is None else out
-    by_cost = np.negative(costs, dtype=np.int64).argsort(kind="stable")  # longest first, then item id
+    by_cost = longest_first(costs)
     if n <= num_cells:  # one item per cell, cells in cost order: listing by cell is by_cost
         np.minimum(arange(num_cells + 1), n, out=cell_indptr)
         return by_cost, cell_indptr
@@ -66,6 +66,16 @@ def assign_positive(costs, num_cells, out=None):
     cell_indptr[0] = 0
     np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells), out=cell_indptr[1:])
     return order, cell_indptr
+
+
+def longest_first(costs):
+    """Item ids by cost, longest first, ties by item id (a stable sort; a radix sort on 16 bits
+    when the costs span fewer than 2**16 values)."""
+    if costs.shape[0] >= 256:
+        hi = int(costs.max())
+        if hi - int(costs.min()) < 1 << 16:
+            return np.subtract(hi, costs, dtype=np.int64).astype(np.uint16).argsort(kind="stable")
+    return np.negative(costs, dtype=np.int64).argsort(kind="stable")
 
 
 ROUND_MIN_ITEMS = 48  # a vectorized round pays for its ~10 NumPy calls past this many items
@@ -99,4 +109,6 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
         heap = keys.tolist()
         heapq.heapify(heap)
         replace, mask = heapq.heapreplace, (1 << bits) - 1  # pop the least-loaded cell, push its new load
-        cell_of_sorted[pos:] = [replace(heap, heap[0] + s) & mask for s in shifted[pos:].tolist()]
+        cells = [replace(heap, heap[0] + s) & mask for s in shifted[pos:].tolist()]
+        # (small ints to an array: through bytes, a C loop, when they fit in one)
+        cell_of_sorted[pos:] = np.frombuffer(bytes(cells), np.uint8) if num_cells <= 256 else cells

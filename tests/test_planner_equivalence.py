@@ -155,15 +155,17 @@ def test_first_page_check_never_hides_a_shared_prefix(seed):
 def test_wrapper_plans_own_their_buffers(rng):
     """Each plan() hands the runtime a fresh host buffer (jax may alias it: on CPU,
     device_put of a 64-byte-aligned NumPy array aliases it even with may_alias=False), so
-    a later plan never changes an earlier one."""
+    a later plan never changes an earlier one: with fixed capacities (the jitted copy) and
+    without (jax.device_put)."""
     import jaxinfer as ji
-    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, 16, max_batch_size=8, max_num_pages=200)
-    tables = [page_table(rng, rng.integers(1, 400, 8), 16) for _ in range(3)]
-    plans = [dec.plan(*t[:3], num_pages=t[3]) for t in tables]
-    for (indptr, indices, last, num_pages), plan in zip(tables, plans):
-        ref = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=dec.num_cells,
-                                         num_pages=num_pages, max_batch_size=8, max_num_pages=200)[1]
-        np.testing.assert_array_equal(np.asarray(plan.buffer), ref)
+    for caps in (dict(max_batch_size=8, max_num_pages=200), {}):
+        dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, 16, **caps)
+        tables = [page_table(rng, rng.integers(1, 400, 8), 16) for _ in range(3)]
+        plans = [dec.plan(*t[:3], num_pages=t[3]) for t in tables]
+        for (indptr, indices, last, num_pages), plan in zip(tables, plans):
+            ref = decode_planner.plan_decode(indptr, indices, last, page_size=16, num_cells=dec.num_cells,
+                                             num_pages=num_pages, **caps)[1]
+            np.testing.assert_array_equal(np.asarray(plan.buffer), ref)
 
 
 @pytest.mark.parametrize("seed", range(40))
