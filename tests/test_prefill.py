@@ -250,30 +250,28 @@ def test_mosaic_prefill_variants_match_reference(rng, name, kind):
 
 def test_mosaic_prefill_rejects_what_it_does_not_support(rng):
     qo_indptr, kv_indptr = _indptr([4]), _indptr([8])
-    q = randn(rng, (4, 2, 64), jnp.float32)
+    q, k = randn(rng, (4, 2, 64), jnp.float32), randn(rng, (8, 2, 64), jnp.float32)
     pre = ji.BatchPrefillWithRaggedKVCache(2, 2, 64, impl="mosaic")
     with pytest.raises(ValueError, match="bfloat16 or float16"):
-        pre.run(q, q, q, pre.plan(qo_indptr, kv_indptr))
+        pre.run(q, k, k, pre.plan(qo_indptr, kv_indptr))
+    qb, kb = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="custom mask"):
-        pre.run(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
-                pre.plan(qo_indptr, kv_indptr, custom_mask=np.ones(32, bool)))
+        pre.run(qb, kb, kb, pre.plan(qo_indptr, kv_indptr, custom_mask=np.ones(32, bool)))
     from jaxinfer import variants as V
-    rope = ji.BatchPrefillWithRaggedKVCache(2, 2, 64, impl="mosaic", variant=V.rope())
-    x = q.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="query / key transforms"):
-        rope.run(x, x, x, rope.plan(qo_indptr, kv_indptr), variant_params=V.default_params(V.rope(), 2))
+        ji.BatchPrefillWithRaggedKVCache(2, 2, 64, impl="mosaic", variant=V.rope())
     with pytest.raises(ValueError, match="head_dim"):
-        ji.BatchPrefillWithRaggedKVCache(2, 2, 32, impl="mosaic").run(
-            q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16), q[..., :32].astype(jnp.bfloat16),
-            pre.plan(qo_indptr, kv_indptr))
+        ji.BatchPrefillWithRaggedKVCache(2, 2, 32, impl="mosaic")
 
 
 def test_auto_impl_plans_for_mosaic_and_falls_back_to_triton(rng, monkeypatch):
     """impl="auto" where the Mosaic GPU kernel can run (faked here; it then runs in its
     interpreter): bf16 runs it, fp8 K/V runs the Triton plan kept beside it (as would float32),
     and a plan with a custom mask is a Triton plan."""
-    from jaxinfer import _backend
+    from jaxinfer import _backend, dispatch
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
+    # Shapes this small cost the same on either kernel: make the cost model prefer Mosaic.
+    monkeypatch.setattr(dispatch, "TRITON_FLOPS_PER_US", 1.0)
     qo, kv, page, hq, hkv, d = np.array([5, 70]), np.array([20, 90]), 8, 1, 1, 64
     indptr, indices, last, num_pages = page_table(rng, kv, page)
     cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16, "NHD")
@@ -297,6 +295,6 @@ def test_auto_impl_plans_for_mosaic_and_falls_back_to_triton(rng, monkeypatch):
         assert (vplan.layout.tail_cap > 0) == mosaic and (vplan.alt is not None) == mosaic
     # Not on a Hopper GPU, or with impl="triton": Triton plans only.
     assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl="triton").plan(
-        qo_indptr, indptr, indices, last).alt is None
+        qo_indptr, indptr, indices, last, num_pages=num_pages).alt is None
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: False)
     assert ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page).plan(qo_indptr, indptr, indices, last, num_pages=num_pages).alt is None
