@@ -104,7 +104,8 @@ class _Prefill:
             causal = False  # the custom mask replaces the causal mask
             problem = dataclasses.replace(problem, custom_mask=True)
         choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl)
-        if choice.name == "prefill_short" and positions:  # cascade levels need their positions
+        # Cascade levels need their positions; a pinned tile_rows pins one Triton program.
+        if choice.name == "prefill_short" and (positions or self.tile_rows is not None):
             choice = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
         if choice.name == "prefill_short":
             return self._plan_short(qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal)
@@ -208,8 +209,9 @@ _DOC_COMMON = """
     causal: bottom-right aligned; a custom mask, when given, replaces it. Rows that see no
     key give o = 0 and lse = -inf. max_batch_size / max_num_tokens (/ max_num_pages,
     max_mask_len) fix the plan's shapes, so run() compiles at most once per tile height
-    (16, 32, 64 or 128 rows, chosen per step from the average query length; pin it with
-    tile_rows). With max_num_tokens, q has that many rows and rows past the batch give 0.
+    (16, 32, 64 or 128 rows, chosen per step from the average query length), and once per
+    short-token class when every request is short (impl "prefill_short", the decode kernel);
+    tile_rows pins one Triton program. With max_num_tokens, q has that many rows and rows past the batch give 0.
     variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
     parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
