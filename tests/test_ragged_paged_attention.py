@@ -71,13 +71,17 @@ def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.flo
     np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
 
 
-def _splits(args, tokens):
-    """Whether the device plan of this step splits some block's KV (the merge path runs)."""
+def _plan_stats(args, causal=True):
+    """Per class of the device plan of this step: (q_len range, live blocks, whether some block's
+    KV splits into several chunks)."""
     q, _, _, cache, kv_lens, page_indices, cu, dist = args
-    caps = ragged._caps(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, tokens)
-    sec, _ = ragged._plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], caps=caps,
-                          causal=True, window_left=None)
-    return bool(np.any(np.asarray(sec["merge_dest"]) >= 0))
+    stats = []
+    for cls in ragged._classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
+        sec, _ = ragged._plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], cls=cls,
+                              causal=causal, window_left=None, num_rows=q.shape[0])
+        items = np.asarray(sec["items"])[: int(sec["cell_indptr"][-1])]
+        stats.append(((cls.min_q, cls.max_q), len(set(items[:, 0])), bool(np.any(items[:, 5] > 1))))
+    return stats
 
 
 # Decode rows first (q_len 1), then 0, 4, 37 and others; one long decode splits its KV.
@@ -89,8 +93,9 @@ CACHED = [700, 8, 5, 60, 20, 0, 129]
 def test_mixed_step_matches_reference(rng, page, causal):
     args, want_cache, table = _step(rng, QO, CACHED, page=page, dist=(2, 2, 7), seq_cap=9, tok_cap=56,
                                     pages_per_seq=-(-760 // page))
-    if causal:
-        assert _splits(args, 16)
+    (short, n_short, split_short), (long, n_long, _) = sorted(_plan_stats(args, causal))
+    assert short == (1, 8) and n_short == 5 and split_short  # q_len <= 8: 8-token items; the long decode splits
+    assert long[0] == 9 and n_long == 3  # q_len 37: blocks of 16, 16, 5 tokens
     out, new_cache = ji.ragged_paged_attention(*args, causal=causal, num_ctas=NUM_CTAS)
     _check(args, want_cache, table, out, new_cache, causal=causal)
 
