@@ -32,21 +32,24 @@ from jaxinfer.formats import PagedKVCache, check_int32, check_kv_dtype, default_
 from jaxinfer.prefill import _check_q
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
+from pallas_kernels import prefill as prefill_kernels
 from planner import batch as batch_planner
 
 CHUNK_UNIT = 128       # keys: KV chunks are multiples of this (the kernel's default block_kv)
 MIN_CHUNK_UNITS = 2    # no item splits below 256 keys (planner/batch.py's min_split_tokens)
 TILE_COST = 32         # an item's fixed cost in keys per query token of its tile (cell balance)
+PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as BatchAttention's chunks
 
 
 class _Class(NamedTuple):
-    """A q_len class (static): its sequences, tile and work-list capacities. The base class (one
-    launch first) writes its rows itself; every other class writes each of its tokens as partial
-    states that its merge writes into the base's output. The last class's merge also zeroes the
-    padding rows."""
+    """A q_len class (static): its sequences, kernel, tile and work-list capacities. The base
+    class (launched first) writes its rows itself; every other class writes each of its tokens as
+    partial states that its merge writes into the base's output. The last class's merge also
+    zeroes the padding rows."""
     min_q: int           # sequences with min_q <= q_len <= max_q
     max_q: int
-    tokens_per_item: int
+    prefill: bool        # the prefill kernel's tiles (else the decode kernel's multi-token items)
+    tokens_per_item: int  # query tokens per block (decode item or prefill tile)
     base: bool
     pad: bool
     blocks: int          # query blocks (each up to tokens_per_item tokens of one sequence)
@@ -54,22 +57,27 @@ class _Class(NamedTuple):
     part_cap: int        # partial-state rows
     merges: int          # merge groups
     cells: int
+    rows: int            # prefill tile rows (tokens_per_item = rows // group)
 
 
 def _tokens(group, rows):
-    """The most query tokens per item whose tile (tokens x group) fits `rows` (1 at least)."""
+    """The most query tokens per decode item whose tile (tokens x group) fits `rows` (1 at least)."""
     return max(x for x in batch_planner.SHORT_TOKENS if x * group <= rows or x == 1)
 
 
 def _classes(num_tokens, num_seqs, num_cells, group):
-    """The q_len classes: short sequences (q_len <= T_s, 16-row tiles of T_s tokens: decode,
-    speculative verify) and the rest (64-row tiles), base first; one class if the tiles match."""
+    """The q_len classes, base first: q_len <= T_s on 16-row decode tiles of T_s tokens (decode,
+    speculative verify), q_len <= T_l on 64-row decode tiles of T_l tokens (when T_l > T_s), the
+    rest on prefill tiles of PREFILL_ROWS rows. Classes no sequence of num_tokens can reach are left out."""
     t_short, t_long = _tokens(group, 16), _tokens(group, 64)
-    bounds = [(1, t_short, t_short), (t_short + 1, num_tokens, t_long)] if t_long > t_short else [
-        (1, num_tokens, t_short)]
-    bounds = bounds[::-1]  # the long class is the base: most rows, no partials for its own
+    rows = max(PREFILL_ROWS, 1 << (group - 1).bit_length())
+    bounds = [(1, t_short, False, t_short)]
+    if t_long > t_short:
+        bounds.append((t_short + 1, t_long, False, t_long))
+    bounds.append((bounds[-1][1] + 1, num_tokens, True, rows // group))
+    bounds = [x for x in bounds if x[0] <= num_tokens][::-1]  # the longest class is the base: most rows
     out = []
-    for k, (lo, hi, t) in enumerate(bounds):
+    for k, (lo, hi, prefill, t) in enumerate(bounds):
         base, pad = k == 0, k == len(bounds) - 1
         seqs = max(1, min(num_seqs, num_tokens // lo))
         tokens = max(1, min(num_tokens, seqs * hi))
@@ -80,7 +88,8 @@ def _classes(num_tokens, num_seqs, num_cells, group):
             part_cap, merges = tokens + 2 * num_cells * t, tokens
         if pad:  # padding rows, disjoint from this class's and fewer than num_tokens
             merges = num_tokens if not base else merges + num_tokens
-        out.append(_Class(lo, hi, t, base, pad, blocks, blocks + 2 * num_cells, part_cap, merges, num_cells))
+        out.append(_Class(lo, hi, prefill, t, base, pad, blocks, blocks + 2 * num_cells, part_cap, merges,
+                          num_cells, rows))
     return tuple(out)
 
 
@@ -99,8 +108,9 @@ def _owner(counts, n):
 
 
 def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, window_left, num_rows):
-    """The device prologue of one class: work items (MULTI_ITEM_COLUMNS), cell_indptr, merge
-    groups, and the per-block kv_lens the kernel reads. All int32 jnp."""
+    """The device prologue of one class: work items (the decode kernel's MULTI_ITEM_COLUMNS or the
+    prefill kernel's ITEM_COLUMNS), cell_indptr, merge groups, and the per-block kv_lens the decode
+    kernel reads. All int32 jnp."""
     s = kv_lens.shape[0]
     t_item = cls.tokens_per_item
     q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
@@ -128,10 +138,16 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
     blk, c, item_ok = _owner(n_chunks, cls.items)  # [IC]
     tok_start = lo[blk] + c * chunk
     tok_end = jnp.minimum(tok_start + chunk, end[blk])
-    items = jnp.stack([
-        blk, seq[blk] * pages_per_seq, tok_start, tok_end,
-        jnp.where(split[blk], part_first[blk] + c, -1), n_chunks[blk],
-        cu_q_lens[seq[blk]] + t0[blk], qo[blk]], axis=1).astype(jnp.int32)
+    sb = seq[blk]
+    if cls.prefill:  # pallas_kernels.prefill.ITEM_COLUMNS (no mask, no tails)
+        zero = jnp.zeros_like(blk)
+        cols = [cu_q_lens[sb], t0[blk], q_len[sb], sb * pages_per_seq, kv_len[sb], tok_start, tok_end,
+                jnp.where(split[blk], part_first[blk], -1), n_chunks[blk], c, zero - 1, zero, zero - 1, zero,
+                first_pos[blk], first_pos[blk] + jnp.maximum(qo[blk], 1) - 1]
+    else:  # pallas_kernels.decode.MULTI_ITEM_COLUMNS
+        cols = [blk, sb * pages_per_seq, tok_start, tok_end, jnp.where(split[blk], part_first[blk] + c, -1),
+                n_chunks[blk], cu_q_lens[sb] + t0[blk], qo[blk]]
+    items = jnp.stack(cols, axis=1).astype(jnp.int32)
 
     # Cells: contiguous runs of about total / cells cost each.
     cost = jnp.where(item_ok, TILE_COST * t_item + tok_end - tok_start, 0).astype(jnp.float32)
@@ -156,7 +172,7 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
 def _token_slots(kv_lens, cu_q_lens, distribution, page_indices, *, pages_per_seq, page_size, num_pages,
                  num_tokens):
     """Cache page and slot of each of the num_tokens rows; padding rows get page num_pages
-    (dropped by the scatter). Returns (page int32[T], slot int32[T])."""
+    (dropped by the scatter). Returns (page int32[T], slot int32[T], token position int32[T])."""
     s = kv_lens.shape[0]
     n_valid = distribution[2]
     cu = jnp.where(jnp.arange(s + 1) <= n_valid, cu_q_lens, jnp.iinfo(jnp.int32).max)  # monotone
@@ -166,7 +182,7 @@ def _token_slots(kv_lens, cu_q_lens, distribution, page_indices, *, pages_per_se
     pos = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + (row - cu_q_lens[seq])
     pos = jnp.clip(pos, 0, pages_per_seq * page_size - 1)
     page = page_indices[seq * pages_per_seq + pos // page_size]
-    return jnp.where(live, page, num_pages), pos % page_size
+    return jnp.where(live, page, num_pages), pos % page_size, pos
 
 
 def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window):
@@ -285,8 +301,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         params["logits_soft_cap"] = cap
 
     # The KV write: padding rows go to page num_pages, dropped.
-    page, slot = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
-                              page_size=page_size, num_pages=kv_cache.num_pages, num_tokens=t)
+    page, slot, q_pos = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
+                                     page_size=page_size, num_pages=kv_cache.num_pages, num_tokens=t)
     k_new, v_new = keys.astype(kv_cache.dtype), values.astype(kv_cache.dtype)
     if kv_cache.layout == "NHD":
         k_pages = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
@@ -296,19 +312,24 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         v_pages = kv_cache.v_pages.at[page, :, slot].set(v_new, mode="drop")
     new_cache = PagedKVCache(k_pages, v_pages, kv_cache.layout)
 
-    # Per class: the work list, the decode kernel, the merge (into the base class's output).
+    # Per class: the work list, its kernel, the merge (into the base class's output).
     kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
     k_rows, v_rows = new_cache.rows()
     out = None
     for cls in _classes(t, s, num_cells, hq // hkv):
         sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, cls=cls,
                                    causal=causal, window_left=params.get("window_left"), num_rows=t)
-        o, lse, o_part, lse_part = decode_kernels.paged_decode(
-            queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
-            num_parts=cls.part_cap, page_size=page_size, num_kv_heads=hkv, layout=kv_cache.layout,
-            sm_scale=sm_scale, interpret=interpret, columns=decode_kernels.MULTI_ITEM_COLUMNS,
-            tokens_per_item=cls.tokens_per_item, causal=causal and cls.max_q > 1, scales=scales, variant=variant,
-            params=params or None, config=config)
+        kw = dict(num_parts=cls.part_cap, page_size=page_size, num_kv_heads=hkv, layout=kv_cache.layout,
+                  sm_scale=sm_scale, interpret=interpret, scales=scales, variant=variant, params=params or None)
+        if cls.prefill:
+            o, lse, o_part, lse_part = prefill_kernels.prefill(
+                queries, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], causal=causal,
+                rows=cls.rows, impl="triton", q_pos=q_pos if variant is not None else None, **kw)
+        else:
+            o, lse, o_part, lse_part = decode_kernels.paged_decode(
+                queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
+                columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
+                causal=causal and cls.max_q > 1, config=config, **kw)
         if cls.base:
             out = (o.reshape(t, hq, d), lse.reshape(t, hq))
         out = merge_kernels.merge_varlen(
