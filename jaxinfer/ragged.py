@@ -30,29 +30,67 @@ import numpy as np
 from jaxinfer import _backend, dispatch, variants
 from jaxinfer.formats import PagedKVCache, check_int32, check_kv_dtype, default_sm_scale, is_concrete, kv_scales
 from jaxinfer.prefill import _check_q
-from jaxinfer.runners import run_decode_sections
 from pallas_kernels import decode as decode_kernels
+from pallas_kernels import merge as merge_kernels
+from pallas_kernels import prefill as prefill_kernels
 from planner import batch as batch_planner
 
 CHUNK_UNIT = 128       # keys: KV chunks are multiples of this (the kernel's default block_kv)
 MIN_CHUNK_UNITS = 2    # no item splits below 256 keys (planner/batch.py's min_split_tokens)
 TILE_COST = 32         # an item's fixed cost in keys per query token of its tile (cell balance)
+PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as BatchAttention's chunks
 
 
-class _Caps(NamedTuple):
-    """Static capacities of the device work list."""
-    blocks: int      # query blocks (each up to tokens_per_item tokens of one sequence)
-    items: int       # work items: blocks plus at most 2 x cells extra chunks
-    part_cap: int    # partial-state rows (run_decode_sections reads this name)
-    merges: int      # merge groups: one per query token of a split block
+class _Class(NamedTuple):
+    """A q_len class (static): its sequences, kernel, tile and work-list capacities. The base
+    class (launched first) writes its rows itself; every other class writes each of its tokens as
+    partial states that its merge writes into the base's output. The last class's merge also
+    zeroes the padding rows."""
+    min_q: int           # sequences with min_q <= q_len <= max_q
+    max_q: int
+    prefill: bool        # the prefill kernel's tiles (else the decode kernel's multi-token items)
+    tokens_per_item: int  # query tokens per block (decode item or prefill tile)
+    base: bool
+    pad: bool
+    blocks: int          # query blocks (each up to tokens_per_item tokens of one sequence)
+    items: int           # work items: blocks plus at most 2 x cells extra chunks
+    part_cap: int        # partial-state rows
+    merges: int          # merge groups
     cells: int
-    tokens_per_item: int
+    rows: int            # prefill tile rows (tokens_per_item = rows // group)
 
 
-def _caps(num_tokens, num_seqs, num_cells, tokens_per_item):
-    t = tokens_per_item
-    blocks = max(1, min(num_tokens, (num_tokens + num_seqs * (t - 1)) // t))
-    return _Caps(blocks, blocks + 2 * num_cells, 2 * num_cells * t, max(1, (num_cells - 1) * t), num_cells, t)
+def _tokens(group, rows):
+    """The most query tokens per decode item whose tile (tokens x group) fits `rows` (1 at least)."""
+    return max(x for x in batch_planner.SHORT_TOKENS if x * group <= rows or x == 1)
+
+
+def _classes(num_tokens, num_seqs, num_cells, group):
+    """The q_len classes, base first: q_len <= T_s on 16-row decode tiles of T_s tokens (decode,
+    speculative verify), q_len <= T_l on 64-row decode tiles of T_l tokens (when T_l > T_s), the
+    rest on prefill tiles of PREFILL_ROWS rows. Classes no sequence of num_tokens can reach are left out."""
+    t_short, t_long = _tokens(group, 16), _tokens(group, 64)
+    rows = max(PREFILL_ROWS, 1 << (group - 1).bit_length())
+    bounds = [(1, t_short, False, t_short)]
+    if t_long > t_short:
+        bounds.append((t_short + 1, t_long, False, t_long))
+    bounds.append((bounds[-1][1] + 1, num_tokens, True, rows // group))
+    bounds = [x for x in bounds if x[0] <= num_tokens][::-1]  # the longest class is the base: most rows
+    out = []
+    for k, (lo, hi, prefill, t) in enumerate(bounds):
+        base, pad = k == 0, k == len(bounds) - 1
+        seqs = max(1, min(num_seqs, num_tokens // lo))
+        tokens = max(1, min(num_tokens, seqs * hi))
+        blocks = max(1, min(tokens, (tokens + seqs * (t - 1)) // t, seqs * -(-hi // t)))
+        if base:  # at most cells - 1 blocks split (module docstring)
+            part_cap, merges = 2 * num_cells * t, max(1, (num_cells - 1) * t)
+        else:  # every token's chunks are partials: one more chunk than blocks at most 2 x cells times
+            part_cap, merges = tokens + 2 * num_cells * t, tokens
+        if pad:  # padding rows, disjoint from this class's and fewer than num_tokens
+            merges = num_tokens if not base else merges + num_tokens
+        out.append(_Class(lo, hi, prefill, t, base, pad, blocks, blocks + 2 * num_cells, part_cap, merges,
+                          num_cells, rows))
+    return tuple(out)
 
 
 def _excl_cumsum(x):
@@ -64,21 +102,24 @@ def _owner(counts, n):
     (owner of each slot clipped to a valid index, index within the owner, slot is used)."""
     ends = jnp.cumsum(counts)
     slot = jnp.arange(n, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right"), counts.shape[0] - 1).astype(jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right", method="compare_all"),
+                        counts.shape[0] - 1).astype(jnp.int32)
     return owner, slot - (ends - counts)[owner], slot < ends[-1]
 
 
-def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, caps, causal, window_left):
-    """The device prologue: work items (MULTI_ITEM_COLUMNS), cell_indptr, merge groups, the
-    per-block kv_lens the kernel reads, and which query rows are live. All int32 jnp."""
+def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, window_left, num_rows):
+    """The device prologue of one class: work items (the decode kernel's MULTI_ITEM_COLUMNS or the
+    prefill kernel's ITEM_COLUMNS), cell_indptr, merge groups, and the per-block kv_lens the decode
+    kernel reads. All int32 jnp."""
     s = kv_lens.shape[0]
-    t_item = caps.tokens_per_item
-    seq_ok = jnp.arange(s) < distribution[2]
-    q_len = jnp.where(seq_ok, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)  # [S]
-    kv_len = jnp.where(seq_ok, kv_lens, 0)
+    t_item = cls.tokens_per_item
+    q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    mine = (jnp.arange(s) < distribution[2]) & (q_len >= cls.min_q) & (q_len <= cls.max_q)
+    q_len = jnp.where(mine, q_len, 0)
+    kv_len = jnp.where(mine, kv_lens, 0)
 
     # Query blocks of up to t_item tokens.
-    seq, j, blk_ok = _owner(-(-q_len // t_item), caps.blocks)  # [NB]
+    seq, j, blk_ok = _owner(-(-q_len // t_item), cls.blocks)  # [NB]
     t0 = j * t_item
     qo = jnp.where(blk_ok, jnp.minimum(q_len[seq] - t0, t_item), 0)
     first_pos = kv_len[seq] - q_len[seq] + t0
@@ -87,51 +128,61 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, caps, causal, wind
     if window_left is not None:  # keys left of the first token's window are never seen
         lo = jnp.where(window_left < 0, 0, jnp.maximum(first_pos - window_left, 0)) // CHUNK_UNIT * CHUNK_UNIT
     units = jnp.where(blk_ok, -(-(end - lo) // CHUNK_UNIT), 0)
-    chunk = jnp.maximum(-(-jnp.sum(units) // caps.cells), MIN_CHUNK_UNITS) * CHUNK_UNIT  # keys per item
+    chunk = jnp.maximum(-(-jnp.sum(units) // cls.cells), MIN_CHUNK_UNITS) * CHUNK_UNIT  # keys per item
     n_chunks = jnp.where(blk_ok, jnp.maximum(-(-(end - lo) // chunk), 1), 0)
-    split = n_chunks > 1
+    split = n_chunks > 1 if cls.base else blk_ok  # blocks writing partials
     parts = jnp.where(split, n_chunks * qo, 0)
     part_first = _excl_cumsum(parts)
 
     # Items: block b's n_chunks KV chunks.
-    blk, c, item_ok = _owner(n_chunks, caps.items)  # [IC]
+    blk, c, item_ok = _owner(n_chunks, cls.items)  # [IC]
     tok_start = lo[blk] + c * chunk
     tok_end = jnp.minimum(tok_start + chunk, end[blk])
-    items = jnp.stack([
-        blk, seq[blk] * pages_per_seq, tok_start, tok_end,
-        jnp.where(split[blk], part_first[blk] + c, -1), n_chunks[blk],
-        cu_q_lens[seq[blk]] + t0[blk], qo[blk]], axis=1).astype(jnp.int32)
+    sb = seq[blk]
+    if cls.prefill:  # pallas_kernels.prefill.ITEM_COLUMNS (no mask, no tails)
+        zero = jnp.zeros_like(blk)
+        cols = [cu_q_lens[sb], t0[blk], q_len[sb], sb * pages_per_seq, kv_len[sb], tok_start, tok_end,
+                jnp.where(split[blk], part_first[blk], -1), n_chunks[blk], c, zero - 1, zero, zero - 1, zero,
+                first_pos[blk], first_pos[blk] + jnp.maximum(qo[blk], 1) - 1]
+    else:  # pallas_kernels.decode.MULTI_ITEM_COLUMNS
+        cols = [blk, sb * pages_per_seq, tok_start, tok_end, jnp.where(split[blk], part_first[blk] + c, -1),
+                n_chunks[blk], cu_q_lens[sb] + t0[blk], qo[blk]]
+    items = jnp.stack(cols, axis=1).astype(jnp.int32)
 
     # Cells: contiguous runs of about total / cells cost each.
     cost = jnp.where(item_ok, TILE_COST * t_item + tok_end - tok_start, 0).astype(jnp.float32)
     start = _excl_cumsum(cost)
-    cell_of = jnp.where(item_ok, jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * caps.cells), caps.cells)
-    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(caps.cells + 1, dtype=jnp.float32),
-                                   side="left").astype(jnp.int32)
+    cell_of = jnp.where(item_ok, jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * cls.cells), cls.cells)
+    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(cls.cells + 1, dtype=jnp.float32), side="left",
+                                   method="compare_all").astype(jnp.int32)
 
-    # Merge groups: one per query token of a split block, its n_chunks partials contiguous.
-    mb, tin, m_ok = _owner(jnp.where(split, qo, 0), caps.merges)
+    # Merge groups: one per query token of a partial-writing block, its n_chunks partials contiguous.
+    mb, tin, m_ok = _owner(jnp.where(split, qo, 0), cls.merges)
     merge_end = jnp.where(m_ok, part_first[mb] + (tin + 1) * n_chunks[mb], jnp.sum(parts))
     merge_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), merge_end.astype(jnp.int32)])
-    merge_dest = jnp.where(m_ok, cu_q_lens[seq[mb]] + t0[mb] + tin, -1).astype(jnp.int32)
-    sec = dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr, merge_dest=merge_dest)
+    merge_dest = jnp.where(m_ok, cu_q_lens[seq[mb]] + t0[mb] + tin, -1)
+    if cls.pad:  # the groups after those: no partials (o = 0), one per padding row
+        pad_row = cu_q_lens[distribution[2]] + jnp.arange(cls.merges) - jnp.sum(jnp.where(split, qo, 0))
+        merge_dest = jnp.where(m_ok, merge_dest, jnp.where(pad_row < num_rows, pad_row, -1))
+    sec = dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr,
+               merge_dest=merge_dest.astype(jnp.int32))
     return sec, end.astype(jnp.int32)
 
 
 def _token_slots(kv_lens, cu_q_lens, distribution, page_indices, *, pages_per_seq, page_size, num_pages,
                  num_tokens):
     """Cache page and slot of each of the num_tokens rows; padding rows get page num_pages
-    (dropped by the scatter). Returns (page int32[T], slot int32[T], live bool[T])."""
+    (dropped by the scatter). Returns (page int32[T], slot int32[T], token position int32[T])."""
     s = kv_lens.shape[0]
     n_valid = distribution[2]
     cu = jnp.where(jnp.arange(s + 1) <= n_valid, cu_q_lens, jnp.iinfo(jnp.int32).max)  # monotone
     row = jnp.arange(num_tokens, dtype=jnp.int32)
     live = row < cu[n_valid]
-    seq = jnp.clip(jnp.searchsorted(cu, row, side="right") - 1, 0, s - 1)
+    seq = jnp.clip(jnp.searchsorted(cu, row, side="right", method="compare_all") - 1, 0, s - 1)
     pos = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + (row - cu_q_lens[seq])
     pos = jnp.clip(pos, 0, pages_per_seq * page_size - 1)
     page = page_indices[seq * pages_per_seq + pos // page_size]
-    return jnp.where(live, page, num_pages), pos % page_size, live
+    return jnp.where(live, page, num_pages), pos % page_size, pos
 
 
 def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window):
@@ -250,8 +301,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         params["logits_soft_cap"] = cap
 
     # The KV write: padding rows go to page num_pages, dropped.
-    page, slot, live = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
-                                    page_size=page_size, num_pages=kv_cache.num_pages, num_tokens=t)
+    page, slot, q_pos = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
+                                     page_size=page_size, num_pages=kv_cache.num_pages, num_tokens=t)
     k_new, v_new = keys.astype(kv_cache.dtype), values.astype(kv_cache.dtype)
     if kv_cache.layout == "NHD":
         k_pages = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
@@ -261,16 +312,28 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         v_pages = kv_cache.v_pages.at[page, :, slot].set(v_new, mode="drop")
     new_cache = PagedKVCache(k_pages, v_pages, kv_cache.layout)
 
-    # The work list, then the decode kernel and the merge.
-    tokens = max(x for x in batch_planner.SHORT_TOKENS if x * (hq // hkv) <= 64 or x == 1)
-    caps = _caps(t, s, num_cells, tokens)
-    sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, caps=caps,
-                               causal=causal, window_left=params.get("window_left"))
+    # Per class: the work list, its kernel, the merge (into the base class's output).
+    kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
     k_rows, v_rows = new_cache.rows()
-    o, lse = run_decode_sections(
-        queries, k_rows, v_rows, sec, jnp.clip(page_indices, 0, kv_cache.num_pages - 1), block_kv_lens, caps,
-        page_size=page_size, num_kv_heads=hkv, cache_layout=kv_cache.layout, sm_scale=sm_scale,
-        interpret=interpret, config=config, scales=scales, variant=variant, params=params or None,
-        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=tokens, causal=causal)
-    out = variants.finish(variant, params, o, lse, False)
-    return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), new_cache
+    out = None
+    for cls in _classes(t, s, num_cells, hq // hkv):
+        sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, cls=cls,
+                                   causal=causal, window_left=params.get("window_left"), num_rows=t)
+        kw = dict(num_parts=cls.part_cap, page_size=page_size, num_kv_heads=hkv, layout=kv_cache.layout,
+                  sm_scale=sm_scale, interpret=interpret, scales=scales, variant=variant, params=params or None)
+        if cls.prefill:
+            o, lse, o_part, lse_part = prefill_kernels.prefill(
+                queries, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], causal=causal,
+                rows=cls.rows, impl="triton", q_pos=q_pos if variant is not None else None, **kw)
+        else:
+            o, lse, o_part, lse_part = decode_kernels.paged_decode(
+                queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
+                columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
+                causal=causal and cls.max_q > 1, config=config, **kw)
+        if cls.base:
+            out = (o.reshape(t, hq, d), lse.reshape(t, hq))
+        out = merge_kernels.merge_varlen(
+            o_part.reshape(cls.part_cap, hq, d), lse_part.reshape(cls.part_cap, hq), sec["merge_indptr"],
+            sec["merge_dest"], out=out, interpret=interpret)
+    # window and soft cap leave (o, lse) final (variants.finish is the identity on them)
+    return out[0], new_cache

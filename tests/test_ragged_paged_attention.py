@@ -71,26 +71,35 @@ def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.flo
     np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
 
 
-def _splits(args, tokens):
-    """Whether the device plan of this step splits some block's KV (the merge path runs)."""
+def _plan_stats(args, causal=True):
+    """Per class of the device plan of this step: (q_len range, kernel, live blocks, whether some
+    block's KV splits into several chunks)."""
     q, _, _, cache, kv_lens, page_indices, cu, dist = args
-    caps = ragged._caps(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, tokens)
-    sec, _ = ragged._plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], caps=caps,
-                          causal=True, window_left=None)
-    return bool(np.any(np.asarray(sec["merge_dest"]) >= 0))
+    stats = []
+    for cls in ragged._classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
+        sec, _ = ragged._plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], cls=cls,
+                              causal=causal, window_left=None, num_rows=q.shape[0])
+        items = np.asarray(sec["items"])[: int(sec["cell_indptr"][-1])]
+        # a block's first query row, its number of KV chunks
+        first, n_chunks = (items[:, 0] + items[:, 1], items[:, 8]) if cls.prefill else (items[:, 6], items[:, 5])
+        stats.append(((cls.min_q, cls.max_q), "prefill" if cls.prefill else "decode", len(set(first)),
+                      bool(np.any(n_chunks > 1))))
+    return sorted(stats)
 
 
-# Decode rows first (q_len 1), then 0, 4, 37 and others; one long decode splits its KV.
-QO = [1, 1, 0, 4, 37, 2, 3]
+# Decode rows first (q_len 1), then 0, 4, 37, 12 and others; one long decode splits its KV.
+# Group 2: q_len <= 8 on 16-row decode tiles, 9..16 on 64-row decode tiles, longer on prefill tiles.
+QO = [1, 1, 0, 4, 37, 12, 3]
 CACHED = [700, 8, 5, 60, 20, 0, 129]
 
 
 @pytest.mark.parametrize("page, causal", [(8, True), (16, False)])
 def test_mixed_step_matches_reference(rng, page, causal):
-    args, want_cache, table = _step(rng, QO, CACHED, page=page, dist=(2, 2, 7), seq_cap=9, tok_cap=56,
+    args, want_cache, table = _step(rng, QO, CACHED, page=page, dist=(2, 2, 7), seq_cap=9, tok_cap=64,
                                     pages_per_seq=-(-760 // page))
-    if causal:
-        assert _splits(args, 16)
+    # 16-row tiles: 1, 1, 4, 3 (the 700-key decode splits); 64-row tiles: 12; prefill: 37 in one 64-token tile
+    assert _plan_stats(args, causal) == [((1, 8), "decode", 4, True), ((9, 16), "decode", 1, False),
+                                         ((17, 64), "prefill", 1, False)]
     out, new_cache = ji.ragged_paged_attention(*args, causal=causal, num_ctas=NUM_CTAS)
     _check(args, want_cache, table, out, new_cache, causal=causal)
 
@@ -98,7 +107,7 @@ def test_mixed_step_matches_reference(rng, page, causal):
 def test_sliding_window_and_soft_cap_hnd(rng):
     """The mixed step with both options, page size 1, HND pages."""
     window, cap = 5, 2.5
-    args, want_cache, table = _step(rng, QO, CACHED, page=1, dist=(2, 2, 7), seq_cap=8, tok_cap=50,
+    args, want_cache, table = _step(rng, QO, CACHED, page=1, dist=(2, 2, 7), seq_cap=8, tok_cap=60,
                                     pages_per_seq=760, layout="HND")
     out, new_cache = ji.ragged_paged_attention(*args, sliding_window=window, soft_cap=cap, sm_scale=0.3,
                                                num_ctas=NUM_CTAS)
