@@ -190,7 +190,8 @@ def test_classes_cover_every_q_len(group):
 
 
 def test_jit_donated_one_compilation(rng):
-    """Two compositions of the same shapes: one trace, the cache updated in place."""
+    """Two compositions of the same shapes: one trace, the cache updated in place. 16 tokens: no
+    prefill class, so the 64-row decode class is the base (writes its rows, zeroes the padding)."""
     traces = []
 
     def step(q, k, v, cache, kv_lens, page_indices, cu, dist):
@@ -199,7 +200,8 @@ def test_jit_donated_one_compilation(rng):
 
     fn = jax.jit(step, donate_argnums=(3,))
     for q_lens, cached, dist in (([1, 1, 6], [30, 4, 9], (2, 2, 3)), ([12, 1], [3, 50], (0, 2, 2))):
-        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **dict(SMALL, tok_cap=16))
+        assert [c.prefill for c in ragged._classes(16, 7, NUM_CTAS // HKV, HQ // HKV)] == [False, False]
         k_before = args[3].k_pages
         out, new_cache = fn(*args)
         assert k_before.is_deleted()  # donated
