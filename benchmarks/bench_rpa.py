@@ -1,5 +1,6 @@
 """ragged_paged_attention (device plan, fused KV write) against ji.BatchAttention (host plan) on
-the GPU, on issue 21's rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16).
+the GPU, on issue 21's rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), and speculative
+verify of 8 tokens (ragged_paged_attention's class of 64-row decode tiles).
 
     PYTHONPATH=. python3 benchmarks/bench_rpa.py
 
@@ -30,6 +31,7 @@ def rows(rng):
         ("q4 B64 kv4096", np.full(64, 4), np.full(64, 4096)),
         ("mixed 4x512/2048 + 60 decode", np.r_[np.ones(60, int), np.full(4, 512)], np.r_[mixed_kv, np.full(4, 2048)]),
         ("decode B64 kv4096", np.ones(64, int), np.full(64, 4096)),
+        ("q8 B64 kv4096", np.full(64, 8), np.full(64, 4096)),  # ragged's 64-row decode class
     ]
 
 

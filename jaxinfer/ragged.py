@@ -2,23 +2,35 @@
 prompts) in one jittable call, with the arguments of tpu-inference's ragged paged attention v3.
 
 The new tokens' K/V are scattered into the paged cache, then every query row attends over its
-sequence. Planning runs on the device: a small XLA prologue turns the metadata into a
-fixed-capacity work list for the decode kernel's multi-token items (pallas_kernels/decode.py)
-and its split-KV merge (pallas_kernels/merge.merge_varlen). There is no host round trip, and one
-compilation serves every composition with the same shapes.
+sequence. Planning runs on the device: a small XLA prologue turns the metadata into
+fixed-capacity work lists, one per q_len class, and their split-KV merges
+(pallas_kernels/merge.merge_varlen). There is no host round trip, and one compilation serves
+every composition with the same shapes.
 
-The work list. Sequence i's q_len query tokens are cut into blocks of up to T tokens (T x the
-GQA group fits a 64-row decode tile). Block (i, t0) with qo tokens reaches keys
+Classes (static, by q_len, each its own launch with its own tile; _classes): q_len <= T_s on the
+decode kernel's multi-token items of T_s tokens, T_s x the GQA group within a 16-row tile
+(decode, speculative verify: BatchAttention's short rows); q_len <= T_l on 64-row decode tiles
+(when T_l > T_s); longer sequences on the Triton prefill kernel's tiles of 128 rows
+(pallas_kernels/prefill.py ITEM_COLUMNS built on the device, no tails). A class with no sequence
+costs a launch over an empty work list. The prefill class is the base: its kernel writes its
+rows of the output and its merge its split rows. Every other class writes all its tokens as
+float32 partial states (one chunk or several), and its merge writes them into the base's output
+in place (merge_varlen's out=); the last merge also writes o = 0 to the padding rows. So the
+classes' outputs combine without a pass over the whole output.
+
+The work list of a class. Each of its sequences' q_len query tokens are cut into blocks of up
+to T tokens (the class's item or tile). Block (i, t0) with qo tokens reaches keys
 [lo, kv_len - q_len + t0 + qo) (causal; all kv_len keys if not; lo > 0 only under a sliding
-window). Blocks longer than a chunk of L keys, L = max(ceil(all blocks' keys / cells), 256)
+window). Blocks longer than a chunk of L keys, L = max(ceil(the class's keys / cells), 256)
 rounded to 128-key units, split into L-key items whose float32 partial states are merged
 afterwards. With this L at most cells - 1 blocks split, into fewer than 2 x cells items in all,
-and the list holds at most blocks + cells items: that bounds the static capacities. Each cell runs a contiguous run of items of about equal cost (keys plus a
-per-tile constant).
+and the list holds at most blocks + 2 x cells items: that bounds the static capacities. Each
+cell runs a contiguous run of items of about equal cost (keys plus a per-tile constant).
 
-How the block's own query positions reach the kernel: a multi-token item's first query sits at
-kv_lens[item.request] - qo_len. Here `request` names the block, and the kv_lens the kernel reads
-hold each block's causal end (kv_len - q_len + t0 + qo), so no new item column is needed.
+How a decode block's own query positions reach the kernel: a multi-token item's first query
+sits at kv_lens[item.request] - qo_len. Here `request` names the block, and the kv_lens the
+kernel reads hold each block's causal end (kv_len - q_len + t0 + qo), so no new item column is
+needed. Prefill items carry the sequence's kv_len and the tile's first token themselves.
 """
 import functools
 from typing import NamedTuple

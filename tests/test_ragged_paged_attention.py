@@ -71,14 +71,17 @@ def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.flo
     np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
 
 
+_plan = jax.jit(ragged._plan, static_argnames=("pages_per_seq", "cls", "causal", "window_left", "num_rows"))
+
+
 def _plan_stats(args, causal=True):
     """Per class of the device plan of this step: (q_len range, kernel, live blocks, whether some
     block's KV splits into several chunks)."""
     q, _, _, cache, kv_lens, page_indices, cu, dist = args
     stats = []
     for cls in ragged._classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
-        sec, _ = ragged._plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], cls=cls,
-                              causal=causal, window_left=None, num_rows=q.shape[0])
+        sec, _ = _plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], cls=cls,
+                       causal=causal, window_left=None, num_rows=q.shape[0])
         items = np.asarray(sec["items"])[: int(sec["cell_indptr"][-1])]
         # a block's first query row, its number of KV chunks
         first, n_chunks = (items[:, 0] + items[:, 1], items[:, 8]) if cls.prefill else (items[:, 6], items[:, 5])
@@ -104,16 +107,38 @@ def test_mixed_step_matches_reference(rng, page, causal):
     _check(args, want_cache, table, out, new_cache, causal=causal)
 
 
+def _np64_window_cap(q, k, v, *, window, cap, sm_scale):
+    """float64 NumPy causal attention of one sequence (q [qo, Hq, D], k/v [kv, Hkv, D]) with RPA's
+    window (the query at position p sees keys p - W < k <= p) and soft cap c * tanh(s / c)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    qo, kv, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    s = np.einsum("qhd,khd->hqk", q, np.repeat(k, g, axis=1)) * sm_scale
+    s = cap * np.tanh(s / cap)
+    pos, key = kv - qo + np.arange(qo)[:, None], np.arange(kv)[None, :]
+    s = np.where((key <= pos) & (key > pos - window), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v, g, axis=1))
+
+
 def test_sliding_window_and_soft_cap_hnd(rng):
-    """The mixed step with both options, page size 1, HND pages."""
-    window, cap = 5, 2.5
+    """The mixed step with both options, page size 1, HND pages: against the reference, and
+    float64 NumPy for RPA's window convention (the 700-key decode row skips the chunks left of
+    its window)."""
+    window, cap, sm_scale = 5, 2.5, 0.3
     args, want_cache, table = _step(rng, QO, CACHED, page=1, dist=(2, 2, 7), seq_cap=8, tok_cap=60,
                                     pages_per_seq=760, layout="HND")
-    out, new_cache = ji.ragged_paged_attention(*args, sliding_window=window, soft_cap=cap, sm_scale=0.3,
+    out, new_cache = ji.ragged_paged_attention(*args, sliding_window=window, soft_cap=cap, sm_scale=sm_scale,
                                                num_ctas=NUM_CTAS)
     variant = variants.compose(variants.sliding_window(), variants.soft_cap())
     params = {"window_left": jnp.int32(window - 1), "logits_soft_cap": jnp.float32(cap)}
-    _check(args, want_cache, table, out, new_cache, variant=variant, params=params, sm_scale=0.3)
+    _check(args, want_cache, table, out, new_cache, variant=variant, params=params, sm_scale=sm_scale)
+    k, v, tok = ref.gather_pages(want_cache, *table[1:])
+    cu = table[0]
+    for i in range(len(QO)):
+        if QO[i]:
+            o = _np64_window_cap(args[0][cu[i]:cu[i + 1]], k[tok[i]:tok[i + 1]], v[tok[i]:tok[i + 1]],
+                                 window=window, cap=cap, sm_scale=sm_scale)
+            assert rel_err(out[cu[i]:cu[i + 1]], o) < TOL[jnp.float32]
 
 
 # Decode-only, prefill-only and other steps of one shape (one compilation).
@@ -130,36 +155,43 @@ def test_float64_numpy(rng):
         assert rel_err(out[cu[i]:cu[i + 1]], o) < TOL[jnp.float32]
 
 
-def test_sliding_window_float64(rng):
-    """Query at position p sees keys p - W < k <= p (RPA's convention); the long decode row skips
-    the chunks left of its window."""
-    window = 6
-    args, want_cache, table = _step(rng, [1, 9, 3], [200, 20, 2], dist=(1, 1, 3), **SMALL)
-    out, _ = ji.ragged_paged_attention(*args, sliding_window=window, num_ctas=NUM_CTAS)
-    k, v, tok = ref.gather_pages(want_cache, *table[1:])
-    cu = table[0]
-    for i in range(3):
-        qo, kv = cu[i + 1] - cu[i], tok[i + 1] - tok[i]
-        pos = kv - qo + np.arange(qo)
-        mask = np.arange(kv)[None, :] > pos[:, None] - window
-        o, _ = np64_attention(args[0][cu[i]:cu[i + 1]], k[tok[i]:tok[i + 1]], v[tok[i]:tok[i + 1]], causal=True,
-                              mask=mask)
-        assert rel_err(out[cu[i]:cu[i + 1]], o) < TOL[jnp.float32]
-
-
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_decode_only_and_prefill_only(rng, kind):
+    """Steps with empty classes: decode only (the base prefill class and the 64-row class empty),
+    and chunks and prompts only (the 16-row class empty)."""
     if kind == "decode":
         q_lens, cached, dist = [1] * 6, [33, 1, 0, 17, 90, 8], (6, 6, 6)
+        blocks = [6, 0, 0]
     else:
-        q_lens, cached, dist = [20, 7, 33], [0, 15, 40], (0, 3, 3)
+        q_lens, cached, dist = [20, 12, 30], [0, 15, 40], (0, 3, 3)
+        blocks = [0, 1, 2]
     args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+    assert [n for _, _, n, _ in _plan_stats(args)] == blocks
     out, new_cache = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
     _check(args, want_cache, table, out, new_cache)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16, 64])
+def test_classes_cover_every_q_len(group):
+    """The static classes partition q_len 1..T: decode tiles of 16 rows, then up to 64, then the
+    prefill kernel's (tiles of 128 rows or one token's group: the base), the last zeroes padding."""
+    t = 300
+    classes = ragged._classes(t, 40, 4, group)
+    assert classes[0].base and classes[-1].pad and sum(c.base for c in classes) == sum(c.pad for c in classes) == 1
+    spans = sorted((c.min_q, c.max_q) for c in classes)
+    assert spans[0][0] == 1 and spans[-1][1] == t and all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:]))
+    decode = sorted((c for c in classes if not c.prefill), key=lambda c: c.min_q)
+    rows = [max(16, c.tokens_per_item * group) for c in decode]  # q_len <= 16 // group on 16-row tiles
+    assert rows[0] == max(16, group) and max(rows) <= max(64, group) and rows == sorted(set(rows))
+    assert decode[0].tokens_per_item == max(1, 16 // group)
+    prefill = classes[0]
+    assert prefill.prefill and prefill.rows == max(128, group) and prefill.tokens_per_item == prefill.rows // group
+    assert [c.min_q for c in ragged._classes(8, 40, 4, group)] == [c.min_q for c in classes if c.min_q <= 8]
+
+
 def test_jit_donated_one_compilation(rng):
-    """Two compositions of the same shapes: one trace, the cache updated in place."""
+    """Two compositions of the same shapes: one trace, the cache updated in place. 16 tokens: no
+    prefill class, so the 64-row decode class is the base (writes its rows, zeroes the padding)."""
     traces = []
 
     def step(q, k, v, cache, kv_lens, page_indices, cu, dist):
@@ -168,7 +200,8 @@ def test_jit_donated_one_compilation(rng):
 
     fn = jax.jit(step, donate_argnums=(3,))
     for q_lens, cached, dist in (([1, 1, 6], [30, 4, 9], (2, 2, 3)), ([12, 1], [3, 50], (0, 2, 2))):
-        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **dict(SMALL, tok_cap=16))
+        assert [c.prefill for c in ragged._classes(16, 7, NUM_CTAS // HKV, HQ // HKV)] == [False, False]
         k_before = args[3].k_pages
         out, new_cache = fn(*args)
         assert k_before.is_deleted()  # donated
