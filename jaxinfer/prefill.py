@@ -146,7 +146,8 @@ class _Prefill:
             num_tokens=nnz if self.max_num_tokens is None else int(self.max_num_tokens),
             batch_cap=kv_lens.shape[0] if self.max_batch_size is None else int(self.max_batch_size),
             index_cap=max(kv_indices.shape[0], 1) if self.max_num_pages is None else int(self.max_num_pages))
-        return BatchPlan(jax.device_put(buf, may_alias=True), layout, self.facts.spec(num_pages, "prefill_short"),
+        fixed = None not in (self.max_num_tokens, self.max_batch_size, self.max_num_pages)
+        return BatchPlan(transfer.plan_buffer(buf, fixed), layout, self.facts.spec(num_pages, "prefill_short"),
                          causal=causal, info=info)
 
     def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, num_rows, kv_name, facts=None,
