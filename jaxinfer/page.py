@@ -86,8 +86,13 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
     ok = ((batch_indices >= 0) & (batch_indices < num_requests) & (positions >= 0) & (entry < ip[b + 1])
           & (page >= 0) & (page < kv_cache.num_pages))
     page = jnp.where(ok, page, kv_cache.num_pages)  # padding and invalid rows: dropped
-    slot = positions % p
-    k_new, v_new = append_k.astype(kv_cache.dtype), append_v.astype(kv_cache.dtype)
+    return write_slots(kv_cache, page, positions % p, append_k, append_v)
+
+
+def write_slots(kv_cache, page, slot, k_new, v_new):
+    """The cache with rows k_new / v_new [n, Hkv, D] written at (page[i], slot[i]); rows whose page
+    is out of range (e.g. num_pages, for padding) are dropped."""
+    k_new, v_new = k_new.astype(kv_cache.dtype), v_new.astype(kv_cache.dtype)
     if kv_cache.layout == "NHD":
         k = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
         v = kv_cache.v_pages.at[page, slot].set(v_new, mode="drop")

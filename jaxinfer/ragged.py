@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch, variants
 from jaxinfer.formats import PagedKVCache, check_int32, check_kv_dtype, default_sm_scale, is_concrete, kv_scales
+from jaxinfer.page import write_slots
 from jaxinfer.prefill import _check_q
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
@@ -315,14 +316,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     # The KV write: padding rows go to page num_pages, dropped.
     page, slot, q_pos = _token_slots(kv_lens, cu_q_lens, distribution, page_indices, pages_per_seq=pages_per_seq,
                                      page_size=page_size, num_pages=kv_cache.num_pages, num_tokens=t)
-    k_new, v_new = keys.astype(kv_cache.dtype), values.astype(kv_cache.dtype)
-    if kv_cache.layout == "NHD":
-        k_pages = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
-        v_pages = kv_cache.v_pages.at[page, slot].set(v_new, mode="drop")
-    else:
-        k_pages = kv_cache.k_pages.at[page, :, slot].set(k_new, mode="drop")
-        v_pages = kv_cache.v_pages.at[page, :, slot].set(v_new, mode="drop")
-    new_cache = PagedKVCache(k_pages, v_pages, kv_cache.layout)
+    new_cache = write_slots(kv_cache, page, slot, keys, values)
 
     # Per class: the work list, its kernel, the merge (into the base class's output).
     kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
