@@ -74,3 +74,37 @@ def dense_decode_reference(q, cache, indptr, indices, kv_lens, sm_scale):
     s = jnp.where(jnp.arange(k.shape[1]) < jnp.asarray(kv_lens)[:, None, None, None], s, -jnp.inf)
     o = jnp.einsum("bhgt,bthd->bhgd", jax.nn.softmax(s, axis=-1), v, precision="highest")
     return o.reshape(batch, hq, d)
+
+
+def kernel_times(f, *args, iters=10, trace_dir=None):
+    """Device time per call of each kernel f launches (µs, costliest first) and the busy time (union
+    of device intervals), from a perfetto trace of `iters` calls after warm-up. XLA turns CUDA
+    graphs off while tracing, so launch gaps are wider than untraced."""
+    import collections
+    import glob
+    import gzip
+    import tempfile
+    jax.block_until_ready(f(*args))
+    trace_dir = trace_dir or tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+    path = max(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+               key=os.path.getmtime)
+    with gzip.open(path) as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = [e for e in events if e.get("ph") == "X" and e.get("dur") is not None
+              and "GPU" in procs.get(e["pid"], "")]
+    per_kernel = collections.Counter()
+    for e in device:
+        per_kernel[e["name"][:70]] += e["dur"] / iters
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in device)
+    busy, end = 0.0, -np.inf
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return per_kernel.most_common(), busy / iters

@@ -126,14 +126,21 @@ class BatchAttention:
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         sec = plan.sections()
         n, hq, d = q.shape
-        o = jnp.zeros((n, hq, d), q.dtype)
-        lse = jnp.full((n, hq), -jnp.inf, jnp.float32)
-        if plan.long is not None and not plan.has_short:  # every row is long: no gather
+        if plan.long is None:
+            o, lse = jnp.zeros((n, hq, d), q.dtype), jnp.full((n, hq), -jnp.inf, jnp.float32)
+        elif not plan.has_short:  # every row is long: no gather
             o, lse = self.prefill.run_raw(q, kv_cache, plan.long, params, scales)
-        elif plan.long is not None:  # long requests' rows, gathered, attended, scattered back
-            rows = sec["prefill_rows"][: plan.long.layout.num_tokens]
+        else:  # the long requests' rows, gathered, attended, then gathered back into place
+            num_long = plan.long.layout.num_tokens
+            rows = sec["prefill_rows"][:num_long]  # [L]: q rows, n past the long ones
             o_l, lse_l = self.prefill.run_raw(q[jnp.minimum(rows, n - 1)], kv_cache, plan.long, params, scales)
-            o, lse = o.at[rows].set(o_l, mode="drop"), lse.at[rows].set(lse_l, mode="drop")
+            # Each row's place among the long rows (L: a short row). A gather writes o whole, where
+            # a scatter of o_l's rows into zeros costs ~6x as much on the GPU.
+            pos = jnp.full((n + 1,), num_long, jnp.int32).at[rows].set(
+                jnp.arange(num_long, dtype=jnp.int32), mode="drop")[:n]  # [n]
+            is_long, pos = pos < num_long, jnp.minimum(pos, num_long - 1)
+            o = jnp.where(is_long[:, None, None], o_l[pos], jnp.zeros((), q.dtype))
+            lse = jnp.where(is_long[:, None], lse_l[pos], -jnp.inf)
         if plan.has_short:  # the decode kernel writes the short rows into o, lse in place
             k_rows, v_rows = kv_cache.rows()
             impl = dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"]
