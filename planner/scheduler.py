@@ -19,7 +19,8 @@ def chunk_for_total(total, num_cells, min_chunk=1):
 
 def kv_chunk_size(kv_pages, num_cells, min_chunk_pages=1):
     """Algorithm 1, line 3: L_kv = ceil(sum of KV pages / #cells), at least min_chunk_pages."""
-    return chunk_for_total(np.sum(kv_pages), num_cells, min_chunk_pages)
+    total = kv_pages.sum() if type(kv_pages) is np.ndarray else np.sum(kv_pages)
+    return chunk_for_total(total, num_cells, min_chunk_pages)
 
 
 def assign_cells(costs, num_cells, out=None):
