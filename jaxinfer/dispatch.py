@@ -203,18 +203,37 @@ def supported(problem, impl="auto"):
     return [i.name for i, reason in implementations(problem, impl) if reason is None]
 
 
-def choose(problem, qo_lens, kv_lens, causal, impl="auto"):
-    """The Implementation expected fastest for one step (qo_lens, kv_lens: host int arrays)."""
+def candidates(problem, impl="auto"):
+    """check(problem, impl), then the implementations that can run `problem` (a tuple). Static per
+    wrapper: wrappers compute it once and pass it to choose(rows=)."""
     check(problem, impl)
-    rows = [i for i, reason in implementations(problem, impl) if reason is None]
+    return tuple(i for i, reason in implementations(problem, impl) if reason is None)
+
+
+def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
+    """The Implementation expected fastest for one step (qo_lens, kv_lens: host int arrays).
+    rows: candidates(problem, impl), when the caller has it. Costs are computed only where there
+    is a choice: those that may be infinite first (a length the kernel cannot take), the rest
+    only while more than one candidate is left (the result is the same: the cheapest, ties to
+    the first in table order)."""
+    rows = candidates(problem, impl) if rows is None else rows
     if qo_lens is None:  # static choice (decode): one kernel serves every length
         return min(rows, key=lambda i: i.name)
-    qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
-    costs = {i.name: i.cost_us(problem, qo_lens, kv_lens, causal) for i in rows}
-    finite = [i for i in rows if costs[i.name] < float("inf")]
+    costs = {}
+    if len(rows) > 1 or rows[0].cost_us is _short_cost:
+        qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
+        for i in rows:
+            if i.cost_us is _short_cost:
+                costs[i.name] = i.cost_us(problem, qo_lens, kv_lens, causal)
+    finite = [i for i in rows if costs.get(i.name, 0.0) < float("inf")]
     if not finite:
         raise ValueError(f"impl={impl!r}: no kernel runs this step's lengths "
                          f"({', '.join(i.name for i in rows)} cannot)")
+    if len(finite) == 1:
+        return finite[0]
+    for i in finite:
+        if i.name not in costs:
+            costs[i.name] = i.cost_us(problem, qo_lens, kv_lens, causal)
     return min(finite, key=lambda i: costs[i.name])
 
 

@@ -85,30 +85,33 @@ class _Prefill:
         self.problem = dispatch.Problem("prefill", num_qo_heads, num_kv_heads, head_dim, kv_format,
                                         page_size, layout, variant, interpret=self.interpret)
         dispatch.check(self.problem, impl)
+        self._candidates = {}  # dispatch.candidates by custom_mask
         self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
                                   layout, (max_batch_size, max_num_tokens, max_num_pages, max_mask_len))
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
               causal=None, window_left=None, contiguous_kv=False, **positions):
-        qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+        qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)  # the only check of it
         if qo_indptr.shape[0] != kv_lens.shape[0] + 1:  # before any planner (prefill_short too)
             raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests but the KV side has "
                              f"{kv_lens.shape[0]}")
         if window_left is not None and not (self.variant is not None and self.variant.has_bounds):
             raise ValueError("window_left needs a variant with a sliding window (variants.sliding_window)")
         causal = self.causal if causal is None else causal
-        qo_lens = np.diff(qo_indptr)
         problem, mask, offsets = self.problem, None, None
         if custom_mask is not None or packed_custom_mask is not None:
             mask, offsets = _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, self.max_mask_len)
             causal = False  # the custom mask replaces the causal mask
             problem = dataclasses.replace(problem, custom_mask=True)
-        choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl)
+        rows = self._candidates.get(problem.custom_mask)  # static per wrapper (and mask or not)
+        if rows is None:
+            rows = self._candidates[problem.custom_mask] = dispatch.candidates(problem, self.impl)
+        choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows)
         # Cascade levels need their positions; a pinned tile_rows pins one Triton program.
         if choice.name == "prefill_short" and (positions or self.tile_rows is not None):
             choice = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
         if choice.name == "prefill_short":
-            return self._plan_short(qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal)
+            return self._plan_short(qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal)
         tails = choice.name == "prefill_mosaic"
         # Capacities fix the buffer's shape (up to the tile height: at most 4 shapes).
         fixed = (self.max_num_tokens is not None and self.max_batch_size is not None
@@ -119,7 +122,7 @@ class _Prefill:
 
         def plan_for(tails, impl_name, alt=None):
             layout, buf, info = prefill_planner.plan_prefill(
-                qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal,
+                qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal, qo_lens=qo_lens,
                 num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
                 max_batch_size=self.max_batch_size, max_num_pages=self.max_num_pages,
                 rows=prefill_kernels.MOSAIC_TILE_TOKENS * self.group if tails else self.tile_rows,
@@ -135,9 +138,8 @@ class _Prefill:
         alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" else None
         return plan_for(tails, choice.name, alt)
 
-    def _plan_short(self, qo_indptr, kv_lens, page_base, kv_indices, num_pages, causal):
+    def _plan_short(self, qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal):
         """Every request short: the decode kernel's multi-token items (planner.batch)."""
-        qo_lens = np.diff(qo_indptr)
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
         nnz = int(qo_indptr[-1])
         layout, buf, info = batch_planner.plan_short(

@@ -51,7 +51,7 @@ class ShortLayout(PackedLayout):
         return (("kv_indices", self.index_cap), ("kv_lens", self.batch),
                 ("items", self.item_cap * self.ITEM_FIELDS), ("cell_indptr", self.num_cells + 1),
                 ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap),
-                ("prefill_rows", self.num_tokens), ("row_is_short", self.num_tokens))
+                ("prefill_rows", self.num_tokens))
 
 
 @lru_cache(maxsize=256)
@@ -124,9 +124,9 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         raise ValueError("the split needs more merge groups than the plan holds")
 
     buf = np.zeros(layout.size, np.int32)
-    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1), (p0, p1), (r0, _) = (
+    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1), (p0, p1) = (
         layout.offsets[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
-                                          "merge_dest", "prefill_rows", "row_is_short"))
+                                          "merge_dest", "prefill_rows"))
     buf[i0:i0 + kv_indices.shape[0]] = kv_indices
     buf[l0:l0 + batch] = kv_lens
     buf[t0:t0 + n_items * len(ITEM_COLUMNS)].reshape(n_items, len(ITEM_COLUMNS))[:] = work.take(order, axis=0)
@@ -143,13 +143,11 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     prefill_rows = buf[p0:p1]
     if bool(is_short.all()):  # every row is short
         prefill_rows[:] = num_tokens
-        buf[r0:r0 + nnz] = 1
         num_long = 0
     else:
         long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
         num_long = long_rows.shape[0]
         prefill_rows[:num_long] = long_rows
         prefill_rows[num_long:] = num_tokens
-        buf[r0:r0 + nnz] = np.repeat(is_short, qo_lens)
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=num_short, num_long_tokens=num_long, nnz=nnz)
     return layout, buf, info

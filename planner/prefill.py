@@ -80,7 +80,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
                  max_num_tokens=None, max_batch_size=None, max_num_pages=None, rows=None,
                  mask_offsets=None, fixed_split_tokens=None, min_split_tokens=512, item_cost=64,
                  kv_pos_offset=None, q_positions=None, window_left=None, tails=False,
-                 contiguous_kv=False):
+                 contiguous_kv=False, qo_lens=None):
     """Builds the prefill work list. Returns (layout, buffer int32[layout.size], info).
 
     kv_lens int32[B]: keys per request; page_base int32[B]: each request's offset in
@@ -100,10 +100,13 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     contiguous_kv (page_base is a row of K), each request's keys likewise start at an aligned
     row: kv_first (item field 13) keys before its own are loaded and masked. Item fields 14, 15:
     the smallest and largest query position of the tile's rows (for variants' mask bounds).
+    qo_lens: qo_indptr's lengths, from a caller that checked qo_indptr (validate.indptr_lengths)
+    already; qo_indptr is then not checked again.
     """
     if fixed_split_tokens is not None and fixed_split_tokens < 1:
         raise ValueError(f"fixed_split_tokens must be >= 1, got {fixed_split_tokens}")
-    qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
+    if qo_lens is None:
+        qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
     batch = qo_lens.shape[0]
     if kv_lens.shape[0] != batch:
         raise ValueError(f"qo_indptr describes {batch} requests but the KV side has {kv_lens.shape[0]}")
@@ -132,10 +135,10 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     else:
         q_off = None
         ntiles = -(-all_qo // tpt)  # (0 for an empty request)
-    tile_first = np.cumsum(ntiles)
+    tile_first = ntiles.cumsum()
     num_tiles = int(tile_first[-1])
     tile_first -= ntiles  # each request's first tile
-    req = np.repeat(scheduler.arange(batch + 1), ntiles)  # request of each tile
+    req = scheduler.arange(batch + 1).repeat(ntiles)  # request of each tile
     # Each tile's first token within its request.
     tile_tok = scheduler.arange(num_tiles) - tile_first.take(req)
     tile_tok *= tpt
@@ -174,16 +177,16 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if num_tiles and int(nchunks.max()) > 1:
         split = nchunks > 1
         part_size = np.where(split, tile_tokens * nchunks, 0)
-        item_first = np.cumsum(nchunks)
+        item_first = nchunks.cumsum()
         num_items = int(item_first[-1])
         item_first -= nchunks
-        tile_of = np.repeat(scheduler.arange(num_tiles), nchunks)
+        tile_of = scheduler.arange(num_tiles).repeat(nchunks)
         chunk_idx = scheduler.arange(num_items) - item_first.take(tile_of)
         kv_start = chunk_idx * chunk
         if kv_lo is not None:
             kv_start += kv_lo.take(tile_of)
         kv_end = np.minimum(kv_start + chunk, kv_hi.take(tile_of))
-        part_base = np.cumsum(part_size)
+        part_base = part_size.cumsum()
         num_parts = int(part_base[-1])
         part_base -= part_size
     else:  # no tile is split: one item per tile
@@ -200,12 +203,17 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         "kv_indices", "q_pos", "items", "cell_indptr", "merge_indptr", "merge_dest", "tail_dest",
         "lse_src"))
     c1 = c0 + layout.num_cells + 1
-    order, _ = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells,
-                                      out=buf[c0:c1])
+    if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive
+        costs = kv_end - kv_start
+        costs += item_cost * tpt
+        order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
+    else:
+        order, _ = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells,
+                                          out=buf[c0:c1])
 
     # Reduction map: one group per token of a split tile, its partials contiguous.
     if split is not None:
-        split_tiles = np.flatnonzero(split)
+        split_tiles = split.nonzero()[0]
         m_tokens = tile_tokens.take(split_tiles)
         n_merge = int(m_tokens.sum())
     else:
@@ -261,8 +269,10 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     else:
         per_tile[:, 7] = -1
     # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
-    is_tail = (tile_tok < 0) | (tile_tok + tpt > qo_r)
-    tail_slot = np.cumsum(is_tail)
+    is_tail = tile_tok + tpt > qo_r
+    if tails:
+        is_tail |= tile_tok < 0  # (tile_tok >= 0 in other plans)
+    tail_slot = is_tail.cumsum()
     tail_slot -= 1
     per_tile[:, 12] = np.where(is_tail, tail_slot, -1)
     # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from

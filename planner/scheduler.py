@@ -19,7 +19,8 @@ def chunk_for_total(total, num_cells, min_chunk=1):
 
 def kv_chunk_size(kv_pages, num_cells, min_chunk_pages=1):
     """Algorithm 1, line 3: L_kv = ceil(sum of KV pages / #cells), at least min_chunk_pages."""
-    return chunk_for_total(np.sum(kv_pages), num_cells, min_chunk_pages)
+    total = kv_pages.sum() if type(kv_pages) is np.ndarray else np.sum(kv_pages)
+    return chunk_for_total(total, num_cells, min_chunk_pages)
 
 
 def assign_cells(costs, num_cells, out=None):
@@ -92,6 +93,20 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
     n = shifted.shape[0]
     keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
     pos = num_cells
+    if int(shifted[n - 1]) > max(int(keys.max()) - int(keys.min()), int(shifted[0]) - int(shifted[n - 1])):
+        # Costs within a factor of ~2 (the smallest above both the spread of the cells' keys and
+        # that of the costs): every round of num_cells items goes to the cells in key order. (While
+        # a round runs, each new key exceeds every old one, and a round leaves the keys' spread
+        # within the larger of those two spreads.)
+        while pos < n:
+            by_key = keys.argsort()  # (keys are distinct)
+            took = min(num_cells, n - pos)
+            if took < num_cells:
+                by_key = by_key[:took]
+            keys[by_key] += shifted[pos:pos + took]
+            cell_of_sorted[pos:pos + took] = by_key
+            pos += took
+        return
     while n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
         m = min(num_cells, n - pos)
         by_key = keys.argsort()[:m]

@@ -478,7 +478,6 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
     sec["prefill_rows"][:] = num_tokens
     sec["prefill_rows"][:long_rows.shape[0]] = long_rows
-    sec["row_is_short"][:nnz] = np.repeat(is_short, qo_lens)
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=int(reqs.shape[0]),
                 num_long_tokens=int(long_rows.shape[0]), nnz=nnz)
     return layout, buf, info

@@ -59,6 +59,19 @@ def test_assign_cells_matches_the_old_heap(seed):
     np.testing.assert_array_equal(indptr, ref_indptr)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_assign_cells_matches_the_old_heap_on_close_costs(seed):
+    """Costs within a factor of about 2 (decode rows of similar lengths): rounds in key order."""
+    rng = np.random.default_rng(500 + seed)
+    n, cells = int(rng.integers(0, 1200)), int(rng.choice([1, 2, 5, 33, 264]))
+    lo = int(rng.choice([1, 40, 2000]))
+    costs = rng.integers(lo, lo + int(rng.integers(1, lo + 2)), n)
+    order, indptr = scheduler.assign_cells(costs, cells)
+    ref_order, ref_indptr = old.assign_cells(costs, cells)
+    np.testing.assert_array_equal(order, ref_order)
+    np.testing.assert_array_equal(indptr, ref_indptr)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_page_table_checks_match(seed):
     rng = np.random.default_rng(seed)
