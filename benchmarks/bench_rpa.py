@@ -1,15 +1,19 @@
 """ragged_paged_attention (device plan, fused KV write) against ji.BatchAttention (host plan) on
-the GPU, on issue 21's rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), and speculative
-verify of 8 tokens (ragged_paged_attention's class of 64-row decode tiles).
+the GPU, on issue 21's rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), speculative verify of
+8 tokens (ragged_paged_attention's class of 64-row decode tiles) and prefill only (B4 S8192).
 
-    PYTHONPATH=. python3 benchmarks/bench_rpa.py
+    PYTHONPATH=. python3 benchmarks/bench_rpa.py [--rows q4,mixed,...] [--triton] [--mosaic-ctas 1,2]
 
-Each row first checks both outputs against jaxinfer.reference. The new K/V given to
+--triton also times ragged_paged_attention with impl="triton" (its long sequences on the Triton
+prefill kernel); --mosaic-ctas times the Mosaic class with that many CTAs per SM (default: the
+module's MOSAIC_CTAS_PER_SM). Each row first checks both outputs against jaxinfer.reference
+(rows over 16384 tokens: the last 256 rows of the first and last sequences). The new K/V given to
 ragged_paged_attention are the values already in the cache at those positions, so its write
 leaves the cache as the reference and BatchAttention see it. Times are per call, CALLS calls in
 one program; ragged_paged_attention's calls thread the cache, donated, so the KV write is in place.
 Results: printed as JSON lines and saved to $OUT/jaxinfer_rpa.json.
 """
+import argparse
 import time
 
 import jax
@@ -18,10 +22,13 @@ import numpy as np
 
 import jaxinfer as ji
 from benchmarks.common import bench, random_paged_cache, record, rel_err, save
+from jaxinfer import ragged
 from jaxinfer import reference as ref
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CALLS = 10
+CHECK_ALL = 16384  # rows of larger steps are checked in part
+CHECK_ROWS = 256  # rows checked per sequence on rows over CHECK_ALL tokens
 
 
 def rows(rng):
@@ -32,6 +39,7 @@ def rows(rng):
         ("mixed 4x512/2048 + 60 decode", np.r_[np.ones(60, int), np.full(4, 512)], np.r_[mixed_kv, np.full(4, 2048)]),
         ("decode B64 kv4096", np.ones(64, int), np.full(64, 4096)),
         ("q8 B64 kv4096", np.full(64, 8), np.full(64, 4096)),  # ragged's 64-row decode class
+        ("prefill B4 S8192", np.full(4, 8192), np.full(4, 8192)),
     ]
 
 
@@ -54,12 +62,12 @@ def rpa_inputs(cache, q_lens, kv_lens, indptr, indices):
     return keys, values, meta
 
 
-def time_rpa(qs, ks, vs, cache, meta, iters=20, reps=7):
+def time_rpa(qs, ks, vs, cache, meta, iters=20, reps=7, **kw):
     """Median seconds per call of CALLS ragged_paged_attention calls in one program, the cache donated."""
     def many(qs, ks, vs, cache, *meta):
         outs = []
         for i in range(CALLS):
-            o, cache = ji.ragged_paged_attention(qs[i], ks[i], vs[i], cache, *meta)
+            o, cache = ji.ragged_paged_attention(qs[i], ks[i], vs[i], cache, *meta, **kw)
             outs.append(o)
         return outs, cache
 
@@ -77,36 +85,76 @@ def time_rpa(qs, ks, vs, cache, meta, iters=20, reps=7):
     return float(np.median(ts)) / CALLS, cache
 
 
+def reference_rows(q, cache, qo_indptr, indptr, indices, last):
+    """(rows checked, reference o of those rows): all rows, or on large steps the last CHECK_ROWS
+    of the first and last sequences (each as a request of CHECK_ROWS queries on the same keys:
+    bottom-right causal keeps their masks)."""
+    nnz = int(qo_indptr[-1])
+    if nnz <= CHECK_ALL:
+        return np.arange(nnz), jax.jit(lambda q, c: ref.paged_attention(
+            q, c, qo_indptr, indptr, indices, last, causal=True).o)(q, cache)
+    rows, wants = [], []
+    for b in sorted({0, len(qo_indptr) - 2}):
+        r = np.arange(qo_indptr[b + 1] - CHECK_ROWS, qo_indptr[b + 1])
+        sub = (np.array([0, CHECK_ROWS], np.int32), indptr[b:b + 2] - indptr[b], indices[indptr[b]:indptr[b + 1]],
+               last[b:b + 1])
+        wants.append(ref.paged_attention(q[r], cache, *sub, causal=True).o)
+        rows.append(r)
+    return np.concatenate(rows), jnp.concatenate(wants)
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="", help="comma-separated name prefixes (default: every row)")
+    parser.add_argument("--triton", action="store_true", help='also time impl="triton"')
+    parser.add_argument("--mosaic-ctas", default="", help="Mosaic CTAs per SM to time, e.g. 1,2")
+    args = parser.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
+    wanted = [x for x in args.rows.split(",") if x]
     for name, q_lens, kv_lens in rows(rng):
+        if wanted and not any(name.startswith(w) for w in wanted):
+            continue
         cache, indptr, indices, last = random_paged_cache(rng, kv_lens, PAGE, HKV, D, jnp.bfloat16)
         qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         nnz = int(qo_indptr[-1])
         q = jax.random.normal(jax.random.key(1), (nnz, HQ, D), jnp.bfloat16)
         keys, values, meta = rpa_inputs(cache, q_lens, kv_lens, indptr, indices)
 
-        want = jax.jit(lambda q, c: ref.paged_attention(q, c, qo_indptr, indptr, indices, last, causal=True).o)(
-            q, cache)
+        check_rows, want = reference_rows(q, cache, qo_indptr, indptr, indices, last)
         attn = ji.BatchAttention(HQ, HKV, D, PAGE)
         plan = attn.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages)
-        err_ba = rel_err(jax.jit(attn.run)(q, cache, plan), want)
-        o, new_cache = jax.jit(ji.ragged_paged_attention)(q, keys, values, cache, *meta)
-        err_rpa = rel_err(o, want)
-        cache_same = bool(jnp.array_equal(new_cache.k_pages, cache.k_pages)
-                          & jnp.array_equal(new_cache.v_pages, cache.v_pages))
-        del new_cache
-        if max(err_ba, err_rpa) > 2e-2 or not cache_same:
-            raise SystemExit(f"{name}: wrong output (rel err BatchAttention {err_ba:.3g}, "
-                             f"ragged_paged_attention {err_rpa:.3g}, cache unchanged {cache_same})")
+        err_ba = rel_err(jax.jit(attn.run)(q, cache, plan)[check_rows], want)
+        variants = [("rpa", {})] + ([("rpa_triton", {"impl": "triton"})] if args.triton else [])
+        res = {}
+        for label, kw in variants:
+            o, new_cache = jax.jit(lambda *a, kw=kw: ji.ragged_paged_attention(*a, **kw))(q, keys, values, cache, *meta)
+            res["rel_err_" + label] = rel_err(o[check_rows], want)
+            finite = bool(jnp.all(jnp.isfinite(o)))
+            cache_same = bool(jnp.array_equal(new_cache.k_pages, cache.k_pages)
+                              & jnp.array_equal(new_cache.v_pages, cache.v_pages))
+            del new_cache, o
+            if res["rel_err_" + label] > 2e-2 or err_ba > 2e-2 or not cache_same or not finite:
+                raise SystemExit(f"{name}: wrong output (rel err BatchAttention {err_ba:.3g}, {label} "
+                                 f"{res['rel_err_' + label]:.3g}, cache unchanged {cache_same}, finite {finite})")
 
+        iters = 20 if nnz <= CHECK_ALL else 3
         qs = jax.random.normal(jax.random.key(2), (CALLS,) + q.shape, q.dtype)
         ks, vs = jnp.broadcast_to(keys, (CALLS,) + keys.shape), jnp.broadcast_to(values, (CALLS,) + values.shape)
-        t_ba = bench(jax.jit(lambda qs, c, p: [attn.run(qs[i], c, p) for i in range(CALLS)]), qs, cache, plan) / CALLS
-        t_rpa, cache = time_rpa(qs, ks, vs, cache, meta)
-        record("rpa", config=name, rpa_us=t_rpa * 1e6, batch_attention_us=t_ba * 1e6, ratio=t_rpa / t_ba,
-               rel_err_rpa=err_rpa, rel_err_batch_attention=err_ba, batch_attention_impl=plan.impl)
+        t_ba = bench(jax.jit(lambda qs, c, p: [attn.run(qs[i], c, p) for i in range(CALLS)]), qs, cache, plan,
+                     iters=iters) / CALLS
+        times = {}
+        for label, kw in variants:
+            t, cache = time_rpa(qs, ks, vs, cache, meta, iters=iters, **kw)
+            times[label + "_us"] = t * 1e6
+        default_ctas = ragged.MOSAIC_CTAS_PER_SM
+        for n in [int(x) for x in args.mosaic_ctas.split(",") if x]:
+            ragged.MOSAIC_CTAS_PER_SM = n
+            t, cache = time_rpa(qs, ks, vs, cache, meta, iters=iters)
+            times[f"rpa_mosaic_ctas{n}_us"] = t * 1e6
+        ragged.MOSAIC_CTAS_PER_SM = default_ctas
+        record("rpa", config=name, **times, batch_attention_us=t_ba * 1e6, ratio=times["rpa_us"] / (t_ba * 1e6),
+               rel_err_batch_attention=err_ba, batch_attention_impl=plan.impl, **res)
     save("rpa")
 
 

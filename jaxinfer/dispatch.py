@@ -237,6 +237,32 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
     return min(finite, key=lambda i: costs[i.name])
 
 
+def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
+    """The kernel of ragged_paged_attention's long sequences (q_len past the decode tiles): its
+    lengths live on the device, so no cost model; the Mosaic GPU kernel wherever it can run (with
+    impl "auto": compiled on a Hopper GPU; the problem's limits as _mosaic_unsupported, 16-bit q
+    and K/V of one dtype, no fp8 scales, sm_scale > 0), else the Triton kernel. impl: "auto",
+    "mosaic" (ValueError naming what it lacks) or "triton"."""
+    if impl not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"impl must be 'auto', 'mosaic' or 'triton', got {impl!r}")
+    mosaic = IMPLEMENTATIONS_BY_NAME["prefill_mosaic"]
+    if impl == "triton":
+        return IMPLEMENTATIONS_BY_NAME["prefill_triton"]
+    why = mosaic.unsupported(problem, impl == "mosaic")
+    if why is None and (np.dtype(q_dtype) not in (np.dtype("bfloat16"), np.dtype("float16"))
+                        or np.dtype(kv_dtype) != np.dtype(q_dtype)):
+        why = f"q and K/V must both be bfloat16 or float16, got {np.dtype(q_dtype)} / {np.dtype(kv_dtype)}"
+    if why is None and scaled:
+        why = "fp8 K/V scales run on Triton only"
+    if why is None and not sm_scale > 0:
+        why = f"sm_scale must be > 0, got {sm_scale}"
+    if why is None:
+        return mosaic
+    if impl == "mosaic":
+        raise ValueError(f"impl='mosaic': {why}")
+    return IMPLEMENTATIONS_BY_NAME["prefill_triton"]
+
+
 def config_for(implementation, problem, configs):
     """The user's config for this implementation (configs: a config or a tuple of them, matched
     by type), else its default for the problem."""

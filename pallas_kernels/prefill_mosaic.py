@@ -4,7 +4,8 @@ The second implementation behind pallas_kernels.prefill (impl="mosaic"), after J
 FlashAttention-3 kernel (jax/experimental/pallas/ops/gpu/attention_mgpu.py), reading
 the same work list as the Triton kernel (see prefill.py) with:
 - tiles of 128 query tokens of one query head (two compute warpgroups of 64 rows each;
-  plan with rows = 128 x group), one work item per cell and KV never split;
+  plan with rows = 128 x group), KV never split; a cell runs its work items in order (host
+  plans: one per cell; ragged_paged_attention: runs of tiles, a persistent grid);
 - a memory warpgroup streaming K/V blocks of block_kv tokens through
   max_concurrent_steps shared-memory slots: a paged block is block_kv / page_size TMA
   copies of whole pages (only pages of the request's list: slots past its last page
@@ -16,7 +17,8 @@ the same work list as the Triton kernel (see prefill.py) with:
 - whole-tile TMA stores: a tile that is not wholly the request's rows goes to its tail slot
   (item field 12) of a side buffer, which the caller scatters into o; lse rows go to the
   work item's slot (TMA's plain bulk copies need 16-byte aligned addresses), which the
-  caller gathers.
+  caller gathers. With row_stores (requests at 8-aligned rows, tiles from their first row) a
+  tile stores its own rows instead, a partial 64-row half 8 rows at a time.
 
 Grid (Hq, num_cells). Keys past the item's range, or causally hidden, are masked to
 -inf; rows that see no key give o = 0, lse = -inf. Unused slots of a listed page are
@@ -33,6 +35,7 @@ import inspect
 import math
 import os
 import warnings
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +71,27 @@ def _warn_if_interpreter_pool_too_small():
                       "JAX starts", RuntimeWarning, stacklevel=3)
 
 
+class _Item(NamedTuple):
+    """One work item's fields (prefill.ITEM_COLUMNS) and the KV blocks of its tile."""
+    q_row_start: jax.Array
+    tile_tok: jax.Array
+    qo_len: jax.Array
+    page_base: jax.Array
+    kv_len: jax.Array
+    kv_start: jax.Array
+    kv_end: jax.Array
+    pos_offset: jax.Array
+    tail: jax.Array
+    offset: jax.Array      # causal: query token t sees keys <= t + offset
+    kv_begin: jax.Array    # the first block's first key (a multiple of block_kv)
+    kv_visible: jax.Array  # keys before it are loaded, never shown (kv_first)
+    full_lo: Optional[jax.Array]  # a bounded variant's first key every row sees, or None
+    tile_steps: jax.Array  # KV blocks the memory warpgroup loads
+
+
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
             o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
-            max_steps, sm_scale, variant, interpret):
+            max_steps, sm_scale, variant, interpret, row_stores):
     head = lax.axis_index("heads")
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
@@ -79,48 +100,46 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
     q_smem2, k_smem, v_smem, lse_smem2, *pos_smem2 = smem
     pos_smem2 = pos_smem2[0] if pos_smem2 else None  # [2, 64] int32 with a variant
     wg = lax.axis_index("wg")
-    w = cell_indptr_ref[cell]
-    has_item = cell_indptr_ref[cell + 1] > w
-    w = jnp.where(has_item, w, 0)
-    fields = ITEM_FIELDS
-    q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end = (
-        items_ref[w * fields + i] for i in range(7))  # items flattened: 1-D scalar loads
-    pos_offset, tail, kv_first = (items_ref[w * fields + i] for i in (11, 12, 13))
-    offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
-    kv_hi = kv_end
-    if causal:
-        kv_hi = jnp.clip(jnp.minimum(tile_tok + TILE_TOKENS, qo_len) - 1 + offset + 1, kv_start, kv_end)
+    first_item, end_item = cell_indptr_ref[cell], cell_indptr_ref[cell + 1]
     softmax = variant is None or variant.use_softmax
     bounded = variant is not None and variant.has_bounds
     masked_variant = variant is not None and variant.has_mask
-    # The tile's blocks start at a multiple of block_kv (whole pages, 8-aligned rows): at its
-    # first key, or at the first key the variant's mask shows to any of its rows.
-    kv_begin = kv_start
-    if bounded:
-        pos_min, pos_max = items_ref[w * fields + 14], items_ref[w * fields + 15]
-        lo, full_lo = variant.kv_bounds(params, pos_min, pos_max)
-        kv_begin = jnp.clip(lo - pos_offset, kv_start, kv_hi)
-    kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
-    kv_visible = jnp.maximum(kv_start, kv_first)  # keys before it are loaded, never shown
-    # Blocks the memory warpgroup loads (the tile's), 0 for an empty cell.
-    tile_steps = jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0)
     slots = k_smem.shape[0]
+
+    def item_fields(w):
+        """Work item w's fields and the KV blocks of its tile (both branches compute them)."""
+        load = lambda i: items_ref[w * ITEM_FIELDS + i]  # items flattened: 1-D scalar loads
+        q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end = (load(i) for i in range(7))
+        offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
+        kv_hi = kv_end
+        if causal:
+            kv_hi = jnp.clip(jnp.minimum(tile_tok + TILE_TOKENS, qo_len) - 1 + offset + 1, kv_start, kv_end)
+        # The tile's blocks start at a multiple of block_kv (whole pages, 8-aligned rows): at its
+        # first key, or at the first key the variant's mask shows to any of its rows.
+        kv_begin, full_lo = kv_start, None
+        if bounded:
+            lo, full_lo = variant.kv_bounds(params, load(14), load(15))
+            kv_begin = jnp.clip(lo - load(11), kv_start, kv_hi)
+        kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
+        return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end, load(11), load(12),
+                     offset, kv_begin, jnp.maximum(kv_start, load(13)), full_lo,
+                     pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)))
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(wg < 2)
-    def _compute():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+    def _compute_item(w, f):
+        q_row_start, tile_tok, qo_len, kv_start, kv_end = f.q_row_start, f.tile_tok, f.qo_len, f.kv_start, f.kv_end
+        offset, kv_begin, kv_visible, tile_steps, pos_offset = (
+            f.offset, f.kv_begin, f.kv_visible, f.tile_steps, f.pos_offset)
         q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
         first_tok = tile_tok + wg * WG_ROWS  # this warpgroup's first query token
         wg_hi = kv_end
         if causal:
             last = jnp.minimum(first_tok + WG_ROWS, qo_len) - 1
             wg_hi = jnp.clip(last + offset + 1, kv_start, kv_end)
-        has_rows = has_item & (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
+        has_rows = (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
         steps = jnp.where(has_rows, pl.cdiv(jnp.maximum(wg_hi - kv_begin, 0), jnp.int32(block_kv)), 0)
         # Blocks wholly visible to every row of the warpgroup (and inside the range).
         full_end = jnp.minimum(kv_end, first_tok + offset + 1) if causal else kv_end
@@ -128,7 +147,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         # Leading blocks that need the mask: keys before kv_visible, or not all inside the variant's.
         lead = jnp.where(kv_visible > kv_begin, 1, 0)
         if bounded:
-            lead = jnp.maximum(lead, pl.cdiv(full_lo - pos_offset - kv_begin, jnp.int32(block_kv)))
+            lead = jnp.maximum(lead, pl.cdiv(f.full_lo - pos_offset - kv_begin, jnp.int32(block_kv)))
         elif masked_variant:
             lead = steps  # no bounds: every block masked
         lead = jnp.clip(lead, 0, steps)
@@ -259,25 +278,36 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         q_smem[...] = o.astype(q_ref.dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
-        @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
-        def _():
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head])
+        row0 = q_row_start + first_tok
+        if row_stores:  # the tile starts at the request's first row: store its rows, 8 at a time where partial
+            n_rows = jnp.clip(qo_len - first_tok, 0, WG_ROWS)
 
-        @pl.when(has_item & (tail >= 0))
-        def _():
-            plgpu.copy_smem_to_gmem(q_smem, o_tail_ref.at[pl.ds(tail * TILE_TOKENS + wg * WG_ROWS, WG_ROWS), head])
+            @pl.when(n_rows == WG_ROWS)
+            def _():
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), head])
+
+            for j in range(0, WG_ROWS, 8):  # rows past the request up to its next 8-aligned row: nobody's
+                @pl.when((n_rows < WG_ROWS) & (j < n_rows))
+                def _():
+                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), head])
+        else:
+            tail = f.tail
+
+            @pl.when(tail < 0)  # the tile is wholly the request's rows
+            def _():
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), head])
+
+            @pl.when(tail >= 0)
+            def _():
+                plgpu.copy_smem_to_gmem(
+                    q_smem, o_tail_ref.at[pl.ds(tail * TILE_TOKENS + wg * WG_ROWS, WG_ROWS), head])
 
         # lse rows by item slot: a contiguous TMA store needs a 16-byte aligned destination.
-        @pl.when(has_item)
-        def _():
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * TILE_TOKENS + wg * WG_ROWS, WG_ROWS)])
-
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * TILE_TOKENS + wg * WG_ROWS, WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _memory():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+    def _memory_item(f):
+        page_base, kv_len, kv_begin, tile_steps = f.page_base, f.kv_len, f.kv_begin, f.tile_steps
         pages_per_block = max(1, block_kv // page_size)
         rows_per_copy = min(page_size, block_kv)
         last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
@@ -322,14 +352,37 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
+    # Each branch runs the cell's items in order (one item per cell in host plans); every barrier
+    # phase of an item is awaited within it, so the next item starts from free slots.
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+
+        @pl.loop(first_item, end_item)
+        def _(w):
+            _compute_item(w, item_fields(w))
+
+    @pl.when(wg == 2)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        @pl.loop(first_item, end_item)
+        def _(w):
+            _memory_item(item_fields(w))
+
 
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
-                   variant=None, params=None, q_pos=None, interpret=False):
+                   variant=None, params=None, q_pos=None, interpret=False, row_stores=False):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
-    position. Returns (o [nnz, Hq, D],
+    position. row_stores: every request starts at an 8-aligned row of q with its tiles at
+    tile_tok 0, 128, ...; a tile stores its own rows (whole 64-row halves, the rest 8 rows at a
+    time), the rows after a request up to the next 8-aligned row are left unwritten, and no tile
+    uses a tail slot. Returns (o [nnz, Hq, D],
     lse_items [Hq, num_items * 128] (item slot w's tokens in rows w * 128 + i),
     o_tail [num_tail_rows, Hq, D])."""
     nnz, num_qo_heads, d = q.shape
@@ -385,7 +438,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                 None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
-                sm_scale=sm_scale, variant=variant, interpret=interpret),
+                sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores),
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),

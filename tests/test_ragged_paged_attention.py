@@ -17,10 +17,11 @@ GARBAGE = 1 << 20  # page_indices entries no valid sequence uses: never read
 
 
 def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, num_pages=None, layout="NHD",
-          poison=True):
+          poison=True, heads=(HQ, HKV, D), dtype=jnp.float32):
     """A random step: valid sequences q_lens / cached (kv_len = cached + q_len), padded to
-    seq_cap sequences and tok_cap tokens, over num_pages pages (default: 4 more than needed).
-    Returns (args, want_cache, csr table)."""
+    seq_cap sequences and tok_cap tokens, over num_pages pages (default: 4 more than needed);
+    heads (Hq, Hkv, D). Returns (args, want_cache, csr table)."""
+    hq, hkv, d = heads
     q_lens, kv = np.asarray(q_lens), np.asarray(cached) + np.asarray(q_lens)
     n = len(q_lens)
     npages = -(-kv // page)
@@ -30,8 +31,8 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
     first = np.concatenate([[0], np.cumsum(npages)])
     for i in range(n):
         page_indices[i * pages_per_seq: i * pages_per_seq + npages[i]] = perm[first[i]:first[i + 1]]
-    shape = (num_pages, page, HKV, D) if layout == "NHD" else (num_pages, HKV, page, D)
-    k_pages, v_pages = randn(rng, shape, jnp.float32), randn(rng, shape, jnp.float32)
+    shape = (num_pages, page, hkv, d) if layout == "NHD" else (num_pages, hkv, page, d)
+    k_pages, v_pages = randn(rng, shape, dtype), randn(rng, shape, dtype)
     if poison:  # pages no valid sequence lists hold NaN: any read of them shows
         unlisted = perm[first[-1]:]
         k_pages, v_pages = k_pages.at[unlisted].set(jnp.nan), v_pages.at[unlisted].set(jnp.nan)
@@ -39,9 +40,9 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
     cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     kv_lens = np.zeros(seq_cap, np.int32)
     kv_lens[:n] = kv
-    q, k, v = (randn(rng, (tok_cap, h, D), jnp.float32) for h in (HQ, HKV, HKV))
+    q, k, v = (randn(rng, (tok_cap, h, d), dtype) for h in (hq, hkv, hkv))
 
-    want_k, want_v = np.array(k_pages), np.array(v_pages)  # the NumPy scatter of the new rows
+    want_k, want_v = np.array(k_pages), np.array(v_pages)  # the NumPy scatter of the new rows (dtype kept)
     for i in range(n):
         for j in range(q_lens[i]):
             pos = kv[i] - q_lens[i] + j
@@ -64,8 +65,8 @@ def _reference(q, cache, table, **kw):
 
 def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.float32], **variant_kw):
     q, nnz = args[0], int(table[0][-1])
-    np.testing.assert_array_equal(new_cache.k_pages, want_cache.k_pages)  # NaN == NaN here
-    np.testing.assert_array_equal(new_cache.v_pages, want_cache.v_pages)
+    for got, want in ((new_cache.k_pages, want_cache.k_pages), (new_cache.v_pages, want_cache.v_pages)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))  # NaN == NaN
     want = _reference(q[:nnz], want_cache, table, causal=causal, **variant_kw)
     assert rel_err(out[:nnz], want) < tol
     np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
@@ -225,3 +226,122 @@ def test_bad_inputs_raise(rng):
         ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi.at[0].set(cache.num_pages), cu, dist)
     with pytest.raises(ValueError, match="sliding_window"):
         ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, causal=False, sliding_window=4)
+
+
+# The Mosaic class (long sequences on the Mosaic GPU kernel, forced with impl="mosaic": its
+# interpreter here, slow, so the shapes are tiny). Group 2: q_len <= 8 on 16-row decode tiles,
+# 9..16 on 64-row decode tiles, longer on 128-token Mosaic tiles. The 70- and 140-token
+# sequences start at unaligned rows; 140 crosses a tile boundary, its second tile holds 12 rows.
+MOSAIC_QO = [1, 1, 0, 4, 12, 70, 140]
+MOSAIC_CACHED = [300, 8, 5, 60, 20, 100, 10]
+
+
+def _mosaic_step(rng, q_lens, cached, dist, heads=(2, 1, 64), **kw):
+    kw = dict(dict(page=8, seq_cap=8, tok_cap=256, pages_per_seq=40, num_pages=100), **kw)
+    return _step(rng, q_lens, cached, dist=dist, heads=heads, dtype=jnp.bfloat16, **kw)
+
+
+def test_mosaic_class_matches_reference(rng):
+    """A step with the Mosaic class as the base (group 1: q_len > 16), one query head (the
+    interpreter runs each tile for seconds): two sequences at unaligned rows, their tiles in
+    one cell (the kernel's item loop), each tile's 20-21 rows stored 8 at a time; unlisted pages
+    NaN, the written cache exact, padding rows zero. (Tiles crossing 128 tokens: the slow test.)"""
+    args, want_cache, table = _mosaic_step(rng, [1, 0, 4, 20, 21], [300, 5, 60, 30, 50], (1, 1, 5), heads=(1, 1, 64),
+                                           tok_cap=56, seq_cap=6, num_pages=None)
+    classes = ragged._classes(56, 6, 1, 1, mosaic_cells=1)
+    assert [(c.min_q, c.mosaic, c.pad) for c in classes] == [(17, True, True), (1, False, False)]
+    out, new_cache = ji.ragged_paged_attention(*args, num_ctas=1, impl="mosaic")
+    _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, causal, window", [(16, True, 40), (8, False, None), (8, True, None)])
+def test_mosaic_class_compositions_one_compilation(rng, page, causal, window):
+    """Group 2, two cells. Two compositions through one jitted, donated step: prefill only
+    (aligned and unaligned starts), then the mixed step (q_len 0, 1, 4, 12, 70, 140); causal or
+    not, with a sliding window and soft cap."""
+    traces = []
+
+    def step(*a):
+        traces.append(1)
+        kw = {} if window is None else dict(sliding_window=window, soft_cap=3.0)
+        return ji.ragged_paged_attention(*a, causal=causal, num_ctas=4, impl="mosaic", **kw)
+
+    fn = jax.jit(step, donate_argnums=(3,))
+    for q_lens, cached, dist in (([130, 40, 0, 60], [0, 30, 4, 200], (0, 4, 4)),
+                                 (MOSAIC_QO, MOSAIC_CACHED, (2, 2, 7))):
+        args, want_cache, table = _mosaic_step(rng, q_lens, cached, dist, page=page)
+        out, new_cache = fn(*args)
+        kw = {}
+        if window is not None:
+            kw = dict(variant=variants.compose(variants.sliding_window(), variants.soft_cap()),
+                      params={"window_left": jnp.int32(window - 1), "logits_soft_cap": jnp.float32(3.0)})
+        _check(args, want_cache, table, out, new_cache, causal=causal, tol=TOL[jnp.bfloat16], **kw)
+    assert len(traces) == 1
+
+
+def test_mosaic_plan_matches_numpy(rng):
+    """The Mosaic class's device prologue against a NumPy derivation, for random compositions
+    of one shape under one compilation: 8-aligned sub-buffer starts, 128-token tiles, cells
+    covering the tiles in order, and the row maps both ways. (No kernel runs: cheap.)"""
+    s, t, pps, cells = 12, 600, 8, 3
+    traces = []
+    mosaic_plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged._mosaic_plan(*a, **kw))[1],
+                          static_argnames=("pages_per_seq", "cls", "causal", "window_left"))
+    cls = ragged._classes(t, s, 4, 2, mosaic_cells=cells)[0]
+    assert cls.mosaic and cls.items == (t + s * 127) // 128 and cls.sub_rows == t + s * 7 + (-(t + s * 7)) % 8
+    for trial in range(4):
+        n = int(rng.integers(1, s + 1))
+        q_lens = rng.choice([0, 1, 4, 33, 40, 128, 129, 200], n) if trial else np.full(n, 1)
+        q_lens[np.cumsum(q_lens) > t] = 0
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        kv = q_lens + rng.integers(0, 50, n)
+        pad_cu = np.full(s + 1, cu[-1], np.int32)
+        pad_cu[: n + 1] = cu
+        kv_lens, dist = np.zeros(s, np.int32), jnp.asarray([0, 0, n], jnp.int32)
+        kv_lens[:n] = kv
+        row_seq, row_live = ragged._row_seqs(jnp.asarray(pad_cu), dist, t)
+        items, cell_indptr, src, pos = mosaic_plan(
+            jnp.asarray(kv_lens), jnp.asarray(pad_cu), dist, row_seq, row_live, pages_per_seq=pps, cls=cls,
+            causal=True, window_left=None)
+        mine = q_lens >= cls.min_q
+        span = np.where(mine, -(-q_lens // 8) * 8, 0)
+        sub = np.cumsum(span) - span
+        first = kv - q_lens  # each sequence's first query position
+        want = [(sub[i], j, q_lens[i], i * pps, kv[i], first[i] + j, first[i] + min(j + 128, q_lens[i]) - 1)
+                for i in np.flatnonzero(mine) for j in range(0, q_lens[i], 128)]
+        live = int(cell_indptr[-1])
+        got = np.asarray(items)[:live][:, [0, 1, 2, 3, 4, 14, 15]]
+        np.testing.assert_array_equal(got, np.array(want, np.int64).reshape(-1, 7))
+        assert np.all(np.asarray(items)[:live, 6] == np.asarray(items)[:live, 4])  # kv_end: every key
+        assert int(cell_indptr[0]) == 0 and np.all(np.diff(np.asarray(cell_indptr)) >= 0)
+        pos, src = np.asarray(pos), np.asarray(src)
+        for i in range(n):
+            rows = np.arange(cu[i], cu[i + 1])
+            np.testing.assert_array_equal(pos[rows], sub[i] + rows - cu[i] if mine[i] else -1)
+            if mine[i]:
+                np.testing.assert_array_equal(src[pos[rows]], rows)
+        assert np.all(pos[cu[-1]:] == -1)
+    assert len(traces) == 1
+
+
+def test_long_impl_dispatch(monkeypatch):
+    """dispatch.ragged_long_impl: Mosaic where it can run (compiled on a Hopper GPU: faked here),
+    else Triton; impl="mosaic" names what it lacks."""
+    from jaxinfer import _backend, dispatch
+
+    def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD"):
+        p = dispatch.Problem("prefill", 4, 2, d, "paged", page, layout, interpret=True)
+        return dispatch.ragged_long_impl(p, impl, dtype, kv, scaled, 0.125).name
+
+    assert pick() == "prefill_triton"  # not on a Hopper GPU
+    assert pick("mosaic") == "prefill_mosaic"
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
+    assert pick() == "prefill_mosaic" and pick(page=8) == "prefill_mosaic" and pick("triton") == "prefill_triton"
+    for kw in (dict(dtype=jnp.float32, kv=jnp.float32), dict(kv=jnp.float8_e4m3fn, scaled=True),
+               dict(layout="HND"), dict(d=32), dict(page=4)):
+        assert pick(**kw) == "prefill_triton"
+        with pytest.raises(ValueError, match="impl='mosaic'"):
+            pick("mosaic", **kw)
+    with pytest.raises(ValueError, match="impl"):
+        pick("short")
