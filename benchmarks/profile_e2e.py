@@ -14,8 +14,9 @@ printed in this order, tables last:
    count) with their bytes.
 2. Variants, each compiled (time printed) and run for --steps steps, --repeats times, ITL =
    interval between successive steps' tokens reaching the host (p50 of each repeat, their
-   median and spread, mean, p90, max): unroll (jaxinfer paged attention, the default step);
-   sync (each step's tokens reach the host before the next is planned and launched);
+   median and spread, mean, p90, max): unroll (jaxinfer paged attention, the default step:
+   the decode kernel appends the step's K/V); scatter (the K/V appended by
+   append_paged_kv_cache, a scatter per cache, before the decode kernel); sync (each step's tokens reach the host before the next is planned and launched);
    no-attention (q + K + V in place of attention and the cache write: attention's cost by
    difference); sampled (Gumbel sampling at temperature 1 instead of greedy argmax); scan
    (stacked weights in one lax.scan); cudnn and dense (the baselines of bench_e2e.py:
@@ -63,7 +64,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import generate  # noqa: E402
 import llama  # noqa: E402
 
-VARIANTS = ("unroll", "sync", "no-attention", "sampled", "scan", "cudnn", "dense")
+VARIANTS = ("unroll", "scatter", "sync", "no-attention", "sampled", "scan", "cudnn", "dense")
 DENSE = {"cudnn": "cudnn", "dense": "jnp"}  # variant -> DenseAttention impl
 ATTENTION = ("attention kernel", "split-KV merge", "KV append", "attention other")
 CATEGORIES = ("matmul", *ATTENTION, "sampling", "copies/slices", "other fusions", "H2D", "other memcpy")
@@ -87,9 +88,6 @@ def parse_args(argv=None):
                          "(default all but cudnn and dense)")
     ap.add_argument("--trace", default="unroll,scan",
                     help="comma-separated variants to trace (of those timed; empty: none)")
-    ap.add_argument("--parts", action="store_true",
-                    help="also time attention alone per batch: the config's layers of each part "
-                         "(PARTS) in one jitted program, untraced (command buffers on)")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, lengths and tokens")
     args = ap.parse_args(argv)
@@ -205,7 +203,12 @@ def op_info(hlo_text):
             return root_opcode(roots.get(calls[name], ""), depth + 1)
         return opcode
 
-    return {name: (op_name, root_opcode(name)) for name, (op_name, _) in info.items()}
+    return {_norm(name): (op_name, root_opcode(name)) for name, (op_name, _) in info.items()}
+
+
+def _norm(name):
+    """An HLO instruction name as the trace spells it (fusion.12 -> fusion_12)."""
+    return re.sub(r"[.\-]", "_", name)
 
 
 def classify(kernel, hlo_op, op_name, opcode):
@@ -274,7 +277,7 @@ def trace_breakdown(trace_dir, hlo_text, steps):
     for e in device:
         args = e.get("args", {})
         hlo_op = args.get("hlo_op", "")
-        op_name, opcode = info.get(hlo_op, ("", ""))
+        op_name, opcode = info.get(_norm(hlo_op), ("", ""))
         cat = classify(e["name"], hlo_op, op_name, opcode)
         per_cat[cat] += e["dur"]
         key = (cat, e["name"][:60])
@@ -282,6 +285,7 @@ def trace_breakdown(trace_dir, hlo_text, steps):
         launches[key] += 1
         per_thread[threads.get((e["pid"], e["tid"]), str(e["tid"]))] += 1
         intervals.append((e["ts"], e["ts"] + e["dur"]))
+        e["cat"] = cat
     busy, gaps = union_gaps(intervals)
     gaps = np.asarray(gaps)
     bounds = (0.0, *GAP_BINS_US, np.inf)
@@ -291,10 +295,25 @@ def trace_breakdown(trace_dir, hlo_text, steps):
     attention = sorted(((cat, name, launches[(cat, name)] / steps, us / steps)
                         for (cat, name), us in per_kernel.items() if cat in ATTENTION + ("H2D",)),
                        key=lambda r: -r[3])
-    return dict(device_events=len(device), events_per_thread=dict(per_thread),
+    return dict(device_events=len(device), events_per_thread=dict(per_thread), layer=layer_timeline(device),
                 category_us={c: per_cat[c] / steps for c in CATEGORIES},
                 busy_us=busy / steps, gap_bins=gap_bins, attention_kernels=attention,
                 top_kernels=[(cat, name, us / steps) for (cat, name), us in per_kernel.most_common(10)])
+
+
+def layer_timeline(device):
+    """One layer of the compute stream in the middle of the trace: [(gap from the previous
+    kernel's end µs (negative: overlap), duration µs, category, kernel)], from the kernel after
+    one attention kernel up to the next attention kernel (included)."""
+    stream = sorted((e for e in device if "memcpy" not in e["name"].lower()), key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(stream) if e["cat"] == "attention kernel"
+             and "reduction" not in e["name"] and "merge" not in e["name"]]
+    if len(marks) < 2:
+        return []
+    mid = len(marks) // 2
+    lo, hi = marks[mid - 1], marks[mid]
+    return [(stream[i]["ts"] - stream[i - 1]["ts"] - stream[i - 1]["dur"], stream[i]["dur"], stream[i]["cat"],
+             stream[i]["name"][:60]) for i in range(lo + 1, hi + 2) if i < len(stream)]
 
 
 # --- setup and variants ------------------------------------------------------------------------
@@ -337,8 +356,9 @@ class Setup:
         elif variant != "no-attention":
             kv_indptr, kv_indices, last = page_table(self.page_lists, kv_lens, self.ps)
             plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages)
-            attention = llama.PagedAttention(self.decode, self.num_pages, plan, self.rows, pos, kv_indptr,
-                                             pad(kv_indices, self.num_pages))
+            attention = (llama.PagedAttention(self.decode, self.num_pages, plan, self.rows, pos, kv_indptr,
+                                              pad(kv_indices, self.num_pages)) if variant == "scatter"
+                         else llama.PagedAttention(self.decode, self.num_pages, plan))  # the kernel appends
         else:
             attention = NoAttention()
         out = jax.device_put((pos, attention))
@@ -400,86 +420,6 @@ def run_variant(name, model, setup, kv_cache, args, rng, trace_dir=None):
     return row, state["kv_cache"], hlo
 
 
-# What each part of attention costs alone: (append, decode, merge) for jaxinfer, (append, attend) for cuDNN.
-PARTS = {"jaxinfer: append + decode + merge": ("paged", True, True, True),
-         "jaxinfer: decode + merge": ("paged", False, True, True),
-         "jaxinfer: decode (no merge)": ("paged", False, True, False),
-         "jaxinfer: append": ("paged", True, False, False),
-         "cudnn: append + attend": ("cudnn", True, True, False),
-         "cudnn: attend": ("cudnn", False, True, False),
-         "no attention (q chain only)": ("none", False, False, False)}
-
-
-def attention_parts(setup, args):
-    """µs per step of attention alone over cfg.num_layers layers (each its own cache, q of layer
-    l + 1 = q + o of layer l), one jitted program per part, the caches donated; median of
-    --repeats x 7 rounds of 10 calls. {part: µs}."""
-    from jaxinfer.runners import decode_kernels  # the kernel without its merge (timing only)
-
-    cfg, lens, batch = setup.cfg, setup.lens, len(setup.lens)
-    key = jax.random.key(args.seed + 1)
-    q = jax.random.normal(key, (batch, cfg.num_heads, cfg.head_dim), cfg.dtype)
-    kv = jax.random.normal(jax.random.fold_in(key, 1), (2, batch, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
-    pos, paged_attention = setup.inputs(0, "unroll")
-    dense_attention = setup.inputs(0, "cudnn")[1]
-    dec, plan = setup.decode, paged_attention.plan
-
-    def paged_layer(append, decode, merge, cache, q):
-        if append:
-            cache = ji.append_paged_kv_cache(cache, kv[0], kv[1], paged_attention.batch_indices,
-                                             paged_attention.positions, paged_attention.kv_indices,
-                                             paged_attention.kv_indptr)
-        if not decode:
-            return q, cache
-        if merge:
-            return dec.run(q, cache, plan), cache
-        sec = plan.sections()
-        k_rows, v_rows = cache.rows()
-        o = decode_kernels.paged_decode(q, k_rows, v_rows, sec["kv_indices"], sec["kv_lens"], sec["items"],
-                                        sec["cell_indptr"], num_parts=plan.layout.part_cap,
-                                        page_size=setup.ps, num_kv_heads=cfg.num_kv_heads, layout="NHD",
-                                        sm_scale=dec.sm_scale, interpret=dec.interpret)[0]
-        return o.reshape(q.shape), cache
-
-    def cudnn_layer(append, attend, cache, q):
-        o, new = dense_attention(None, q, kv[0], kv[1], cache)
-        return (o if attend else q), (new if append else cache)
-
-    results = {}
-    for part, (kind, append, attend, merge) in PARTS.items():
-        if kind == "cudnn" and jax.default_backend() != "gpu":
-            continue
-        variant = "cudnn" if kind == "cudnn" else "unroll"
-
-        def program(caches, q, kind=kind, append=append, attend=attend, merge=merge):
-            caches = list(caches)
-            for l in range(len(caches)):
-                if kind == "paged":
-                    o, caches[l] = paged_layer(append, attend, merge, caches[l], q)
-                elif kind == "cudnn":
-                    o, caches[l] = cudnn_layer(append, attend, caches[l], q)
-                else:
-                    o = q * 0.5
-                q = (q + o).astype(q.dtype)
-            return q, tuple(caches)
-
-        fn = jax.jit(program, donate_argnums=0)
-        caches = setup.kv_cache(variant, args.seed)
-        out, caches = fn(caches, q)
-        jax.block_until_ready(out)
-        rounds = []
-        for _ in range(7 * args.repeats):
-            t = time.perf_counter()
-            for _ in range(10):
-                out, caches = fn(caches, q)
-            jax.block_until_ready(out)
-            rounds.append((time.perf_counter() - t) / 10)
-        results[part] = float(np.median(rounds)) * 1e6
-        print(json.dumps(dict(parts=part, batch=batch, us=results[part])), flush=True)
-        del caches
-    return results
-
-
 def build(cfg, seed):
     model = llama.Llama(cfg, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
@@ -487,7 +427,7 @@ def build(cfg, seed):
     return graphdef, params
 
 
-def print_tables(copies, rows, parts):
+def print_tables(copies, rows):
     print("\nweight-sized arrays materialized per decode step (outside fusions):")
     for loop, c in copies.items():
         print(f"  {loop:<7} {c['count']:>5} arrays, {c['bytes'] / 1e9:8.3f} GB  {c['where'] or ''}")
@@ -498,13 +438,6 @@ def print_tables(copies, rows, parts):
         print(f"{r['variant']:<13} {r['batch']:>5} {r['layer_loop']:<7} {r['compile_s']:>9.1f} "
               f"{r['itl_ms_p50']:>10.3f} {reps:<24} {r['itl_ms_mean']:>7.3f} {r['itl_ms_p90']:>7.3f} "
               f"{r['itl_ms_max']:>7.3f} {r['plan_ms']:>8.3f}")
-    if parts:
-        batches = list(parts)
-        print(f"\nattention alone, all layers in one jitted program, untraced: µs per step")
-        print(f"  {'part':<36}" + "".join(f"{'b' + str(b):>10}" for b in batches))
-        for part in PARTS:
-            print(f"  {part:<36}" + "".join(f"{parts[b][part]:>10.1f}" if part in parts[b] else f"{'-':>10}"
-                                            for b in batches))
     traced = [r for r in rows if "busy_us" in r]
     if not traced:
         return
@@ -526,6 +459,9 @@ def print_tables(copies, rows, parts):
               f"(launches, µs, µs per launch)")
         for cat, name, n, us in r["attention_kernels"]:
             print(f"    {n:>6.1f} {us:>9.1f} {us / max(n, 1e-9):>7.2f}  {cat:<16} {name}")
+        print("  one layer (gap before µs, duration µs):")
+        for gap, dur, cat, name in r["layer"]:
+            print(f"    {gap:>7.2f} {dur:>8.2f}  {cat:<16} {name}")
         print("  costliest kernels (µs per step):")
         for cat, name, us in r["top_kernels"]:
             print(f"    {us:>9.1f}  {cat:<16} {name}")
@@ -541,7 +477,7 @@ def main(argv=None):
     print(json.dumps(dict(config=args.config, batches=args.batches,
                           context_lens={b: lens.tolist()[:8] for b, lens in all_lens.items()},
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__)), flush=True)
-    rows, copies, parts = [], {}, {}
+    rows, copies = [], {}
     if "cudnn" in args.variants and jax.default_backend() != "gpu":
         print("cudnn skipped: it needs a GPU", flush=True)
         args.variants = [v for v in args.variants if v != "cudnn"]
@@ -555,8 +491,6 @@ def main(argv=None):
         print(f"{loop}: weights {time.perf_counter() - t:.1f} s", flush=True)
         for batch in args.batches:
             setup = Setup(cfg, args, all_lens[batch])
-            if args.parts and loop == "unroll":
-                parts[batch] = attention_parts(setup, args)
             for name in names:
                 kv_cache = setup.kv_cache(name, args.seed)
                 trace_dir = (os.path.join(out_dir, "profile_trace", f"b{batch}_{name}")
@@ -565,16 +499,16 @@ def main(argv=None):
                 if name in ("unroll", "scan"):
                     copies[loop] = weight_copies(hlo, cfg)
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "attention_kernels")}),
+                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "attention_kernels", "layer")}),
                       flush=True)
                 del kv_cache  # free this variant's cache before the next
         del model  # free this loop's weights before the next
     path = os.path.join(out_dir, "profile_e2e.json")
     with open(path, "w") as f:
         json.dump(dict(config=args.config, batches=args.batches, device=str(jax.devices()[0].device_kind),
-                       jax=jax.__version__, copies=copies, rows=rows, parts=parts), f, indent=1)
+                       jax=jax.__version__, copies=copies, rows=rows), f, indent=1)
     print(f"total {time.perf_counter() - start:.0f} s; results in {path}")
-    print_tables(copies, rows, parts)
+    print_tables(copies, rows)
     return copies, rows
 
 
