@@ -222,6 +222,8 @@ def classify(kernel, hlo_op, op_name, opcode):
         return "split-KV merge"
     if re.search(r"paged_decode|jaxinfer_|cudnn|fmha|flash|sdpa", text):
         return "attention kernel"
+    if not op_name and re.search(r"scatter|dynamic[-_]update[-_]slice", text):
+        return "KV append"  # no scope to go by (the step's only scatters write the KV cache)
     if "attention" in scopes:
         if opcode in ("scatter", "dynamic-update-slice") or "scatter" in text:
             return "KV append"
@@ -295,23 +297,27 @@ def trace_breakdown(trace_dir, hlo_text, steps):
     attention = sorted(((cat, name, launches[(cat, name)] / steps, us / steps)
                         for (cat, name), us in per_kernel.items() if cat in ATTENTION + ("H2D",)),
                        key=lambda r: -r[3])
-    return dict(device_events=len(device), events_per_thread=dict(per_thread), layer=layer_timeline(device),
+    kernels = [e for e in device if "memcpy" not in e["name"].lower()]
+    return dict(device_events=len(device), events_per_thread=dict(per_thread), layer=layer_timeline(device, steps),
+                op_names_found=sum(1 for e in kernels if _norm(e.get("args", {}).get("hlo_op", "")) in info),
+                event_args=sorted(kernels[0].get("args", {})) if kernels else [],
                 category_us={c: per_cat[c] / steps for c in CATEGORIES},
                 busy_us=busy / steps, gap_bins=gap_bins, attention_kernels=attention,
                 top_kernels=[(cat, name, us / steps) for (cat, name), us in per_kernel.most_common(10)])
 
 
-def layer_timeline(device):
-    """One layer of the compute stream in the middle of the trace: [(gap from the previous
-    kernel's end µs (negative: overlap), duration µs, category, kernel)], from the kernel after
-    one attention kernel up to the next attention kernel (included)."""
+def layer_timeline(device, steps):
+    """One layer of the compute stream, the middle layer of the middle traced step: [(gap from
+    the previous kernel's end µs (negative: overlap), duration µs, category, kernel)], from the
+    kernel after the previous layer's attention kernel up to the one after this layer's."""
     stream = sorted((e for e in device if "memcpy" not in e["name"].lower()), key=lambda e: e["ts"])
     marks = [i for i, e in enumerate(stream) if e["cat"] == "attention kernel"
              and "reduction" not in e["name"] and "merge" not in e["name"]]
     if len(marks) < 2:
         return []
-    mid = len(marks) // 2
-    lo, hi = marks[mid - 1], marks[mid]
+    per_step = max(len(marks) // steps, 1)
+    mid = min((steps // 2) * per_step + per_step // 2, len(marks) - 1)
+    lo, hi = marks[max(mid - 1, 0)], marks[mid]
     return [(stream[i]["ts"] - stream[i - 1]["ts"] - stream[i - 1]["dur"], stream[i]["dur"], stream[i]["cat"],
              stream[i]["name"][:60]) for i in range(lo + 1, hi + 2) if i < len(stream)]
 
@@ -499,7 +505,8 @@ def main(argv=None):
                 if name in ("unroll", "scan"):
                     copies[loop] = weight_copies(hlo, cfg)
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "attention_kernels", "layer")}),
+                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "attention_kernels", "layer",
+                                                                              "event_args")}),
                       flush=True)
                 del kv_cache  # free this variant's cache before the next
         del model  # free this loop's weights before the next
