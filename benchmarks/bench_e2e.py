@@ -9,7 +9,8 @@ stacked weights in one lax.scan), batch 1 / 16 / 64, prompt lengths uniform on [
 output tokens, greedy (the step ends in one argmax over the vocabulary). Methods:
 
   jaxinfer  paged cache (page 16): one BatchPrefillWithPagedKVCache call for all prompts, then
-            BatchDecodeWithPagedKVCache steps (a host plan per step, shared by all layers)
+            BatchDecodeWithPagedKVCache steps (a host plan per step, shared by all layers; the
+            decode kernel appends each step's K/V: run(..., append_kv=))
   dense     dense padded cache [L, B, max prompt + 127, Hkv, D], plain jnp attention
   cudnn     the same dense cache, jax.nn.dot_product_attention(implementation="cudnn")
 
@@ -18,7 +19,8 @@ included) until every request's first token is on the host. The dense methods pr
 --dense-prefill-chunk requests per call, each padded to the longest prompt of the batch (the
 [B, H, T, T] scores of the jnp baseline bound the chunk). ITL: every decode step's tokens reach
 the host, as a streaming server needs; ITL is the interval between successive steps' arrivals,
-median and mean over the 127 decode steps. Step t + 1 is planned on the host, copied over and
+median and mean over the 127 decode steps (--itl-repeats N: the same 127 steps N times, ITL p50
+the median of the loops' medians, each printed). Step t + 1 is planned on the host, copied over and
 launched (fed step t's tokens on the device) before the host waits for step t's tokens, as in
 examples/generate.py (--sync: wait, then plan and launch the next step). Compile times
 (prefill, decode step) are measured apart (ahead-of-time) and printed. A row that fails records its
@@ -65,6 +67,8 @@ def parse_args(argv=None):
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page of jaxinfer's paged cache")
     ap.add_argument("--dense-prefill-chunk", type=int, default=4, help="requests per dense prefill call")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no row after this many seconds")
+    ap.add_argument("--itl-repeats", type=int, default=1,
+                    help="decode loops per row (the same steps again; ITL p50 = median of the loops' p50)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens")
     args = ap.parse_args(argv)
     args.config = "tiny" if args.smoke else "llama3-8b"
@@ -75,8 +79,8 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         raise ValueError(f"--methods must be drawn from {METHODS}, got {bad}")
-    if min(args.batches) < 1 or args.out_tokens < 2 or args.dense_prefill_chunk < 1:
-        raise ValueError("--batches, --dense-prefill-chunk must be >= 1 and --out-tokens >= 2")
+    if min(args.batches) < 1 or args.out_tokens < 2 or args.dense_prefill_chunk < 1 or args.itl_repeats < 1:
+        raise ValueError("--batches, --dense-prefill-chunk, --itl-repeats must be >= 1 and --out-tokens >= 2")
     if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
         raise ValueError(f"--prompt-len must satisfy 1 <= MIN <= MAX, got {args.prompt_len}")
     return args
@@ -89,9 +93,12 @@ def aot(fn, *args):
     return compiled, time.perf_counter() - t
 
 
-def latency_stats(ttft, itl):
-    itl = np.asarray(itl)
-    return dict(ttft_ms=ttft * 1e3, itl_ms_p50=float(np.median(itl)) * 1e3, itl_ms_mean=float(itl.mean()) * 1e3,
+def latency_stats(ttft, loops):
+    """TTFT and ITL figures (ms); loops: per decode loop, its steps' seconds."""
+    p50s = [float(np.median(itl)) * 1e3 for itl in loops]
+    itl = np.concatenate([np.asarray(x) for x in loops])
+    return dict(ttft_ms=ttft * 1e3, itl_ms_p50=float(np.median(p50s)), itl_ms_p50_loops=p50s,
+                itl_ms_mean=float(itl.mean()) * 1e3, itl_ms_mean_loops=[float(np.mean(x)) * 1e3 for x in loops],
                 itl_ms_p90=float(np.percentile(itl, 90)) * 1e3)
 
 
@@ -140,14 +147,13 @@ class Bench:
             return (self.params, tokens, positions, kv_cache, attention, qo_indptr[1:] - 1, *sampling)
 
         def decode_inputs(step):
-            """Step `step`'s host plan and page table, sent to the device: (positions, attention)."""
+            """Step `step`'s host plan, sent to the device: (positions, attention); the decode
+            kernel appends each request's K/V at its last position."""
             kv_lens = lens + step + 1
             kv_indptr, kv_indices, last = page_table(page_lists, kv_lens, ps)
             plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages)
             pos = (kv_lens - 1).astype(np.int32)
-            attention = llama.PagedAttention(decode, num_pages, plan, np.arange(batch, dtype=np.int32), pos,
-                                             kv_indptr, pad(kv_indices, num_pages))
-            return jax.device_put((pos, attention))
+            return jax.device_put((pos, llama.PagedAttention(decode, num_pages, plan)))
 
         prefill_fn, prefill_compile = aot(self.step, *prefill_args())
         _, kv_cache = prefill_fn(*prefill_args())  # warm-up (writes the same K/V again below)
@@ -156,14 +162,15 @@ class Bench:
         first, kv_cache = prefill_fn(*prefill_args())
         host_first = np.asarray(first)
         ttft = time.perf_counter() - t
-        decode_compile, itl = self.decode_loop(decode_inputs, first, kv_cache, sampling, out)
+        decode_compile, loops = self.decode_loop(decode_inputs, first, kv_cache, sampling, out)
         return dict(first_tokens=host_first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
-                    **latency_stats(ttft, itl))
+                    **latency_stats(ttft, loops))
 
     def decode_loop(self, decode_inputs, first, kv_cache, sampling, out):
         """Compiles the decode step, then runs out - 1 steps (generate.decode_loop: overlapped
-        unless --sync); returns (compile s, per-step s). decode_inputs(step) -> (positions,
-        attention) on the device; first: the prefill's tokens."""
+        unless --sync), --itl-repeats times over the same steps; returns (compile s, per loop
+        its steps' s). decode_inputs(step) -> (positions, attention) on the device; first: the
+        prefill's tokens."""
         state = {"kv_cache": kv_cache}
 
         def call_args(tokens, inputs):
@@ -175,8 +182,9 @@ class Bench:
             return tok, tok
 
         decode_fn, compile_s = aot(self.step, *call_args(first, decode_inputs(0)))
-        _, itl = generate.decode_loop(dispatch, decode_inputs, first, out - 1, overlap=not self.args.sync)
-        return compile_s, itl
+        loops = [generate.decode_loop(dispatch, decode_inputs, first, out - 1, overlap=not self.args.sync)[1]
+                 for _ in range(self.args.itl_repeats)]
+        return compile_s, loops
 
     def run_dense(self, prompts, impl):
         cfg, out, chunk = self.cfg, self.args.out_tokens, self.args.dense_prefill_chunk
@@ -215,10 +223,10 @@ class Bench:
             firsts.append(first)
         first = np.concatenate([np.asarray(f) for f in firsts])[:batch]
         ttft = time.perf_counter() - t
-        decode_compile, itl = self.decode_loop(decode_inputs, jax.device_put(first), kv_cache,
-                                               self.sampling(batch), out)
+        decode_compile, loops = self.decode_loop(decode_inputs, jax.device_put(first), kv_cache,
+                                                 self.sampling(batch), out)
         return dict(first_tokens=first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
-                    prefill_chunk=chunk, **latency_stats(ttft, itl))
+                    prefill_chunk=chunk, **latency_stats(ttft, loops))
 
 
 def print_table(rows):
@@ -228,9 +236,11 @@ def print_table(rows):
         if "itl_ms_p50" in r:
             agree = r.get("first_token_agreement")
             compile_s = f"{r['compile_prefill_s']:.1f} + {r['compile_decode_s']:.1f}"
-            print(f"{r['method']:<9} {r['batch']:>5} {r['ttft_ms']:>9.1f} {r['itl_ms_p50']:>10.2f} "
-                  f"{r['itl_ms_mean']:>9.2f} {r['batch'] * 1e3 / r['itl_ms_p50']:>8.0f} {compile_s:>24}  "
-                  + ("" if agree is None else f"first tokens = dense's: {agree:.2f}"))
+            loops = r["itl_ms_p50_loops"]
+            print(f"{r['method']:<9} {r['batch']:>5} {r['ttft_ms']:>9.1f} {r['itl_ms_p50']:>10.3f} "
+                  f"{r['itl_ms_mean']:>9.3f} {r['batch'] * 1e3 / r['itl_ms_p50']:>8.0f} {compile_s:>24}  "
+                  + ("" if agree is None else f"first tokens = dense's: {agree:.2f}  ")
+                  + ("" if len(loops) < 2 else "p50 per loop " + " ".join(f"{x:.3f}" for x in loops)))
         else:
             print(f"{r['method']:<9} {r['batch']:>5} {'-':>9} {'-':>10} {'-':>9} {'-':>8} {'-':>24}  "
                   f"{r.get('error') or r.get('skipped')}")

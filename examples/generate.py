@@ -179,23 +179,20 @@ def main(argv=None):
     # Decode.
     decode = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, ps, max_batch_size=batch,
                                             max_num_pages=num_pages, **kernel_opts)
-    rows = np.arange(batch, dtype=np.int32)
 
-    def page_inputs(lens, horizon=1):
+    def decode_plan(lens, horizon=1):
         kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
-        plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages, horizon=horizon)
-        return plan, kv_indptr, pad(kv_indices, num_pages)
+        return decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages, horizon=horizon)
 
     def decode_inputs(call):
-        """Host plan for decode call `call` (k steps from token `call * k`), sent to the device."""
+        """Host plan for decode call `call` (k steps from token `call * k`), sent to the device.
+        Row b is request b at its last position, so the decode kernel appends the K/V itself."""
         done = call * k
         if args.scan:
-            return jax.device_put(page_inputs(prompt_lens + done + k, horizon=k))
+            return (decode_plan(prompt_lens + done + k, horizon=k),)
         lens = prompt_lens + done + 1  # after this step's token is appended
         positions = (lens - 1).astype(np.int32)
-        plan, kv_indptr, kv_indices = page_inputs(lens)
-        return jax.device_put((positions, llama.PagedAttention(decode, num_pages, plan, rows, positions,
-                                                               kv_indptr, kv_indices)))
+        return jax.device_put((positions, llama.PagedAttention(decode, num_pages, decode_plan(lens))))
 
     state = {"kv_cache": kv_cache}
 

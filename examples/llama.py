@@ -15,11 +15,13 @@ Both loops build identical weights from the same seed, so they give the same tok
 
 Attention goes through an attention object passed to the model with the step's inputs:
 
-  PagedAttention  jaxinfer over one PagedKVCache that holds every layer's pages (layer l's page
-                  p is cache page l * pages_per_layer + p): new K/V written with
+  PagedAttention  jaxinfer over paged caches (per layer, or one stacked cache whose layer l's
+                  page p is cache page l * pages_per_layer + p): new K/V written with
                   append_paged_kv_cache, then BatchPrefillWithPagedKVCache (prompts),
                   BatchDecodeWithPagedKVCache (one token per request) or
-                  MultiLevelCascadeAttention (shared prefixes) with one plan per step.
+                  MultiLevelCascadeAttention (shared prefixes) with one plan per step. Decode
+                  steps without a page table (batch_indices None) write the new K/V inside
+                  the decode kernel instead (run(..., append_kv=)): one launch per layer.
   DenseAttention  the baseline: a dense padded cache [L, B, S, Hkv, D] and plain jnp attention
                   (impl="jnp") or jax.nn.dot_product_attention(implementation="cudnn").
 """
@@ -238,6 +240,8 @@ class PagedAttention:
     MultiLevelCascadeAttention, and plan its plan for this step (page ids of one layer).
     batch_indices, positions int32[N]: where each token's K/V goes (-1: padding row).
     kv_indptr int32[Bcap+1], kv_indices int32[cap]: the page table (padded) for the append.
+    These four None (a decode wrapper and DecodePlan only): token row b is request b's token
+    at its last position (length - 1), and the decode kernel writes its K/V (append_kv).
     kv_lens int32[B] (optional): live lengths at this step of a horizon plan.
     pages_per_layer: pages of one layer; a stacked cache (scan) holds layer l's page p at
     l * pages_per_layer + p, and the plan is shifted there (plan.with_page_offset).
@@ -245,10 +249,10 @@ class PagedAttention:
     wrapper: Any
     pages_per_layer: int
     plan: Any
-    batch_indices: jax.Array
-    positions: jax.Array
-    kv_indptr: jax.Array
-    kv_indices: jax.Array
+    batch_indices: Any = None
+    positions: Any = None
+    kv_indptr: Any = None
+    kv_indices: Any = None
     kv_lens: Any = None
 
     def __call__(self, layer, q, k, v, kv_cache):
@@ -256,7 +260,10 @@ class PagedAttention:
         plan, kv_indices = self.plan, self.kv_indices
         if layer is not None:
             offset = layer * self.pages_per_layer
-            plan, kv_indices = plan.with_page_offset(offset), kv_indices + offset
+            plan = plan.with_page_offset(offset)
+            kv_indices = None if kv_indices is None else kv_indices + offset
+        if self.batch_indices is None:  # decode: the kernel appends (one launch per layer)
+            return self.wrapper.run(q, kv_cache, plan, kv_lens=self.kv_lens, append_kv=(k, v))
         kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, self.batch_indices, self.positions,
                                             kv_indices, self.kv_indptr)
         if self.kv_lens is None:
@@ -407,21 +414,19 @@ def make_step(graphdef, greedy=False):
 
 
 def make_decode_scan(graphdef, wrapper, pages_per_layer, steps, greedy=False):
-    """jit((params, tokens int32[B], kv_cache, plan, kv_indptr, kv_indices, temperature, seeds)
-    -> (tokens int32[steps, B], kv_cache)): `steps` decode steps in one lax.scan over a horizon
-    plan (wrapper.plan(..., horizon=steps), the page table sized for the last step). Step s
-    runs with kv_lens = plan.kv_lens_at(s); rows with no KV are padding. greedy as in make_step."""
-    def scan(params, tokens, kv_cache, plan, kv_indptr, kv_indices, temperature, seeds):
+    """jit((params, tokens int32[B], kv_cache, plan, temperature, seeds) -> (tokens int32[steps, B],
+    kv_cache)): `steps` decode steps in one lax.scan over a horizon plan (wrapper.plan(...,
+    horizon=steps), the page table sized for the last step). Step s runs with kv_lens =
+    plan.kv_lens_at(s), the decode kernel appending each token's K/V; rows with no KV are
+    padding. greedy as in make_step."""
+    def scan(params, tokens, kv_cache, plan, temperature, seeds):
         model = nnx.merge(graphdef, params)
-        rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
 
         def body(carry, s):
             tokens, kv_cache = carry
             lens = plan.kv_lens_at(s)                                   # [B] after this step's append
-            live = lens > 0
-            positions = jnp.where(live, lens - 1, -1)
-            attention = PagedAttention(wrapper, pages_per_layer, plan, jnp.where(live, rows, -1),
-                                       positions, kv_indptr, kv_indices, lens)
+            positions = jnp.where(lens > 0, lens - 1, -1)
+            attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens)  # the kernel appends
             logits, kv_cache = model(tokens, positions, kv_cache, attention)
             with jax.named_scope("sampling"):
                 tokens = sample(logits, temperature, seeds, positions, greedy=greedy)

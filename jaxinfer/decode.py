@@ -8,8 +8,8 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.cascade import MultiLevelCascadeAttention
-from jaxinfer.formats import (AttentionState, check_int32, check_layout, check_paged_cache, default_sm_scale,
-                              is_concrete, kv_scales)
+from jaxinfer.formats import (AttentionState, PagedKVCache, check_int32, check_layout, check_paged_cache,
+                              default_sm_scale, is_concrete, kv_scales)
 from jaxinfer.plans import CascadePlan, DecodePlan, WrapperFacts
 from jaxinfer.prefill import auto_cascade_levels
 from jaxinfer.runners import run_decode_sections
@@ -101,36 +101,65 @@ class BatchDecodeWithPagedKVCache:
         return DecodePlan(transfer.plan_buffer(buf, fixed), layout, spec, int(horizon), info=info)
 
     def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False, variant_params=None,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, append_kv=None):
         """q [B, Hq, D] -> o [B, Hq, D], or AttentionState(o, lse [B, Hq]) with return_lse.
 
         kv_lens (int32[B], optional, may be traced): live lengths, each at most the planned
         length (checked when concrete); defaults to the plan's lengths (DecodePlan only).
+        append_kv (k, v) [B, Hkv, D] (optional; a DecodePlan, no variant, K/V pages in q's
+        dtype): this step's new K/V of each request, written at its last position (length - 1)
+        by the decode kernel itself, which attends to it in the same launch (one launch where
+        append_paged_kv_cache + run() take three); returns (o or AttentionState, the updated
+        PagedKVCache), in place when the cache is donated. Rows whose length is 0 write nothing.
         """
         if isinstance(plan, CascadePlan):
             if kv_lens is not None:
                 raise ValueError("kv_lens needs a DecodePlan; a cascade plan serves one step")
+            if append_kv is not None:
+                raise ValueError("append_kv needs a DecodePlan; with a cascade plan use append_paged_kv_cache")
             return self._cascade_wrapper().run(q, kv_cache, plan, return_lse=return_lse,
                                                variant_params=variant_params, k_scale=k_scale,
                                                v_scale=v_scale)
         variants.check_variant(self.variant, return_lse)
         params = None if self.variant is None else self.variant.check_params(variant_params)
         self._check(q, kv_cache, plan)
+        if append_kv is not None:
+            append_kv = self._check_append(q, kv_cache, append_kv, k_scale, v_scale)
         sec = plan.sections()
         lens = sec["kv_lens"] if kv_lens is None else self._check_kv_lens(kv_lens, plan)
         if q.shape[0] == 0:  # batch 0 without capacities: empty outputs, no kernel
             empty = AttentionState(jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32))
-            return empty if return_lse else empty.o
+            empty = empty if return_lse else empty.o
+            return empty if append_kv is None else (empty, kv_cache)
         k_rows, v_rows = kv_cache.rows()
-        o, lse = run_decode_sections(
+        o, lse, *rows = run_decode_sections(
             q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), lens, plan.layout,
             page_size=self.page_size, num_kv_heads=self.num_kv_heads, cache_layout=self.layout,
             sm_scale=self.sm_scale, interpret=self.interpret,
             config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME[plan.impl], self.problem, self.configs),
             scales=kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads),
-            variant=self.variant, params=params)
+            variant=self.variant, params=params, append=append_kv)
         out = variants.finish(self.variant, params, o, lse, return_lse)
-        return AttentionState(*out) if return_lse else out
+        out = AttentionState(*out) if return_lse else out
+        if append_kv is None:
+            return out
+        shape = kv_cache.k_pages.shape
+        return out, PagedKVCache(rows[0].reshape(shape), rows[1].reshape(shape), kv_cache.layout)
+
+    def _check_append(self, q, kv_cache, append_kv, k_scale, v_scale):
+        """append_kv as a (k, v) pair of [B, Hkv, D] arrays in the cache's dtype; ValueError otherwise."""
+        if not isinstance(append_kv, (tuple, list)) or len(append_kv) != 2:
+            raise ValueError("append_kv must be a (k, v) pair")
+        if self.variant is not None:
+            raise ValueError("append_kv runs without a variant; use append_paged_kv_cache")
+        if k_scale is not None or v_scale is not None or jnp.dtype(kv_cache.dtype) != jnp.dtype(q.dtype):
+            raise ValueError(f"append_kv needs K/V pages in q's dtype ({jnp.dtype(q.dtype).name}) without "
+                             f"scales, got {jnp.dtype(kv_cache.dtype).name}; use append_paged_kv_cache")
+        expect = (q.shape[0], self.num_kv_heads, self.head_dim)
+        for name, x in zip("kv", append_kv):
+            if not hasattr(x, "shape") or tuple(x.shape) != expect:
+                raise ValueError(f"append_kv's {name} must have shape {expect}, got {getattr(x, 'shape', x)}")
+        return tuple(jnp.asarray(x).astype(kv_cache.dtype) for x in append_kv)
 
     def _check_kv_lens(self, kv_lens, plan):
         check_int32("kv_lens", kv_lens)  # before jnp.asarray, which would make int64 int32 silently

@@ -12,21 +12,26 @@ from pallas_kernels import prefill as prefill_kernels
 
 def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, page_size, num_kv_heads,
                         cache_layout, sm_scale, interpret, config, scales=None, variant=None, params=None,
-                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1, causal=True, out=None):
+                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1, causal=True, out=None,
+                        append=None):
     """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [N,Hq,D], lse [N,Hq]),
     before any variant output transform. out (optional): (o [N, Hq, D], lse [N, Hq]) whose rows the
-    plan does not write are kept (updated in place)."""
+    plan does not write are kept (updated in place). append (optional): (k, v) [N, Hkv, D], each
+    request's new row, written at position kv_lens - 1 by the decode kernel itself
+    (decode_kernels.paged_decode); then returns (o, lse, k_rows, v_rows), the cache updated."""
     n, hq, d = q.shape
     flat_out = None if out is None else (out[0].reshape(n * hq, d), out[1].reshape(n * hq))
-    o, lse, o_part, lse_part = decode_kernels.paged_decode(
+    o, lse, o_part, lse_part, *rows = decode_kernels.paged_decode(
         q, k_rows, v_rows, kv_indices, kv_lens, sec["items"], sec["cell_indptr"],
         num_parts=layout.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
         sm_scale=sm_scale, interpret=interpret, columns=columns, tokens_per_item=tokens_per_item,
-        causal=causal, scales=scales, variant=variant, params=params, config=config, out=flat_out)
-    return merge_kernels.merge_varlen(
+        causal=causal, scales=scales, variant=variant, params=params, config=config, out=flat_out,
+        append=append)
+    o, lse = merge_kernels.merge_varlen(
         o_part.reshape(layout.part_cap, hq, d), lse_part.reshape(layout.part_cap, hq),
         sec["merge_indptr"], sec["merge_dest"], out=(o.reshape(n, hq, d), lse.reshape(n, hq)),
         interpret=interpret)
+    return (o, lse, *rows)
 
 
 def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, page_size, num_kv_heads, cache_layout,

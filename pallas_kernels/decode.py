@@ -1,7 +1,7 @@
 """Paged decode attention: one query token per request, head-group fusion, split-KV.
 
-Grid (num_cells, Hkv), or (Hkv, num_cells) with heads_fastest (the launch order). Cell c
-processes the work items items[cell_indptr[c]:cell_indptr[c+1]] one after another (the
+Grid (Hkv, num_cells) with heads_fastest (the default; the launch order), else (num_cells,
+Hkv). Cell c processes the work items items[cell_indptr[c]:cell_indptr[c+1]] one after another (the
 planner balanced them with the paper's Algorithm 1). A work item is one KV chunk of one request:
 
     items[w] = (request, page_base, tok_start, tok_end, part_slot)            (ITEM_COLUMNS)
@@ -23,10 +23,15 @@ query head kv_head * G + r % G, q rows q_start + t, causal bottom-right (token t
 Loads of tokens past the chunk's end are masked off, so the kernel only ever
 reads rows of pages in the request's own list; stale or NaN slots of a last
 page are never loaded.
+
+Fused append (append=(k_new, v_new), one-token items only): request b's new K/V row (this
+step's token, at position kv_lens[b] - 1) is written into the cache (aliased in and out) by
+the one item whose chunk holds that position, which attends to it from the new rows rather
+than the cache; no item reads that slot, so the write races with no load. One launch does
+what a scatter per cache and the decode kernel did.
 """
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +47,15 @@ MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
                    *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant,
-                   param_tree, heads_fastest, has_out, **attend_kw):
+                   param_tree, heads_fastest, has_out, has_append, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
-    param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-6 if has_out else -4], refs[-4:]
+    # refs: [params..., (k_new, v_new), (o, lse aliased)] inputs, then the outputs
+    # o, lse, o_part, lse_part, (k_rows, v_rows aliased).
+    outs, refs = (refs[-6:], refs[:-6]) if has_append else ((*refs[-4:], None, None), refs[:-4])
+    o_ref, lse_ref, o_part_ref, lse_part_ref, k_out_ref, v_out_ref = outs
+    if has_out:
+        refs = refs[:-2]
+    (k_new_ref, v_new_ref), param_refs = (refs[-2:], refs[:-2]) if has_append else ((None, None), refs)
     cell, head = pl.program_id(0), pl.program_id(1)
     if heads_fastest:
         cell, head = head, cell
@@ -61,7 +72,8 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         req, tok_start, tok_end, part_slot = f["request"], f["tok_start"], f["tok_end"], f["part_slot"]
         q_start, qo_len = (f["q_start"], f["qo_len"]) if multi else (req, 1)
         kv_len = _common.uniform(kv_lens_ref[req])
-        n_tok = jnp.maximum(jnp.minimum(tok_end, kv_len) - tok_start, 0)
+        cached = kv_len - 1 if has_append else kv_len  # the appended token is not read from the cache
+        n_tok = jnp.maximum(jnp.minimum(tok_end, cached) - tok_start, 0)
         row_ok = t_local < qo_len
         q_tok = jnp.minimum(t_local, jnp.maximum(qo_len, 1) - 1)
         q_rows = (q_start + q_tok) * num_qo_heads + heads
@@ -83,6 +95,11 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         acc, m, l = _attention.attend(q, k_ref, v_ref, kv_indices_ref, f["page_base"], tok_start, n_tok,
                                       head, num_kv_heads=num_kv_heads, n_head=n_head, n_plain=n_plain,
                                       visible_fn=visible, k_scale=k_scale, **var_kw, **attend_kw)
+        if has_append:
+            acc, m, l = _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_out_ref, v_out_ref, kv_indices_ref,
+                                      req, head, f["page_base"], tok_start, tok_end, kv_len, r,
+                                      num_kv_heads=num_kv_heads, page_size=attend_kw["page_size"],
+                                      layout=attend_kw["layout"], sm_scale=attend_kw["sm_scale"])
         o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
                                      v_scale=v_scale)
 
@@ -104,18 +121,47 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
     lax.fori_loop(first, end, item, 0)
 
 
+def _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_out_ref, v_out_ref, kv_indices_ref, req, head,
+                  page_base, tok_start, tok_end, kv_len, r, *, num_kv_heads, page_size, layout, sm_scale):
+    """The fused append: if this item's chunk [tok_start, tok_end) holds position kv_len - 1,
+    writes request req's new K/V row of KV head `head` there (page from kv_indices) and adds
+    that key to the base-2 online-softmax state (acc [M, D], m [M], l [M]); otherwise the
+    state is returned unchanged and nothing is written."""
+    last = kv_len - 1
+    owns = (kv_len > 0) & (tok_start <= last) & (last < tok_end)
+    own_rows = jnp.full(r.shape, owns)
+    new_rows = jnp.full(r.shape, req * num_kv_heads + head)  # [M], every row the same K/V row
+    k = _common.load_rows(k_new_ref, new_rows, own_rows)  # [M, D] (0 where not owned)
+    v = _common.load_rows(v_new_ref, new_rows, own_rows)
+    s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=1) * (sm_scale * _common.LOG2E)  # [M]
+    s = jnp.where(own_rows, s, -jnp.inf)
+    m_new = jnp.maximum(m, s)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha, p = _common.exp2(m - m_safe), _common.exp2(s - m_safe)
+    acc = acc * alpha[:, None] + p[:, None] * v.astype(jnp.float32)
+    page = kv_indices_ref[jnp.where(owns, page_base + last // page_size, 0)]
+    row = jnp.full(r.shape, _common.kv_rows(last, page, page_size, num_kv_heads, head, layout))
+    write = own_rows & (r == 0)  # one tile row writes the K/V row
+    _common.store_rows(k_out_ref, row, k, write)
+    _common.store_rows(v_out_ref, row, v, write)
+    return acc, m_new, l * alpha + p
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Tuning of the decode kernel (defaults measured on H100, BENCHMARKS.md).
 
-    heads_fastest None: on for fp8 K/V (a cell's KV heads launch together and read a token's
-    adjacent 128-byte rows at once: 203.9 vs 206.5 µs at (64, 4096); bf16 gained nothing).
+    heads_fastest: the grid is (Hkv, cells), so a cell's KV heads launch together and read a
+    token's adjacent head rows at once (fp8: 203.9 vs 206.5 µs at (64, 4096); bf16 gained
+    nothing there), and when a step has fewer items than cells (small batches, short
+    contexts) every busy CTA is in the first wave rather than spread over two (a CTA with
+    three 64-KB K/V stages has an SM to itself).
     num_stages 3: fp8 as pairs 205.6 vs 208.4 µs with 2."""
     block_kv: int = 128
     num_warps: int = 4
     num_stages: int = 3
     fp8_pairs: bool = True
-    heads_fastest: Optional[bool] = None
+    heads_fastest: bool = True
 
 
 def tile_rows(group, tokens_per_item=1):
@@ -126,7 +172,7 @@ def tile_rows(group, tokens_per_item=1):
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, interpret, columns=ITEM_COLUMNS,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
-                 config=DecodeConfig(), out=None):
+                 config=DecodeConfig(), out=None, append=None):
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
@@ -137,14 +183,19 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     variant / params: an attention variant and its parameter pytree (see _attention).
     out (optional): (o [N*Hq, D], lse [N*Hq]) updated in place (aliased): rows no item writes
     keep their values (BatchAttention: the prefill kernel's rows).
+    append (optional): (k_new, v_new) [N, Hkv, D] in the cache's dtype (= q's), one token per
+    request (ITEM_COLUMNS), no variant or scales: request b's row is written at position
+    kv_lens[b] - 1 of the cache (k_rows / v_rows aliased in and out) and attended to (see the
+    module docstring).
     Returns flat (o [N*Hq, D], lse [N*Hq], o_part [num_parts*Hq, D] f32,
-    lse_part [num_parts*Hq]); rows of o that no writethrough item covers are left for
-    the caller's merge (or keep out's values).
+    lse_part [num_parts*Hq]), then with append the new (k_rows, v_rows); rows of o that no
+    writethrough item covers are left for the caller's merge (or keep out's values).
     """
     n, num_qo_heads, d = q.shape
+    if append is not None and (tuple(columns) != ITEM_COLUMNS or variant is not None or scales is not None
+                               or k_rows.dtype != q.dtype):
+        raise ValueError("append needs one-token items, no variant, no K/V scales and K/V in q's dtype")
     heads_fastest = config.heads_fastest
-    if heads_fastest is None:
-        heads_fastest = k_rows.dtype.itemsize == 1
     group = num_qo_heads // num_kv_heads
     num_cells = cell_indptr.shape[0] - 1
     block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, config.num_stages)
@@ -156,19 +207,26 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
-        has_out=out is not None)
+        has_out=out is not None, has_append=append is not None)
     args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * num_qo_heads, d), k_rows, v_rows,
             *(scales or ()), *leaves]
-    aliases = {} if out is None else {len(args): 0, len(args) + 1: 1}
+    out_shape = [
+        jax.ShapeDtypeStruct((n * num_qo_heads, d), q.dtype),  # o (writethrough)
+        jax.ShapeDtypeStruct((n * num_qo_heads,), jnp.float32),  # lse
+        jax.ShapeDtypeStruct((num_parts * num_qo_heads, d), jnp.float32),  # partial o
+        jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32),  # partial lse
+    ]
+    aliases = {}
+    if append is not None:  # the cache, written in place: outputs 4 and 5
+        args += [x.reshape(n * num_kv_heads, d) for x in append]
+        out_shape += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
+        aliases = {5: 4, 6: 5}
+    if out is not None:
+        aliases.update({len(args): 0, len(args) + 1: 1})
     call = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_cells) if heads_fastest else (num_cells, num_kv_heads),
-        out_shape=(
-            jax.ShapeDtypeStruct((n * num_qo_heads, d), q.dtype),  # o (writethrough)
-            jax.ShapeDtypeStruct((n * num_qo_heads,), jnp.float32),  # lse
-            jax.ShapeDtypeStruct((num_parts * num_qo_heads, d), jnp.float32),  # partial o
-            jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32),  # partial lse
-        ),
+        out_shape=tuple(out_shape),
         input_output_aliases=aliases,
         compiler_params=_common.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,

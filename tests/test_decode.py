@@ -218,3 +218,57 @@ def test_with_page_offset_reads_a_stacked_cache(rng):
     for l in (0, 2):
         want = ref.decode(q, layers[l], indptr, indices, last)
         assert rel_err(run(q, stacked, plan, l), want.o) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("layout, split, horizon", [("NHD", True, 2), ("HND", False, 1)])
+def test_append_kv_fused_equals_append_then_run(rng, layout, split, horizon):
+    """run(..., append_kv=(k, v)) writes each request's new row at its last position in the same
+    launch and attends to it: the cache equals append_paged_kv_cache's, o equals run() over that
+    cache and the float64 oracle. Covered: split requests (the new token in a later chunk), a
+    padding row (max_batch_size), a horizon plan run at its first step (kv_lens), both layouts;
+    under jit with the cache donated."""
+    page, hq, hkv, d = 4, 8, 2, 64
+    lens = np.array([45, 9, 1]) if split else np.array([12, 5, 8])  # this step's, after the append
+    indptr, indices, last, num_pages = page_table(rng, lens + horizon - 1, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32, layout)
+    q = randn(rng, (4, hq, d), jnp.float32)
+    k, v = randn(rng, (2, 4, hkv, d), jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, layout=layout, num_ctas=4, max_batch_size=4,
+                                         max_num_pages=num_pages, fixed_split_pages=4 if split else None)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages, horizon=horizon)
+    assert (plan.info["num_split"] > 0) == split
+    kv_lens = None if horizon == 1 else plan.kv_lens_at(0)
+    pos = np.append(lens - 1, -1).astype(np.int32)  # row 3: padding
+    want_cache = ji.append_paged_kv_cache(cache, k, v, np.array([0, 1, 2, -1], np.int32), pos, indices, indptr)
+    want = dec.run(q, want_cache, plan, kv_lens=kv_lens)
+    fused = jax.jit(lambda q, c, p, k, v, n: dec.run(q, c, p, kv_lens=n, append_kv=(k, v)), donate_argnums=1)
+    o, new = fused(q, cache, plan, k, v, kv_lens)
+    np.testing.assert_array_equal(new.k_pages, want_cache.k_pages)
+    np.testing.assert_array_equal(new.v_pages, want_cache.v_pages)
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(o[3]) == 0)
+    kk, vv, tok = ref.gather_pages(new, indptr, indices, last)
+    for b in range(3):
+        o64, _ = np64_attention(q[b:b + 1], kk[tok[b]:tok[b] + lens[b]], vv[tok[b]:tok[b] + lens[b]])
+        assert rel_err(o[b], o64[0]) < TOL[jnp.float32]
+
+
+def test_append_kv_rejects_what_it_cannot_fuse(rng):
+    page, hq, hkv, d = 4, 8, 2, 64
+    indptr, indices, last, num_pages = page_table(rng, np.array([9, 3]), page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
+    q = randn(rng, (2, hq, d), jnp.float32)
+    k = randn(rng, (2, hkv, d), jnp.float32)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4)
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    with pytest.raises(ValueError, match="append_kv's v must have shape"):
+        dec.run(q, cache, plan, append_kv=(k, k[:1]))
+    with pytest.raises(ValueError, match="pair"):
+        dec.run(q, cache, plan, append_kv=k)
+    with pytest.raises(ValueError, match="q's dtype"):
+        dec.run(q.astype(jnp.bfloat16), random_cache(rng, num_pages, page, hkv, d, jnp.float16), plan,
+                append_kv=(k, k))
+    soft = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4, variant=ji.variants.soft_cap())
+    with pytest.raises(ValueError, match="variant"):
+        soft.run(q, cache, soft.plan(indptr, indices, last, num_pages=num_pages), append_kv=(k, k),
+                 variant_params={"logits_soft_cap": 30.0})
