@@ -404,6 +404,11 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         k = k_rows.reshape(-1, page_size, num_kv_heads, d)
         v = v_rows.reshape(-1, page_size, num_kv_heads, d)
     num_cells = cell_indptr.shape[0] - 1
+    if interpret and num_cells > 2:
+        # The interpreter compiles each grid point's warpgroups anew (seconds each): its cells
+        # are merged into two, each running its items in order as a persistent cell does.
+        cell_indptr = cell_indptr[jnp.array([0, num_cells // 2, num_cells])]
+        num_cells = 2
     if variant is not None and (variant.has_query_transform or variant.has_key_transform):
         raise ValueError(f"prefill impl='mosaic': variant {variant.name!r} has query / key transforms")
     leaves, treedef, scalar = _common.flatten_params(params)

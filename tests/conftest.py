@@ -16,3 +16,17 @@ os.environ.setdefault("PJRT_NPROC", "8")
 def rng(request):
     """A fresh generator per test, seeded from the test's name (reproducible, not shared)."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# The longest tests (25-50 s each on one core of the 2-core CI machine, `--durations`): run
+# first, so that under pytest-xdist they overlap the short ones instead of ending the suite alone.
+LONG_TESTS = frozenset({
+    "test_quickstart_runs_the_readme_api_tour", "test_mosaic_prefill_variants_match_reference",
+    "test_auto_impl_plans_for_mosaic_and_falls_back_to_triton", "test_mosaic_class_matches_reference",
+    "test_fuzz_1000", "test_horizon_plan_in_lax_scan_equals_separate_steps", "test_cascade_variant_positions",
+    "test_changing_prefix_structure_compiles_once", "test_capacity_plans_compile_once",
+    "test_serve_chunked_prefill_equals_unchunked"})
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.originalname not in LONG_TESTS)  # stable: otherwise collection order
