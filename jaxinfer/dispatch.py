@@ -123,9 +123,10 @@ SHORT_FLOPS_PER_US = 1.5e8        # decode-kernel tiles of 16-64 rows (q4 B64 kv
 
 
 def _short_cost(problem, qo_lens, kv_lens, causal):
-    if qo_lens.size and int(qo_lens.max()) * problem.group > SHORT_MAX_ROWS:
+    longest = int(np.maximum.reduce(qo_lens, initial=0))
+    if longest * problem.group > SHORT_MAX_ROWS:
         return float("inf")  # a request too long for one decode tile
-    rows = max(16, 1 << max(0, (int(qo_lens.max(initial=1)) * problem.group - 1).bit_length()))
+    rows = max(16, 1 << max(0, (max(longest, 1) * problem.group - 1).bit_length()))
     flops = 4.0 * rows * problem.head_dim * float(kv_lens.sum()) * problem.num_kv_heads
     return LAUNCH_US + max(flops / SHORT_FLOPS_PER_US, _kv_us(problem, kv_lens))
 

@@ -10,8 +10,12 @@ import functools
 
 import jax
 
-# On the CPU backend a copy of a large buffer costs more than device_put, which aliases it.
-CPU_ALIAS_BYTES = 1 << 20
+from planner import packing
+
+# On the CPU backend a copy of a large buffer costs more than device_put, which aliases it
+# (planner buffers this large start 64-byte aligned, as XLA's CPU buffers must; a NumPy
+# array that is not aligned is copied).
+CPU_ALIAS_BYTES = packing.ALIAS_BYTES
 
 _copy = jax.jit(lambda buf: buf)  # a copy on the device: the plan owns its buffer
 

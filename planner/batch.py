@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 
 from planner import scheduler
-from planner.packing import PackedLayout
+from planner.packing import PackedLayout, new_buffer
 
 ITEM_COLUMNS = ("request", "page_base", "tok_start", "tok_end", "part_slot", "part_stride", "q_start",
                 "qo_len")  # = pallas_kernels.decode.MULTI_ITEM_COLUMNS (tests check)
@@ -123,7 +123,8 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     if n_merge > layout.merge_cap:
         raise ValueError("the split needs more merge groups than the plan holds")
 
-    buf = np.zeros(layout.size, np.int32)
+    buf = new_buffer(layout.size)
+    buf[:] = 0
     (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1), (p0, p1) = (
         layout.offsets[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
                                           "merge_dest", "prefill_rows"))

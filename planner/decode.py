@@ -10,11 +10,12 @@ from functools import lru_cache
 import numpy as np
 
 from planner import scheduler, validate
-from planner.packing import PackedLayout
+from planner.packing import PackedLayout, new_buffer
 
 _max = np.maximum.reduce
 
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
+_WRITETHROUGH = np.array([0, -1], np.int32)  # (tok_start, part_slot) of an unsplit request's item
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
         chunk = scheduler.chunk_for_total(num_listed, num_cells, -(-min_split_tokens // page_size))
 
     # Every entry of buf is written once: sections, their padding, the gaps between them.
-    buf = np.empty(layout.size, np.int32)
+    buf = new_buffer(layout.size)
     off = layout.offsets
     (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1) = (
         off[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
@@ -115,7 +116,7 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
         n_items = bcap
         items[:n_items, 0] = order
         items[:n_items, 1] = base.take(order)
-        items[:n_items, 2::2] = (0, -1)  # tok_start, part_slot (writethrough)
+        items[:n_items, 2::2] = _WRITETHROUGH
         items[:n_items, 3] = lens.take(order)
         buf[c1:d0] = 0  # cell_indptr's gap, merge_indptr (no split request), its gap
         merge_dest[:] = -1

@@ -1,8 +1,25 @@
 """One int32 buffer holding all of a plan's arrays: one host-to-device copy per step."""
 from functools import cached_property
 
+import numpy as np
+
 SECTION_ALIGN = 64  # int32 entries: every section starts 256-byte aligned (Mosaic GPU kernels
 # take their inputs only at such addresses, and XLA may hand a section to a kernel in place)
+
+
+ALIAS_BYTES = 1 << 20  # buffers this large start aligned; jaxinfer.transfer lets jax alias them on CPU
+
+
+def new_buffer(size):
+    """A fresh int32[size] plan buffer. One of ALIAS_BYTES or more starts at a 256-byte aligned
+    address (NumPy's arrays start 16-byte aligned): jax on the CPU backend aliases such an
+    array instead of copying it (XLA's CPU buffers need 64-byte alignment). Smaller buffers
+    are copied to the device anyway, and finding an address costs more than their allocation."""
+    if size * 4 < ALIAS_BYTES:
+        return np.empty(size, np.int32)
+    raw = np.empty(size + SECTION_ALIGN, np.int32)
+    start = (-raw.ctypes.data & 255) >> 2
+    return raw[start:start + size]
 
 
 class PackedLayout:
@@ -24,6 +41,11 @@ class PackedLayout:
             out[name] = (off, off + n)
             off += -(-n // SECTION_ALIGN) * SECTION_ALIGN
         return out
+
+    @cached_property
+    def starts(self):
+        """The sections' start offsets, in sections() order (a tuple to unpack)."""
+        return tuple(start for start, _ in self.offsets.values())
 
     @cached_property
     def size(self):

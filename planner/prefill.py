@@ -11,7 +11,9 @@ from functools import lru_cache
 import numpy as np
 
 from planner import scheduler, validate
-from planner.packing import PackedLayout
+from planner.packing import PackedLayout, new_buffer
+
+_max = np.maximum.reduce
 
 ITEM_FIELDS = 16  # see pallas_kernels/prefill.py
 ROW_ALIGN = 8  # tails plans: TMA copies rows in groups of 8
@@ -22,7 +24,7 @@ def choose_tile_rows(qo_lens, group, total=None):
     """Smallest tile (in rows) holding the average query length times the group
     (total: sum(qo_lens), if known)."""
     live = np.count_nonzero(qo_lens)
-    total = int(qo_lens.sum()) if total is None else total
+    total = int(np.add.reduce(qo_lens)) if total is None else total
     want = (total / live if live else 1.0) * group
     floor = 1 << max(0, (group - 1).bit_length())  # a tile holds at least one token's group
     for rows in TILE_ROWS:
@@ -123,38 +125,41 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     rows = choose_tile_rows(qo_lens, group, nnz) if rows is None else int(rows)
     tpt = max(1, rows // group)
 
-    # Per request (and one padding request over rows [nnz, num_tokens)): int64[B + 1].
-    all_qo = np.empty(batch + 1, np.int64)
-    all_qo[:batch], all_qo[batch] = qo_lens, num_tokens - nnz
-    all_kv = np.empty(batch + 1, np.int64)
-    all_kv[:batch], all_kv[batch] = kv_lens, 0
-    qo_start = qo_indptr.astype(np.int64)  # each request's first row; nnz for the padding request
+    # Per request (and one padding request over rows [nnz, num_tokens)), int64[4, B + 1]: first
+    # row (nnz for the padding request), qo_len, kv_len, first tile; gathered per tile at once.
+    per_r = np.empty((4, batch + 1), np.int64)
+    qo_start, all_qo, all_kv, tile_first = per_r
+    qo_start[:] = qo_indptr
+    all_qo[:batch] = qo_lens
+    all_qo[batch] = num_tokens - nnz
+    all_kv[:batch] = kv_lens
+    all_kv[batch] = 0
     if tails:  # rows below each request's first row, back to an aligned row
         q_off = qo_start % ROW_ALIGN
         ntiles = np.where(all_qo > 0, -(-(all_qo + q_off) // tpt), 0)
     else:
         q_off = None
-        ntiles = -(-all_qo // tpt)  # (0 for an empty request)
-    tile_first = ntiles.cumsum()
+        ntiles = (all_qo + (tpt - 1)) // tpt  # (0 for an empty request)
+    np.add.accumulate(ntiles, out=tile_first)
     num_tiles = int(tile_first[-1])
     tile_first -= ntiles  # each request's first tile
     req = scheduler.arange(batch + 1).repeat(ntiles)  # request of each tile
+    start_r, qo_r, kv_r, first_r = per_r.take(req, axis=1)
     # Each tile's first token within its request.
-    tile_tok = scheduler.arange(num_tiles) - tile_first.take(req)
+    tile_tok = scheduler.arange(num_tiles) - first_r
     tile_tok *= tpt
     if tails:
         tile_tok -= q_off.take(req)
-    qo_r, kv_r = all_qo.take(req), all_kv.take(req)
-    d_r = kv_r - qo_r  # key count before the request's first query
-    if causal:  # keys visible to the tile's last token
-        kv_hi = np.minimum(tile_tok + tpt, qo_r)
-        kv_hi += d_r
-        np.maximum(kv_hi, 0, out=kv_hi)  # (np.clip, without its Python overhead)
-        np.minimum(kv_hi, kv_r, out=kv_hi)
+    rest = qo_r - tile_tok  # the request's rows from the tile's first on
+    tile_tokens = np.minimum(rest, tpt)  # real tokens in each tile
+    if causal:  # keys visible to the tile's last token: kv - (qo - its row - 1), at least 0
+        kv_hi = kv_r - rest
+        kv_hi += tile_tokens
+        np.maximum(kv_hi, 0, out=kv_hi)
     else:
         kv_hi = kv_r
     if window_left is not None and window_left >= 0:  # keys left of the first row's window
-        kv_lo = np.clip(tile_tok + d_r - int(window_left), 0, kv_hi)
+        kv_lo = np.clip(tile_tok + (kv_r - qo_r) - int(window_left), 0, kv_hi)
         span = kv_hi - kv_lo
     else:
         kv_lo, span = None, kv_hi
@@ -171,10 +176,9 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         chunk = scheduler.kv_chunk_size(span, num_cells, min_split_tokens)
     layout = prefill_layout(num_tokens, bcap, icap, int(num_cells), rows, group, num_splits, tails=tails)
 
-    nchunks = -(-span // chunk)
+    nchunks = (span + (chunk - 1)) // chunk  # (span >= 0)
     np.maximum(nchunks, 1, out=nchunks)
-    tile_tokens = np.minimum(qo_r - tile_tok, tpt)  # real tokens in each tile
-    if num_tiles and int(nchunks.max()) > 1:
+    if num_tiles and int(_max(nchunks)) > 1:
         split = nchunks > 1
         part_size = np.where(split, tile_tokens * nchunks, 0)
         item_first = nchunks.cumsum()
@@ -197,11 +201,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if num_parts > layout.part_cap or num_items > layout.item_cap:
         raise ValueError("the split needs more partial states or work items than the plan holds; "
                          "use a larger fixed_split_tokens (or no capacities)")
-    buf = np.empty(layout.size, np.int32)
-    off = layout.offsets
-    k0, q0, t0, c0, m0, d0, e0, s0 = (off[name][0] for name in (
-        "kv_indices", "q_pos", "items", "cell_indptr", "merge_indptr", "merge_dest", "tail_dest",
-        "lse_src"))
+    buf = new_buffer(layout.size)
+    k0, q0, t0, c0, m0, d0, e0, s0 = layout.starts  # (sections() order)
     c1 = c0 + layout.num_cells + 1
     if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive
         costs = kv_end - kv_start
@@ -215,7 +216,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if split is not None:
         split_tiles = split.nonzero()[0]
         m_tokens = tile_tokens.take(split_tiles)
-        n_merge = int(m_tokens.sum())
+        n_merge = int(np.add.reduce(m_tokens))
     else:
         n_merge = 0
     if n_merge > layout.merge_cap:
@@ -228,14 +229,15 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     q_pos = buf[q0:q0 + num_tokens]  # int32[num_tokens]: positions, 0 past nnz
     pos_off = None if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
     if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i
-        delta = all_kv[:batch] - all_qo[:batch] - qo_start[:batch]
+        delta = all_kv[:batch] - all_qo[:batch]
         if pos_off is not None:
             delta += pos_off
-        if batch and int(qo_lens.max()) * batch == nnz:  # equal lengths: [B, qo_len] rows, no repeat
-            np.add(scheduler.arange(nnz).reshape(batch, -1), delta[:, None],
-                   out=q_pos[:nnz].reshape(batch, -1), casting="unsafe")
+        # In int32 (no casting pass over nnz entries): sums wrap as the buffer's cast would.
+        delta = np.subtract(delta, qo_start[:batch], dtype=np.int32, casting="unsafe")
+        if batch and int(_max(qo_lens)) * batch == nnz:  # equal lengths: [B, qo_len] rows, no repeat
+            np.add(scheduler.arange32(nnz).reshape(batch, -1), delta[:, None], out=q_pos[:nnz].reshape(batch, -1))
         else:
-            np.add(scheduler.arange(nnz), np.repeat(delta, qo_lens), out=q_pos[:nnz], casting="unsafe")
+            np.add(scheduler.arange32(nnz), delta.repeat(qo_lens), out=q_pos[:nnz])
     else:
         q_pos[:nnz] = q_positions
     buf[q0 + nnz:t0] = 0
@@ -245,11 +247,10 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if tails and contiguous_kv:
         kv_off = np.zeros(batch + 1, np.int64)
         kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
-    per_req = np.zeros((batch + 1, ITEM_FIELDS), np.int64)
-    per_req[:, 0] = qo_start
-    per_req[:, 2] = all_qo
+    # int32, the buffer's type (values wrap as its cast would): items are gathered without a cast.
+    per_req = np.zeros((batch + 1, ITEM_FIELDS), np.int32)
+    per_req[:, 0:5:2] = per_r[:3].T  # fields 0, 2, 4: first row, qo_len, kv_len
     per_req[:batch, 3] = page_base
-    per_req[:, 4] = all_kv
     per_req[:, 10] = -1
     if mask_offsets is not None:
         per_req[:batch, 10] = mask_offsets
@@ -269,30 +270,28 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     else:
         per_tile[:, 7] = -1
     # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
-    is_tail = tile_tok + tpt > qo_r
+    is_tail = tile_tokens < tpt  # (tile_tok + tpt > qo_r)
     if tails:
         is_tail |= tile_tok < 0  # (tile_tok >= 0 in other plans)
-    tail_slot = is_tail.cumsum()
-    tail_slot -= 1
-    per_tile[:, 12] = np.where(is_tail, tail_slot, -1)
+    tail_slot = per_tile[:, 12]
+    np.add.accumulate(is_tail, out=tail_slot, dtype=np.int32)
+    np.multiply(tail_slot, is_tail, out=tail_slot)
+    np.subtract(tail_slot, 1, out=tail_slot)  # -1 for whole tiles
     # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from
     # its first real row.
     if num_tiles:
-        first_row = qo_start.take(req)
-        first_row += np.maximum(tile_tok, 0) if tails else tile_tok
+        first_row = start_r + (np.maximum(tile_tok, 0) if tails else tile_tok)
         if q_positions is None:  # positions rise within each request (and tile): first and last row
-            per_tile[:, 14] = q_pos.take(first_row)
-            last_row = np.empty_like(first_row)
-            np.subtract(first_row[1:], 1, out=last_row[:-1])
-            last_row[-1] = num_tokens - 1
-            per_tile[:, 15] = q_pos.take(last_row)
+            q_pos.take(first_row, out=per_tile[:, 14], mode="clip")  # (rows in range)
+            q_pos.take(first_row[1:] - 1, out=per_tile[:-1, 15], mode="clip")
+            per_tile[-1, 15] = q_pos[num_tokens - 1]
         else:
             per_tile[:, 14] = np.minimum.reduceat(q_pos, first_row)
             per_tile[:, 15] = np.maximum.reduceat(q_pos, first_row)
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
     live = items[:num_items]
     tile_sorted = tile_of.take(order)
-    live[:] = per_tile.take(tile_sorted, axis=0)
+    per_tile.take(tile_sorted, axis=0, out=live, mode="clip")  # (clip: in range; no buffered copy)
     k_start, k_end = kv_start.take(order), kv_end.take(order)
     if kv_off is not None:
         off_sorted = kv_off.take(req.take(tile_sorted))
@@ -308,12 +307,15 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
     if n_merge and n_merge == split_tiles.shape[0] * tpt:  # full tiles only: [tiles, tpt] groups
-        tok = scheduler.arange(tpt + 1)
-        np.add(np.multiply.outer(nchunks.take(split_tiles), tok[1:]), part_base.take(split_tiles)[:, None],
-               out=merge_indptr[:n_merge].reshape(-1, tpt), casting="unsafe")
+        # In int32 (sums and products wrap as the buffer's cast would): [tiles, tpt] without a
+        # casting pass.
+        tok = scheduler.arange32(tpt + 1)
+        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 7, 8)
+        groups = merge_indptr[:n_merge].reshape(-1, tpt)
+        np.multiply(fields[:, 8:9], tok[1:], out=groups)
+        groups += fields[:, 7:8]
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        np.add((qo_start.take(req.take(split_tiles)) + tile_tok.take(split_tiles))[:, None], tok[:tpt],
-               out=merge_dest[:n_merge].reshape(-1, tpt), casting="unsafe")
+        np.add((fields[:, 0] + fields[:, 1])[:, None], tok[:tpt], out=merge_dest[:n_merge].reshape(-1, tpt))
     elif n_merge:
         t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(m_tokens) - m_tokens, m_tokens)
         tile_m = np.repeat(split_tiles, m_tokens)

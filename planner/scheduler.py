@@ -3,13 +3,22 @@ import heapq
 
 import numpy as np
 
+_min, _max = np.minimum.reduce, np.maximum.reduce
 _ARANGE = np.arange(1 << 16)  # sliced (a view) instead of a fresh arange per plan
 _ARANGE.flags.writeable = False
+_ARANGE32 = _ARANGE.astype(np.int32)
+_ARANGE32.flags.writeable = False
 
 
 def arange(n):
     """np.arange(n) (int64); for n <= 65536 a read-only view of one shared array."""
     return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n)
+
+
+def arange32(n):
+    """np.arange(n, dtype=int32), as arange: for arithmetic written into int32 plan buffers
+    without a casting pass."""
+    return _ARANGE32[:n] if n <= _ARANGE32.shape[0] else np.arange(n, dtype=np.int32)
 
 
 def chunk_for_total(total, num_cells, min_chunk=1):
@@ -19,7 +28,7 @@ def chunk_for_total(total, num_cells, min_chunk=1):
 
 def kv_chunk_size(kv_pages, num_cells, min_chunk_pages=1):
     """Algorithm 1, line 3: L_kv = ceil(sum of KV pages / #cells), at least min_chunk_pages."""
-    total = kv_pages.sum() if type(kv_pages) is np.ndarray else np.sum(kv_pages)
+    total = np.add.reduce(kv_pages) if type(kv_pages) is np.ndarray else np.sum(kv_pages)
     return chunk_for_total(total, num_cells, min_chunk_pages)
 
 
@@ -73,8 +82,8 @@ def longest_first(costs):
     """Item ids by cost, longest first, ties by item id (a stable sort; a radix sort on 16 bits
     when the costs span fewer than 2**16 values)."""
     if costs.shape[0] >= 256:
-        hi = int(costs.max())
-        if hi - int(costs.min()) < 1 << 16:
+        hi = int(_max(costs))
+        if hi - int(_min(costs)) < 1 << 16:
             return np.subtract(hi, costs, dtype=np.int64).astype(np.uint16).argsort(kind="stable")
     return np.negative(costs, dtype=np.int64).argsort(kind="stable")
 
@@ -93,7 +102,9 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
     n = shifted.shape[0]
     keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
     pos = num_cells
-    if int(shifted[n - 1]) > max(int(keys.max()) - int(keys.min()), int(shifted[0]) - int(shifted[n - 1])):
+    # The keys' spread is at most hi - mid + num_cells - 1 (shifted is sorted, longest first).
+    hi, mid, lo = shifted[[0, num_cells - 1, n - 1]].tolist()
+    if lo > max(hi - mid + num_cells - 1, hi - lo):
         # Costs within a factor of ~2 (the smallest above both the spread of the cells' keys and
         # that of the costs): every round of num_cells items goes to the cells in key order. (While
         # a round runs, each new key exceeds every old one, and a round leaves the keys' spread
@@ -103,9 +114,10 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
             took = min(num_cells, n - pos)
             if took < num_cells:
                 by_key = by_key[:took]
-            keys[by_key] += shifted[pos:pos + took]
             cell_of_sorted[pos:pos + took] = by_key
             pos += took
+            if pos < n:  # (the last round's keys are not needed)
+                keys[by_key] += shifted[pos - took:pos]
         return
     while n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
         m = min(num_cells, n - pos)

@@ -181,6 +181,22 @@ def test_wrapper_plans_own_their_buffers(rng):
             np.testing.assert_array_equal(np.asarray(plan.buffer), ref)
 
 
+def test_wrapper_plans_own_their_large_buffers(rng):
+    """Page 1 with a plan buffer of over 1 MB: on the CPU backend jax aliases it (64-byte aligned,
+    put with device_put), so each plan() must fill a fresh one; two plans keep their contents."""
+    import jaxinfer as ji
+    from planner import packing
+    tables = [page_table(rng, rng.integers(70_000, 80_000, 4), 1) for _ in range(2)]
+    cap = max(int(t[0][-1]) for t in tables)
+    assert cap * 4 >= packing.ALIAS_BYTES
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, 1, max_batch_size=4, max_num_pages=cap)
+    plans = [dec.plan(*t[:3], num_pages=t[3]) for t in tables]
+    for (indptr, indices, last, num_pages), plan in zip(tables, plans):
+        ref = decode_planner.plan_decode(indptr, indices, last, page_size=1, num_cells=dec.num_cells,
+                                         num_pages=num_pages, max_batch_size=4, max_num_pages=cap)[1]
+        np.testing.assert_array_equal(np.asarray(plan.buffer), ref)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_batch_attention_short_plans_match_the_old_planner(seed):
     from planner import batch as batch_planner
