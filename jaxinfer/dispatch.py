@@ -85,8 +85,12 @@ class Implementation:
 def mosaic_default_config(problem):
     """The Mosaic prefill kernel's tuning per head_dim (one H100, jax 0.11.2; BENCHMARKS.md,
     issue 18 session 10). Variants keep the plain configs: the others were not measured there."""
-    if problem.head_dim > 128:
-        return MosaicPrefillConfig(block_kv=64)  # K/V slots of 128 x 256 overflow shared memory
+    if problem.head_dim > 128:  # K/V slots of 128 x 256 overflow shared memory: 64-key blocks
+        if problem.head_dim == 256 and problem.variant is None:
+            # FA3's intra-warpgroup overlap: ragged d256 B4 S8192 16/8 663.1 TFLOP/s, the
+            # ping-pong 601.0 in the same call.
+            return MosaicPrefillConfig(block_kv=64, pipeline="overlap")
+        return MosaicPrefillConfig(block_kv=64)
     if problem.head_dim == 64 and problem.variant is None:
         # Three compute warpgroups (192-token tiles), each on its own, row maxima by halving:
         # ragged d64 B4 S8192 32/8 458.4 TFLOP/s, the two-warpgroup ping-pong 413.4 in the
