@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxinfer import _backend, variants
 from pallas_kernels.decode import DecodeConfig
-from pallas_kernels.prefill import MOSAIC_TILE_TOKENS, MosaicPrefillConfig, PrefillConfig
+from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
 
@@ -77,9 +77,26 @@ class Implementation:
     cost_us: Callable[[Problem, np.ndarray, np.ndarray, bool], float]
 
     def default_config(self, problem):
-        if self.config_type is MosaicPrefillConfig and problem.head_dim > 128:
-            return MosaicPrefillConfig(block_kv=64)  # K/V slots of 128 x 256 overflow shared memory
+        if self.config_type is MosaicPrefillConfig:
+            return mosaic_default_config(problem)
         return self.config_type()
+
+
+def mosaic_default_config(problem):
+    """The Mosaic prefill kernel's tuning per head_dim (one H100, jax 0.11.2; BENCHMARKS.md,
+    issue 18 session 10). Variants keep the plain configs: the others were not measured there."""
+    if problem.head_dim > 128:  # K/V slots of 128 x 256 overflow shared memory: 64-key blocks
+        if problem.head_dim == 256 and problem.variant is None:
+            # FA3's intra-warpgroup overlap: ragged d256 B4 S8192 16/8 663.1 TFLOP/s, the
+            # ping-pong 601.0 in the same call.
+            return MosaicPrefillConfig(block_kv=64, pipeline="overlap")
+        return MosaicPrefillConfig(block_kv=64)
+    if problem.head_dim == 64 and problem.variant is None:
+        # Three compute warpgroups (192-token tiles), each on its own, row maxima by halving:
+        # ragged d64 B4 S8192 32/8 458.4 TFLOP/s, the two-warpgroup ping-pong 413.4 in the
+        # same call.
+        return MosaicPrefillConfig(compute_wgs=3, pipeline="free", tree_max=True)
+    return MosaicPrefillConfig()
 
 
 def _visible_keys(qo_lens, kv_lens, tile_tokens, causal):
@@ -110,8 +127,9 @@ def _triton_prefill_cost(problem, qo_lens, kv_lens, causal):
 
 
 def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
-    keys = _visible_keys(qo_lens, kv_lens, MOSAIC_TILE_TOKENS, causal)
-    tile_flops = 4.0 * MOSAIC_TILE_TOKENS * problem.head_dim  # per key, per query head
+    tile_tokens = mosaic_default_config(problem).tile_tokens
+    keys = _visible_keys(qo_lens, kv_lens, tile_tokens, causal)
+    tile_flops = 4.0 * tile_tokens * problem.head_dim  # per key, per query head
     total = tile_flops * float(keys.sum()) * problem.num_qo_heads / MOSAIC_FLOPS_PER_US
     # KV is never split: the longest single tile bounds the step (one SM runs it alone).
     longest = tile_flops * float(kv_lens.max(initial=0)) / (MOSAIC_FLOPS_PER_US / _backend.num_sms())
@@ -156,7 +174,7 @@ def _mosaic_unsupported(problem, explicit):
         return "block-sparse attention runs on Triton only"
     if problem.custom_mask:
         return "custom masks run on Triton only"
-    block_kv = IMPLEMENTATIONS_BY_NAME["prefill_mosaic"].default_config(problem).block_kv
+    block_kv = mosaic_default_config(problem).block_kv
     ps = problem.page_size
     if problem.kv_format == "paged" and (ps % 8 or (block_kv % ps and ps % block_kv)):
         return f"page_size must be a multiple of 8 dividing {block_kv} (or a multiple of it), got {ps}"

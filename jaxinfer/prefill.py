@@ -125,7 +125,8 @@ class _Prefill:
                 qo_indptr, kv_lens, page_base, kv_indices, group=self.group, causal=causal, qo_lens=qo_lens,
                 num_cells=self.num_cells, max_num_tokens=self.max_num_tokens,
                 max_batch_size=self.max_batch_size, max_num_pages=self.max_num_pages,
-                rows=prefill_kernels.MOSAIC_TILE_TOKENS * self.group if tails else self.tile_rows,
+                rows=(dispatch.config_for(choice, problem, self.configs).tile_tokens * self.group if tails
+                      else self.tile_rows),
                 mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
                 tails=tails, contiguous_kv=contiguous_kv, **positions)
             dev_mask = None if mask is None else jax.device_put(mask, may_alias=True)

@@ -63,7 +63,10 @@ CHUNK_UNIT = 128       # keys: KV chunks are multiples of this (the kernel's def
 MIN_CHUNK_UNITS = 2    # no item splits below 256 keys (planner/batch.py's min_split_tokens)
 TILE_COST = 32         # an item's fixed cost in keys per query token of its tile (cell balance)
 PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as BatchAttention's chunks
-MOSAIC_TILE = prefill_kernels.MOSAIC_TILE_TOKENS  # query tokens per Mosaic tile (of one query head)
+# Query tokens per Mosaic tile (of one query head): the kernel's two compute warpgroups, ping-pong
+# (MosaicPrefillConfig's defaults; of a config given here only block_kv and
+# max_concurrent_steps apply to this class).
+MOSAIC_TILE = 2 * 64
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
 ROW_ALIGN = 8          # the Mosaic kernel reads and writes q / o rows in groups of 8 (TMA)
 

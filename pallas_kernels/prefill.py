@@ -43,7 +43,6 @@ ITEM_COLUMNS = ("q_row_start", "tile_tok", "qo_len", "page_base", "kv_len", "kv_
                 "q_pos_min", "q_pos_max")  # = planner.prefill.ITEM_COLUMNS (tests check)
 ITEM_FIELDS = len(ITEM_COLUMNS)
 _COL = {name: i for i, name in enumerate(ITEM_COLUMNS)}
-MOSAIC_TILE_TOKENS = 128  # query tokens per tile of impl="mosaic" (prefill_mosaic.TILE_TOKENS)
 
 
 def tile_rows(group, block_q):
@@ -160,10 +159,32 @@ class PrefillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefillConfig:
-    """Tuning of the Mosaic GPU prefill kernel: K/V blocks of block_kv tokens through
-    max_concurrent_steps shared-memory slots (head_dim 256 needs block_kv 64 to fit)."""
+    """Tuning of the Mosaic GPU prefill kernel (prefill_mosaic.py): K/V blocks of block_kv tokens
+    through max_concurrent_steps shared-memory slots (head_dim 256 needs block_kv 64 to fit);
+    compute_wgs (2 or 3) warpgroups of 64 query rows per tile; pipeline: how each runs its blocks,
+    "pingpong" (the two warpgroups' matmuls alternate, FA3's inter-warpgroup schedule), "free"
+    (no ordering between warpgroups) or "overlap" (FA3's intra-warpgroup overlap: block j's QK^T
+    and block j-1's PV in flight during block j's softmax); tree_max: row maxima by halving the
+    columns (short dependency chains)."""
     block_kv: int = 128
     max_concurrent_steps: int = 2
+    pipeline: str = "pingpong"
+    tree_max: bool = False
+    compute_wgs: int = 2
+
+    def __post_init__(self):
+        if self.pipeline not in ("pingpong", "free", "overlap"):
+            raise ValueError(f"MosaicPrefillConfig: pipeline must be 'pingpong', 'free' or 'overlap', "
+                             f"got {self.pipeline!r}")
+        if self.compute_wgs not in (2, 3):
+            raise ValueError(f"MosaicPrefillConfig: compute_wgs must be 2 or 3, got {self.compute_wgs}")
+        if self.pipeline == "pingpong" and self.compute_wgs != 2:
+            raise ValueError("MosaicPrefillConfig: the ping-pong pipeline needs compute_wgs=2")
+
+    @property
+    def tile_tokens(self):
+        """Query tokens per tile: 64 per compute warpgroup (prefill_mosaic.WG_ROWS)."""
+        return 64 * self.compute_wgs
 
 
 def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
@@ -218,8 +239,8 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         if present:
             raise ValueError(f"prefill impl='mosaic' does not support {what}")
     group = num_qo_heads // num_kv_heads
-    if rows != MOSAIC_TILE_TOKENS * group:
-        raise ValueError(f"prefill impl='mosaic': rows must be {MOSAIC_TILE_TOKENS * group}, got {rows}")
+    if rows != config.tile_tokens * group:
+        raise ValueError(f"prefill impl='mosaic': rows must be {config.tile_tokens * group}, got {rows}")
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_rows.dtype != q.dtype:
         raise ValueError(f"prefill impl='mosaic': q, k, v must all be bfloat16 or float16, got "
                          f"{q.dtype} / {k_rows.dtype}")
@@ -235,7 +256,8 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
         q, k_rows, v_rows, kv_indices, items, cell_indptr, tail_dest.shape[0], page_size=page_size,
         num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, block_kv=block_kv,
         variant=variant, params=params, q_pos=q_pos, interpret=interpret,
-        max_concurrent_steps=config.max_concurrent_steps)
+        max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
+        tree_max=config.tree_max, compute_wgs=config.compute_wgs)
     o = o.at[tail_dest].set(o_tail, mode="drop")
     lse = lse_items[:, lse_src[:nnz]].T  # [nnz, Hq]
     return (o.reshape(nnz * num_qo_heads, d), lse.reshape(-1),

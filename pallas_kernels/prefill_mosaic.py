@@ -3,9 +3,11 @@
 The second implementation behind pallas_kernels.prefill (impl="mosaic"), after JAX's
 FlashAttention-3 kernel (jax/experimental/pallas/ops/gpu/attention_mgpu.py), reading
 the same work list as the Triton kernel (see prefill.py) with:
-- tiles of 128 query tokens of one query head (two compute warpgroups of 64 rows each;
-  plan with rows = 128 x group), KV never split; a cell runs its work items in order (host
-  plans: one per cell; ragged_paged_attention: runs of tiles, a persistent grid);
+- tiles of 64 x compute_wgs query tokens of one query head (compute warpgroups of 64 rows
+  each, two or three; plan with rows = tile tokens x group), KV never split; a cell runs its
+  work items in order (host plans: one per cell; ragged_paged_attention: runs of tiles, a
+  persistent grid); the warpgroups' matmuls ping-pong (two), run freely, or overlap each
+  one's softmax with its own matmuls (MosaicPrefillConfig.pipeline);
 - a memory warpgroup streaming K/V blocks of block_kv tokens through
   max_concurrent_steps shared-memory slots: a paged block is block_kv / page_size TMA
   copies of whole pages (only pages of the request's list: slots past its last page
@@ -46,16 +48,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _common
 
 WG_ROWS = 64  # query rows per compute warpgroup
-TILE_TOKENS = 2 * WG_ROWS  # = prefill.MOSAIC_TILE_TOKENS
 LOG2E = math.log2(math.e)
 ITEM_FIELDS = 16  # = prefill.ITEM_FIELDS
-NUM_WARPGROUPS = 3  # two compute warpgroups and one memory warpgroup
+MEMORY_REGISTERS = {2: 40, 3: 24}  # per thread of the memory warpgroup, by compute warpgroups
 # plgpu.load takes an index argument up to jax 0.11 (the empty index: the whole ref); 0.12
 # dropped it (load the ref itself).
 _LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()
 
 
-def _warn_if_interpreter_pool_too_small():
+def _warn_if_interpreter_pool_too_small(num_warpgroups):
     """Warns when XLA's CPU thread pool may be too small for the Mosaic GPU interpreter.
 
     The interpreter runs each warpgroup as an XLA CPU computation; a warpgroup waiting on a
@@ -65,9 +66,9 @@ def _warn_if_interpreter_pool_too_small():
     """
     env = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
     threads = int(env) if env and env.isdigit() else len(os.sched_getaffinity(0))
-    if threads <= NUM_WARPGROUPS:
+    if threads <= num_warpgroups:
         warnings.warn(f"Mosaic GPU interpreter: XLA's CPU pool has {threads} threads for "
-                      f"{NUM_WARPGROUPS} warpgroups and can deadlock; set PJRT_NPROC=8 before "
+                      f"{num_warpgroups} warpgroups and can deadlock; set PJRT_NPROC=8 before "
                       "JAX starts", RuntimeWarning, stacklevel=3)
 
 
@@ -89,9 +90,26 @@ class _Item(NamedTuple):
     tile_steps: jax.Array  # KV blocks the memory warpgroup loads
 
 
+def _row_max(s, tree):
+    """Row maxima of s [R, C]; tree: halve the columns first (short dependency chains)."""
+    while tree and s.shape[1] > 8 and s.shape[1] % 16 == 0:
+        h = s.shape[1] // 2
+        s = jnp.maximum(s[:, :h], s[:, h:])
+    return s.max(axis=1)
+
+
+def _compute_registers(compute_wgs):
+    """Registers per thread of a compute warpgroup: the launch's share of the register file (whole
+    warps of multiples of 8 per thread), less the memory warpgroup's, split among them."""
+    warpgroups = compute_wgs + 1
+    pool = 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
+    return min((pool - MEMORY_REGISTERS[compute_wgs]) // compute_wgs // 8 * 8, 232)
+
+
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
             o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
-            max_steps, sm_scale, variant, interpret, row_stores):
+            max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs):
+    tile_tokens = compute_wgs * WG_ROWS
     head = lax.axis_index("heads")
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
@@ -113,7 +131,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
         kv_hi = kv_end
         if causal:
-            kv_hi = jnp.clip(jnp.minimum(tile_tok + TILE_TOKENS, qo_len) - 1 + offset + 1, kv_start, kv_end)
+            kv_hi = jnp.clip(jnp.minimum(tile_tok + tile_tokens, qo_len) - 1 + offset + 1, kv_start, kv_end)
         # The tile's blocks start at a multiple of block_kv (whole pages, 8-aligned rows): at its
         # first key, or at the first key the variant's mask shows to any of its rows.
         kv_begin, full_lo = kv_start, None
@@ -173,24 +191,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         def _():
             plgpu.barrier_wait(k_bar.at[0])
 
-        pl.when(wg == 1)(schedule_barrier)
-
-        def kv_step(step, carry, masked):
-            acc, m_i, l_i = carry
-            slot = lax.rem(step, jnp.int32(slots))
-
-            def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                schedule_barrier()
-                return acc_ref[...]
-
-            if interpret:  # the interpreter's wgmma takes no transposed operand: plain dots there
-                s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-                schedule_barrier()
-            else:
-                s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))  # [64, BK]
-            plgpu.barrier_arrive(k_free.at[slot])
+        def probs(step, s, m_i, masked):
+            """Block `step`'s scores s [64, BK] (q.k, f32) -> (p [64, BK] f32, m_new [64], alpha [64]
+            or None): the variant's logits transform and the masks applied; with softmax, p and
+            m_new in base-2 units (p relative to m_new), alpha rescales the state before the block."""
             if masked or variant is not None:
                 kv_tok = iota(s.shape, 1) + kv_begin + step * block_kv
             c = sm_scale * LOG2E  # base 2, the scale folded into the exponent's multiply-add
@@ -207,25 +211,65 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                     visible = visible & (kv_tok <= iota(s.shape, 0) + first_tok + offset)
                 if masked_variant:
                     visible = visible & variant.logits_mask(params, qo_pos, kv_pos, head)
-            if softmax:
-                if visible is not None:
-                    s = jnp.where(visible, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m_i - m_safe)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            if not softmax:  # o = sum_j f(s_ij) v_j (the transform is f)
+                return (s if visible is None else jnp.where(visible, s, 0.0)), m_i, None
+            if visible is not None:
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, _row_max(s, tree_max) * c)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            return p, m_new, alpha
+
+        def row_sums(p, l_i, alpha):  # without softmax the sums are not needed (l stays 0)
+            return l_i if alpha is None else l_i * alpha + p.sum(axis=1)
+
+        def segments(kv_step, first, carry):
+            """kv_step over blocks [first, steps): the masked lead blocks, the unmasked ones, and
+            the masked ones from n_full on."""
+            lead_end = jnp.maximum(lead, first)
+            unmasked_end = jnp.maximum(jnp.maximum(n_full, lead), first)
+            carry = lax.fori_loop(first, lead_end, functools.partial(kv_step, masked=True), carry)
+            carry = lax.fori_loop(lead_end, unmasked_end, functools.partial(kv_step, masked=False), carry)
+            return lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True), carry)
+
+        def qk_dot(slot):  # the interpreter's wgmma takes no transposed operand: a plain dot
+            return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+        pingpong = pipeline == "pingpong"
+        if pingpong:
+            pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(step, carry, masked):  # ping-pong: the two warpgroups' matmuls alternate
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(slots))
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                if pingpong:
+                    schedule_barrier()
+                return acc_ref[...]
+
+            if interpret:
+                s = qk_dot(slot)
+                if pingpong:
+                    schedule_barrier()
+            else:
+                s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))  # [64, BK]
+            plgpu.barrier_arrive(k_free.at[slot])
+            p, m_new, alpha = probs(step, s, m_i, masked)
+            if alpha is not None:
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-            else:  # o = sum_j f(s_ij) v_j (the transform is f)
-                p, m_new = s, m_i
-                if visible is not None:
-                    p = jnp.where(visible, p, 0.0)
+            l_i = row_sums(p, l_i, alpha)
             p16 = p.astype(q_ref.dtype)
             if not interpret:
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(sched)  # done with softmax
+            if pingpong:
+                plgpu.barrier_arrive(sched)  # done with softmax
             plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)  # the tensor cores are free
+            if pingpong:
+                plgpu.barrier_wait(sched)  # the tensor cores are free
 
             def wait_next_k():
                 nxt = step + 1
@@ -245,11 +289,69 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        # Masked: the lead blocks, and the blocks from n_full on.
-        unmasked_end = jnp.maximum(n_full, lead)
-        carry = lax.fori_loop(0, lead, functools.partial(kv_step, masked=True), (acc, m_i, l_i))
-        carry = lax.fori_loop(lead, unmasked_end, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True), carry)
+        def overlapped(o_ref):
+            """Each warpgroup on its own (FA3's intra-warpgroup overlap): block j's QK^T is issued
+            with block j-1's PV, and block j's softmax runs while that PV does. o_ref: the output
+            accumulator (None when interpreting: the carry holds it). Needs steps >= 1."""
+            def qk0_scope(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
+                return s_ref[...]
+
+            s = (qk_dot(0) if interpret else
+                 pl.run_scoped(qk0_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32)))
+            plgpu.barrier_arrive(k_free.at[0])
+            p, m_0, alpha = probs(0, s, m_i, True)
+            carry = (acc if interpret else None, m_0, row_sums(p, l_i, alpha), p.astype(q_ref.dtype), alpha)
+
+            def rescale(acc, alpha):  # the output so far, to the running max of the block after it
+                return acc if alpha is None else acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def step_j(j, carry, masked):
+                acc, m_i, l_i, p16_prev, alpha_prev = carry  # p16_prev, alpha_prev: block j-1's
+                slot = lax.rem(j, jnp.int32(slots))
+                prev = lax.rem(j - 1, jnp.int32(slots))
+                plgpu.barrier_wait(k_bar.at[slot])
+                if interpret:
+                    s = qk_dot(slot)
+                    plgpu.barrier_wait(v_bar.at[prev])
+                    acc = rescale(acc, alpha_prev) + jnp.dot(p16_prev, v_smem[prev],
+                                                             preferred_element_type=jnp.float32)
+                else:
+                    def qk_scope(s_ref):
+                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                        if alpha_prev is not None:  # (block j-2's PV is done)
+                            o_ref[...] = rescale(plgpu.wgmma_accumulator_load(o_ref, wait_n=None), alpha_prev)
+                        plgpu.barrier_wait(v_bar.at[prev])
+                        plgpu.wgmma(o_ref, p16_prev, v_smem.at[prev])
+                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T done, PV may run
+                    s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m_new, alpha = probs(j, s, m_i, masked)
+                l_i = row_sums(p, l_i, alpha)
+                if not interpret:
+                    plgpu.wgmma_wait(0)  # block j-1's PV
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc, m_new, l_i, p.astype(q_ref.dtype), alpha
+
+            acc_j, m_j, l_j, p16, alpha = segments(step_j, 1, carry)
+            last = lax.rem(steps - 1, jnp.int32(slots))
+            plgpu.barrier_wait(v_bar.at[last])
+            if interpret:
+                acc_j = rescale(acc_j, alpha) + jnp.dot(p16, v_smem[last], preferred_element_type=jnp.float32)
+            else:
+                if alpha is not None:
+                    o_ref[...] = rescale(plgpu.wgmma_accumulator_load(o_ref, wait_n=None), alpha)
+                plgpu.wgmma(o_ref, p16, v_smem.at[last])
+                acc_j = o_ref[...]
+            plgpu.barrier_arrive(v_free.at[last])
+            return acc_j, m_j, l_j
+
+        if pipeline != "overlap":
+            acc, m_i, l_i = segments(kv_step, 0, (acc, m_i, l_i))
+        else:
+            run = overlapped if interpret else (
+                lambda _: pl.run_scoped(overlapped, plgpu.ACC((WG_ROWS, q_ref.shape[-1]), jnp.float32)))
+            acc, m_i, l_i = lax.cond(steps > 0, lambda: run(None), lambda: (acc, m_i, l_i))
 
         def drain(step, _):  # release the blocks loaded for the other warpgroup's longer range
             slot = lax.rem(step, jnp.int32(slots))
@@ -262,11 +364,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            schedule_barrier()
-            schedule_barrier()
+            if pingpong:
+                schedule_barrier()
+                schedule_barrier()
 
         lax.fori_loop(steps, tile_steps, drain, None)
-        pl.when(wg == 0)(schedule_barrier)
+        if pingpong:
+            pl.when(wg == 0)(schedule_barrier)
 
         if softmax:
             nonempty = l_i > 0
@@ -300,10 +404,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             @pl.when(tail >= 0)
             def _():
                 plgpu.copy_smem_to_gmem(
-                    q_smem, o_tail_ref.at[pl.ds(tail * TILE_TOKENS + wg * WG_ROWS, WG_ROWS), head])
+                    q_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), head])
 
         # lse rows by item slot: a contiguous TMA store needs a 16-byte aligned destination.
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * TILE_TOKENS + wg * WG_ROWS, WG_ROWS)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * tile_tokens + wg * WG_ROWS, WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     def _memory_item(f):
@@ -354,19 +458,19 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
 
     # Each branch runs the cell's items in order (one item per cell in host plans); every barrier
     # phase of an item is awaited within it, so the next item starts from free slots.
-    @pl.when(wg < 2)
+    @pl.when(wg < compute_wgs)
     def _compute():
         if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_compute_registers(compute_wgs), action="increase")
 
         @pl.loop(first_item, end_item)
         def _(w):
             _compute_item(w, item_fields(w))
 
-    @pl.when(wg == 2)
+    @pl.when(wg == compute_wgs)
     def _memory():
         if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(MEMORY_REGISTERS[compute_wgs], action="decrease")
 
         @pl.loop(first_item, end_item)
         def _(w):
@@ -375,22 +479,24 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
 
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
+                   pipeline="pingpong", tree_max=False, compute_wgs=2,
                    variant=None, params=None, q_pos=None, interpret=False, row_stores=False):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
     position. row_stores: every request starts at an 8-aligned row of q with its tiles at
-    tile_tok 0, 128, ...; a tile stores its own rows (whole 64-row halves, the rest 8 rows at a
-    time), the rows after a request up to the next 8-aligned row are left unwritten, and no tile
-    uses a tail slot. Returns (o [nnz, Hq, D],
-    lse_items [Hq, num_items * 128] (item slot w's tokens in rows w * 128 + i),
+    tile_tok 0, T, 2T, ... (T = 64 * compute_wgs tile tokens); a tile stores its own rows (whole
+    64-row parts, the rest 8 rows at a time), the rows after a request up to the next 8-aligned
+    row are left unwritten, and no tile uses a tail slot. Returns (o [nnz, Hq, D],
+    lse_items [Hq, num_items * T] (item slot w's tokens in rows w * T + i),
     o_tail [num_tail_rows, Hq, D])."""
     nnz, num_qo_heads, d = q.shape
     # TMA views token dimensions in tiles of 8 rows: arrays are padded to a multiple of 8 tokens
     # (a copy only when they are not one already), o and lse are allocated so and sliced.
     nnz_pad = _round_up(nnz, 8)
     # TMA zero-fills reads past an array's end; the interpreter rejects them.
-    q_in = _pad_rows(q, nnz_pad + (TILE_TOKENS if interpret else 0))
+    tile_tokens = compute_wgs * WG_ROWS
+    q_in = _pad_rows(q, nnz_pad + (tile_tokens if interpret else 0))
     if layout != "NHD":
         raise ValueError(f"prefill impl='mosaic': layout must be 'NHD', got {layout!r}")
     contiguous = kv_indices is None
@@ -414,11 +520,11 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     leaves, treedef, scalar = _common.flatten_params(params)
     extra = []
     if variant is not None:  # rows are loaded 64 at a time from 8-aligned starts: padded
-        extra = [_pad_rows(q_pos.astype(jnp.int32), nnz_pad + TILE_TOKENS)] + leaves
+        extra = [_pad_rows(q_pos.astype(jnp.int32), nnz_pad + tile_tokens)] + leaves
     interpret_params = None
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        _warn_if_interpreter_pool_too_small()
+        _warn_if_interpreter_pool_too_small(compute_wgs + 1)
         interpret_params = InterpretGPUParams(uninitialized_memory="nan")  # outputs poisoned
 
     def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, *refs):
@@ -426,32 +532,33 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         o_ref, lse_ref, o_tail_ref = refs[-3:]
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
-        smem = [plgpu.SMEM((2, WG_ROWS, d), q.dtype, transforms=(tiling, swizzle)),
+        smem = [plgpu.SMEM((compute_wgs, WG_ROWS, d), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
-                plgpu.SMEM((2, WG_ROWS), jnp.float32)]
+                plgpu.SMEM((compute_wgs, WG_ROWS), jnp.float32)]
         if variant is not None:
-            smem.append(plgpu.SMEM((2, WG_ROWS), jnp.int32))
+            smem.append(plgpu.SMEM((compute_wgs, WG_ROWS), jnp.int32))
         copies = 1 if contiguous else max(1, block_kv // page_size)
         loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
                   plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
-                  plgpu.Barrier(num_arrivals=1 if variant is None else 2, num_barriers=2))
-        freed = (plgpu.Barrier(num_arrivals=2, num_barriers=max_concurrent_steps),) * 2
+                  plgpu.Barrier(num_arrivals=1 if variant is None else 2, num_barriers=compute_wgs))
+        freed = (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
                 items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref,
                 None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
-                sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores),
+                sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,
+                pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs),
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),
-                 jax.ShapeDtypeStruct((num_qo_heads, items.shape[0] * TILE_TOKENS), jnp.float32),
+                 jax.ShapeDtypeStruct((num_qo_heads, items.shape[0] * tile_tokens), jnp.float32),
                  jax.ShapeDtypeStruct((num_tail_rows, num_qo_heads, d), q.dtype))
     kw = dict(interpret=interpret_params) if interpret else {}
     o, lse_items, o_tail = plgpu.kernel(entry, out_type=out_shape, grid=(num_qo_heads, num_cells),
-                        grid_names=("heads", "cells"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+                        grid_names=("heads", "cells"), num_threads=compute_wgs + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(
                             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), **kw)(
         items.reshape(-1), cell_indptr, kv_indices, q_in, k, v, *extra)

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The Mosaic GPU interpreter needs more XLA CPU threads than its 3 warpgroups, or it can
+# The Mosaic GPU interpreter needs more XLA CPU threads than its 3-4 warpgroups, or it can
 # deadlock on small machines (see pallas_kernels/prefill_mosaic.py). Set before JAX starts.
 os.environ.setdefault("PJRT_NPROC", "8")
 

@@ -175,3 +175,33 @@ def test_triton_deprecation_is_hidden_for_jaxinfer_kernels_only(rng):
     assert user_warnings[0] == "the user's own deprecation"
     triton = [m for m in user_warnings if m.startswith("The Pallas Triton backend is deprecated")]
     assert len(triton) == (1 if jax_warns else 0), (jax.__version__, user_warnings)
+
+
+def test_mosaic_prefill_configs_lower_for_cuda():
+    """Every Mosaic prefill tuning lowers for CUDA without a GPU (layouts, TMA, register splits):
+    the dispatch defaults at head_dim 64 / 128 / 256 (three compute warpgroups at 64, the overlap
+    pipeline at 256), the other pipelines, and ragged_paged_attention's persistent Mosaic class
+    (row stores)."""
+    from benchmarks.common import random_paged_cache
+    b, s, hq, hkv, page = 2, 200, 4, 2, 16
+    qo_indptr = (np.arange(b + 1) * 70).astype(np.int32)
+    for d, config in ((64, None), (128, None), (256, None),
+                      (128, ji.MosaicPrefillConfig(pipeline="free", compute_wgs=3, tree_max=True)),
+                      (128, ji.MosaicPrefillConfig(pipeline="overlap"))):
+        cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
+                                                          jnp.bfloat16)
+        pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", config=config)
+        plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages)
+        q = jnp.ones((int(qo_indptr[-1]), hq, d), jnp.bfloat16)
+        assert MOSAIC_CALL in lower_for_cuda(pre.run, q, cache, plan), (d, config)
+    # ragged_paged_attention: two sequences of 70 and 90 new tokens, the Mosaic class as the base.
+    d, pages_per_seq = 128, 16
+    cache, *_ = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d, jnp.bfloat16)
+    q_lens, kv_lens = np.array([70, 90]), np.array([150, 200], np.int32)
+    t = int(q_lens.sum())
+    queries, keys = jnp.ones((t, hq, d), jnp.bfloat16), jnp.ones((t, hkv, d), jnp.bfloat16)
+    args = (queries, keys, keys, cache, jnp.asarray(kv_lens),
+            jnp.arange(b * pages_per_seq, dtype=jnp.int32) % cache.num_pages,
+            jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.array([0, b, b], jnp.int32))
+    rpa = lambda *a: ji.ragged_paged_attention(*a, backend="gpu", impl="mosaic")[0]  # noqa: E731
+    assert MOSAIC_CALL in lower_for_cuda(rpa, *args)

@@ -48,8 +48,22 @@ def test_cost_model_choices_match_h100_rows(monkeypatch):
     assert pick(gqa, [64], [32768]) == "prefill_triton"                    # cascade shared level
     assert pick(gqa, [8192] * 4, [8192] * 4) == "prefill_mosaic"          # 521 vs ~420 TFLOP/s
     assert pick(mha, [4096] * 16, [4096] * 16) == "prefill_mosaic"        # 483 vs 352 TFLOP/s
-    assert dispatch.IMPLEMENTATIONS_BY_NAME["prefill_mosaic"].default_config(
-        dispatch.Problem("prefill", 16, 8, 256, "ragged")).block_kv == 64  # fits shared memory
+    default = lambda d, **kw: dispatch.IMPLEMENTATIONS_BY_NAME["prefill_mosaic"].default_config(  # noqa: E731
+        dispatch.Problem("prefill", 16, 8, d, "ragged", **kw))
+    d256 = default(256)  # 64-key blocks fit shared memory; overlap: 663 vs 601 TFLOP/s
+    assert (d256.block_kv, d256.pipeline) == (64, "overlap")
+    d64 = default(64)  # 458 vs 413 TFLOP/s (ragged B4 S8192)
+    assert (d64.compute_wgs, d64.pipeline, d64.tile_tokens) == (3, "free", 192)
+    assert default(64, variant=V.soft_cap()) == default(128) == ji.MosaicPrefillConfig()
+
+
+def test_mosaic_config_rejects_what_the_kernel_cannot_run():
+    with pytest.raises(ValueError, match="pipeline must be"):
+        ji.MosaicPrefillConfig(pipeline="fast")
+    with pytest.raises(ValueError, match="compute_wgs must be 2 or 3"):
+        ji.MosaicPrefillConfig(compute_wgs=4, pipeline="free")
+    with pytest.raises(ValueError, match="ping-pong pipeline needs compute_wgs=2"):
+        ji.MosaicPrefillConfig(compute_wgs=3)
 
 
 def test_every_plan_names_its_kernel(rng):
