@@ -179,6 +179,13 @@ def main(argv=None):
     rows = [(int(a_indices[a_indptr[b] + p // page]), int(p % page)) for b, p in enumerate(np.asarray(pos))]
     got = jnp.stack([appended.k_pages[pg, s] for pg, s in rows])
     errors["append"] = rel_err(got, k_new)
+    # Or, in a decode step, the decode kernel writes each request's new row at its last position.
+    a_last = table(seq_lens, page, a_indices)[2]
+    step_plan = dec.plan(a_indptr, a_indices, a_last, num_pages=num_pages)
+    o, fused = dec.run(q, ji.PagedKVCache(k_pages + 0, v_pages + 0), step_plan, append_kv=(k_new, v_new))
+    want = reference.decode(q, appended, a_indptr, a_indices, a_last)
+    errors["decode with append_kv"] = max(rel_err(o, want.o), rel_err(fused.k_pages, appended.k_pages),
+                                          rel_err(fused.v_pages, appended.v_pages))
 
     # Single requests, and the exact merge of two attention states (keys [:n] and [n:]).
     n = 10

@@ -140,7 +140,7 @@ def test_quickstart_runs_the_readme_api_tour():
                  "BatchAttention", "PrefillConfig",
                  "BlockSparseMatrix", "BlockSparseAttention", "two_level_cascade", "MultiLevelCascadeAttention",
                  "variants.compose", "float8_e4m3fn", "with_page_offset", "get_batch_indices_positions",
-                 "append_paged_kv_cache", "single_prefill_with_kv_cache", "merge_state", "reference.attention",
+                 "append_paged_kv_cache", "append_kv", "single_prefill_with_kv_cache", "merge_state", "reference.attention",
                  "ragged_paged_attention"):
         assert call in tour and call in open(quickstart.__file__).read(), call
 
