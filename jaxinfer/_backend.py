@@ -9,6 +9,14 @@ import os
 
 import jax
 
+try:
+    # jax 0.12 adds a value to the tracing context when this module is first imported, which
+    # happens inside the first interpret-mode kernel's trace: a jitted step would then miss its
+    # cache on its second call and compile again. Imported up front, the context stays fixed.
+    import jax._src.pallas.mosaic.interpret.interpret_pallas_call  # noqa: F401
+except ImportError:  # not in every jax version: nothing to pin there
+    pass
+
 BACKENDS = ("auto", "interpret", "gpu")
 
 
