@@ -189,11 +189,21 @@ MOSAIC_CASES = [  # (qo_lens, kv_lens, page, hq, hkv, causal): unaligned request
 ]
 
 
-@pytest.mark.parametrize("case, kind", [  # by default the auto-impl test runs the kernel paged and
-    # the variant test ragged (unaligned key rows); this grid under slow (suite time)
-    pytest.param(i, kind, marks=pytest.mark.slow) for i in (0, 1, 2) for kind in ("paged", "ragged")])
-def test_mosaic_prefill_matches_reference(rng, case, kind):
-    """impl="mosaic" (the Mosaic GPU kernel, in its interpreter), bf16, against the reference."""
+# The Mosaic kernel's schedules (MosaicPrefillConfig): FA3's intra-warpgroup overlap, three
+# free-running compute warpgroups, halving row maxima; 64-key blocks put several unmasked and
+# masked blocks in each tile. All under slow (suite time): by default the auto-impl test runs the
+# kernel paged (head_dim 64's three-warpgroup default) and the variant test ragged.
+MOSAIC_PIPELINES = [dict(pipeline="overlap", block_kv=64), dict(pipeline="overlap", block_kv=64, max_concurrent_steps=3),
+                    dict(pipeline="free", compute_wgs=3, tree_max=True), dict(pipeline="pingpong", tree_max=True, block_kv=64)]
+
+
+@pytest.mark.parametrize("config, case, kind", [
+    pytest.param(None, i, kind, marks=pytest.mark.slow) for i in (0, 1, 2) for kind in ("paged", "ragged")] + [
+    pytest.param(MOSAIC_PIPELINES[c], i, kind, marks=pytest.mark.slow)
+    for c, i, kind in ((0, 0, "ragged"), (0, 3, "ragged"), (1, 2, "paged"), (2, 1, "paged"), (3, 0, "ragged"))])
+def test_mosaic_prefill_matches_reference(rng, config, case, kind):
+    """impl="mosaic" (the Mosaic GPU kernel, in its interpreter) with the default or a given
+    MosaicPrefillConfig, bf16, against the reference."""
     qo, kv, page, hq, hkv, causal = MOSAIC_CASES[case]
     qo, kv, d = np.array(qo), np.array(kv), 64
     indptr, indices, last, num_pages = page_table(rng, kv, page)
@@ -201,40 +211,11 @@ def test_mosaic_prefill_matches_reference(rng, case, kind):
     qo_indptr = _indptr(qo)
     q = randn(rng, (qo_indptr[-1], hq, d), jnp.bfloat16)
     want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=causal)
-    if kind == "paged":
-        pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=causal, impl="mosaic")
-        o, lse = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages), return_lse=True)
-    else:  # unaligned key rows: the kv_first prefix is loaded and masked
-        k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)
-        pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, causal=causal, impl="mosaic")
-        o, lse = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr), return_lse=True)
-    assert rel_err(o, want.o) < TOL[jnp.bfloat16]
-    assert_lse_close(lse, want.lse, 1e-2)
-
-
-@pytest.mark.parametrize("config, case, kind", [  # under slow (suite time): the default suite runs
-    # three compute warpgroups through the auto-impl test (head_dim 64's default)
-    pytest.param(dict(pipeline="overlap", block_kv=64), 0, "ragged", marks=pytest.mark.slow),
-    pytest.param(dict(pipeline="overlap", block_kv=64), 3, "ragged", marks=pytest.mark.slow),
-    pytest.param(dict(pipeline="overlap", block_kv=64, max_concurrent_steps=3), 2, "paged", marks=pytest.mark.slow),
-    pytest.param(dict(pipeline="free", compute_wgs=3, tree_max=True), 1, "paged", marks=pytest.mark.slow),
-    pytest.param(dict(pipeline="pingpong", tree_max=True, block_kv=64), 0, "ragged", marks=pytest.mark.slow)])
-def test_mosaic_prefill_pipelines_match_reference(rng, config, case, kind):
-    """The Mosaic kernel's other schedules (MosaicPrefillConfig: FA3's intra-warpgroup overlap,
-    three free-running compute warpgroups, halving row maxima), bf16, against the reference;
-    64-key blocks put several unmasked and masked blocks in each tile."""
-    qo, kv, page, hq, hkv, causal = MOSAIC_CASES[case]
-    qo, kv, d = np.array(qo), np.array(kv), 64
-    indptr, indices, last, num_pages = page_table(rng, kv, page)
-    cache = random_cache(rng, num_pages, page, hkv, d, jnp.bfloat16, "NHD")
-    qo_indptr = _indptr(qo)
-    q = randn(rng, (qo_indptr[-1], hq, d), jnp.bfloat16)
-    want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=causal)
-    cfg = ji.MosaicPrefillConfig(**config)
+    cfg = None if config is None else ji.MosaicPrefillConfig(**config)
     if kind == "paged":
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, causal=causal, impl="mosaic", config=cfg)
         o, lse = pre.run(q, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages), return_lse=True)
-    else:
+    else:  # unaligned key rows: the kv_first prefix is loaded and masked
         k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)
         pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, causal=causal, impl="mosaic", config=cfg)
         o, lse = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr), return_lse=True)
