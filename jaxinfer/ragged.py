@@ -430,7 +430,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             o_sub, _, _ = prefill_mosaic.prefill_mosaic(
                 queries[src], k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, causal=causal,
                 block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
-                q_pos=q_pos[src] if variant is not None else None, row_stores=True, **kw)
+                q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, **kw)
             mine = pos >= 0
             o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
             out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the merges below, never read)

@@ -108,7 +108,8 @@ def _compute_registers(compute_wgs):
 
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
             o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
-            max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs):
+            max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
+            persistent):
     tile_tokens = compute_wgs * WG_ROWS
     head = lax.axis_index("heads")
     cell = lax.axis_index("cells")
@@ -124,8 +125,9 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
     masked_variant = variant is not None and variant.has_mask
     slots = k_smem.shape[0]
 
-    def item_fields(w):
-        """Work item w's fields and the KV blocks of its tile (both branches compute them)."""
+    def item_fields(w, has_item=True):
+        """Work item w's fields and the KV blocks of its tile (both branches compute them); none
+        (tile_steps 0) where has_item is false."""
         load = lambda i: items_ref[w * ITEM_FIELDS + i]  # items flattened: 1-D scalar loads
         q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end = (load(i) for i in range(7))
         offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
@@ -141,13 +143,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
         return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end, load(11), load(12),
                      offset, kv_begin, jnp.maximum(kv_start, load(13)), full_lo,
-                     pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)))
+                     jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0))
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    def _compute_item(w, f):
+    def _compute_item(w, f, has_item=True):
         q_row_start, tile_tok, qo_len, kv_start, kv_end = f.q_row_start, f.tile_tok, f.qo_len, f.kv_start, f.kv_end
         offset, kv_begin, kv_visible, tile_steps, pos_offset = (
             f.offset, f.kv_begin, f.kv_visible, f.tile_steps, f.pos_offset)
@@ -157,7 +159,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         if causal:
             last = jnp.minimum(first_tok + WG_ROWS, qo_len) - 1
             wg_hi = jnp.clip(last + offset + 1, kv_start, kv_end)
-        has_rows = (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
+        has_rows = has_item & (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
         steps = jnp.where(has_rows, pl.cdiv(jnp.maximum(wg_hi - kv_begin, 0), jnp.int32(block_kv)), 0)
         # Blocks wholly visible to every row of the warpgroup (and inside the range).
         full_end = jnp.minimum(kv_end, first_tok + offset + 1) if causal else kv_end
@@ -386,28 +388,30 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         if row_stores:  # the tile starts at the request's first row: store its rows, 8 at a time where partial
             n_rows = jnp.clip(qo_len - first_tok, 0, WG_ROWS)
 
-            @pl.when(n_rows == WG_ROWS)
+            @pl.when(has_item & (n_rows == WG_ROWS))
             def _():
                 plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), head])
 
             for j in range(0, WG_ROWS, 8):  # rows past the request up to its next 8-aligned row: nobody's
-                @pl.when((n_rows < WG_ROWS) & (j < n_rows))
+                @pl.when(has_item & (n_rows < WG_ROWS) & (j < n_rows))
                 def _():
                     plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), head])
         else:
             tail = f.tail
 
-            @pl.when(tail < 0)  # the tile is wholly the request's rows
+            @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
             def _():
                 plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), head])
 
-            @pl.when(tail >= 0)
+            @pl.when(has_item & (tail >= 0))
             def _():
                 plgpu.copy_smem_to_gmem(
                     q_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), head])
 
-        # lse rows by item slot: a contiguous TMA store needs a 16-byte aligned destination.
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * tile_tokens + wg * WG_ROWS, WG_ROWS)])
+        @pl.when(has_item)  # lse rows by item slot: a contiguous TMA store needs a 16-byte aligned destination
+        def _():
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * tile_tokens + wg * WG_ROWS, WG_ROWS)])
+
         plgpu.wait_smem_to_gmem(0)
 
     def _memory_item(f):
@@ -456,38 +460,44 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
-    # Each branch runs the cell's items in order (one item per cell in host plans); every barrier
-    # phase of an item is awaited within it, so the next item starts from free slots.
+    def each_item(run_item):
+        """run_item(w, fields, has_item) for the cell's items. Persistent: a loop over them in order
+        (every barrier phase of an item is awaited within it, so the next starts from free slots);
+        else the cell's one item (if any) in straight-line code: the loop costs 5-40% there
+        (BENCHMARKS.md, session 11)."""
+        if persistent:
+            pl.loop(first_item, end_item)(lambda w: run_item(w, item_fields(w), True))
+        else:
+            has_item = end_item > first_item
+            w = jnp.where(has_item, first_item, 0)
+            run_item(w, item_fields(w, has_item), has_item)
+
     @pl.when(wg < compute_wgs)
     def _compute():
         if not interpret:
             plgpu.set_max_registers(_compute_registers(compute_wgs), action="increase")
-
-        @pl.loop(first_item, end_item)
-        def _(w):
-            _compute_item(w, item_fields(w))
+        each_item(_compute_item)
 
     @pl.when(wg == compute_wgs)
     def _memory():
         if not interpret:
             plgpu.set_max_registers(MEMORY_REGISTERS[compute_wgs], action="decrease")
-
-        @pl.loop(first_item, end_item)
-        def _(w):
-            _memory_item(item_fields(w))
+        each_item(lambda w, f, has_item: _memory_item(f))
 
 
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
                    pipeline="pingpong", tree_max=False, compute_wgs=2,
-                   variant=None, params=None, q_pos=None, interpret=False, row_stores=False):
+                   variant=None, params=None, q_pos=None, interpret=False, row_stores=False,
+                   persistent=False):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
     position. row_stores: every request starts at an 8-aligned row of q with its tiles at
     tile_tok 0, T, 2T, ... (T = 64 * compute_wgs tile tokens); a tile stores its own rows (whole
     64-row parts, the rest 8 rows at a time), the rows after a request up to the next 8-aligned
-    row are left unwritten, and no tile uses a tail slot. Returns (o [nnz, Hq, D],
+    row are left unwritten, and no tile uses a tail slot. persistent: a cell may hold several work
+    items, run in order (else at most one). Returns (o [nnz, Hq, D],
     lse_items [Hq, num_items * T] (item slot w's tokens in rows w * T + i),
     o_tail [num_tail_rows, Hq, D])."""
     nnz, num_qo_heads, d = q.shape
@@ -514,7 +524,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         # The interpreter compiles each grid point's warpgroups anew (seconds each): its cells
         # are merged into two, each running its items in order as a persistent cell does.
         cell_indptr = cell_indptr[jnp.array([0, num_cells // 2, num_cells])]
-        num_cells = 2
+        num_cells, persistent = 2, True
     if variant is not None and (variant.has_query_transform or variant.has_key_transform):
         raise ValueError(f"prefill impl='mosaic': variant {variant.name!r} has query / key transforms")
     leaves, treedef, scalar = _common.flatten_params(params)
@@ -550,7 +560,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
                 sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,
-                pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs),
+                pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs, persistent=persistent),
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),

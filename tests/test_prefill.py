@@ -223,6 +223,26 @@ def test_mosaic_prefill_matches_reference(rng, config, case, kind):
     assert_lse_close(lse, want.lse, 1e-2)
 
 
+def test_mosaic_kernel_one_item_per_cell(rng):
+    """The Mosaic kernel's host-plan form (persistent=False: a cell runs its one item, if any, in
+    straight-line code; the wrappers' interpreter runs merge cells and take the loop): one whole
+    causal tile in cell 0, cell 1 empty, against the reference."""
+    from pallas_kernels import prefill_mosaic
+    qo, kv, h, d = 128, 200, 2, 128
+    q = randn(rng, (qo, h, d), jnp.bfloat16)
+    k, v = randn(rng, (kv, h, d), jnp.bfloat16), randn(rng, (kv, h, d), jnp.bfloat16)
+    pre = ji.BatchPrefillWithRaggedKVCache(h, h, d, causal=True, impl="mosaic")
+    plan = pre.plan(_indptr([qo]), _indptr([kv]))
+    items = plan.layout.unpack(np.asarray(plan.buffer))["items"][:1]  # [1, ITEM_FIELDS]
+    o, lse_items, _ = prefill_mosaic.prefill_mosaic(
+        q, k.reshape(-1, d), v.reshape(-1, d), None, jnp.asarray(items, jnp.int32),
+        jnp.array([0, 1, 1], jnp.int32), 8, page_size=1, num_kv_heads=h, layout="NHD",
+        sm_scale=pre.sm_scale, causal=True, interpret=True, persistent=False)
+    want = ref.ragged_attention(q, k, v, _indptr([qo]), _indptr([kv]), causal=True)
+    assert rel_err(o, want.o) < TOL[jnp.bfloat16]
+    assert_lse_close(lse_items[:, :qo].T, want.lse, 1e-2)
+
+
 MOSAIC_VARIANTS = {  # name: (variant, parameter overrides)
     "cap_alibi_window": (lambda V: V.compose(V.soft_cap(), V.alibi(), V.sliding_window()),
                          dict(logits_soft_cap=30.0, window_left=33)),
