@@ -10,8 +10,13 @@ Conventions:
   request sits at position kv_len - qo_len + i, key j at j (unless given).
 - fp8 K/V are dequantized as k * k_scale[head] (a scalar or an [Hkv] array).
 Index arrays (indptr, indices) are host arrays: the reference loops over
-requests in Python and is meant for tests, not speed.
+requests in Python and is meant for tests, not speed. Concrete inputs are sliced
+on the host and each request runs one jitted program on power-of-two padded
+lengths (a few compilations per test); inside a caller's jit it traces as jnp.
 """
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,19 +31,70 @@ def attention(q, k, v, *, causal=False, sm_scale=None, mask=None, variant=None, 
     variant / params: an AttentionVariant and its parameters; qo_pos [qo_len], kv_pos [kv_len]:
     positions (defaults above). Returns AttentionState(o [qo_len, Hq, D] in q.dtype,
     lse [qo_len, Hq] float32); a variant without softmax gives lse = 0.
+
+    Runs as one jitted program on lengths padded to powers of two (padded query rows and keys
+    are hidden), so a test compiles a few programs rather than every op for every length.
     """
+    qo_len, hq, d = q.shape
+    kv_len = k.shape[0]
+    scale = default_sm_scale(d, sm_scale)
+    if kv_len == 0:
+        lse = jnp.full((qo_len, hq), -jnp.inf if variant is None or variant.use_softmax else 0.0, jnp.float32)
+        return _finish(variant, params, jnp.zeros(q.shape, jnp.float32), lse, q.dtype)
+    # Concrete inputs are padded on the host; traced ones (reference() inside a caller's jit) are not.
+    concrete = not any(map(_traced, jax.tree_util.tree_leaves((q, k, v, mask, qo_pos, kv_pos))))
+    xp = np if concrete else jnp
+    visible = xp.ones((qo_len, kv_len), bool)
+    if causal:
+        visible &= xp.arange(kv_len)[None, :] <= xp.arange(qo_len)[:, None] + kv_len - qo_len
+    if mask is not None:
+        visible &= xp.asarray(mask, bool)
+    qo_pos = kv_len - qo_len + xp.arange(qo_len) if qo_pos is None else xp.asarray(qo_pos)
+    kv_pos = xp.arange(kv_len) if kv_pos is None else xp.asarray(kv_pos)
+    qo_pos, kv_pos = qo_pos.astype(np.int32), kv_pos.astype(np.int32)
+    if concrete:
+        qp, kp = _bucket(qo_len), _bucket(kv_len)
+        q, k, v, qo_pos, kv_pos = _pad(q, qp), _pad(k, kp), _pad(v, kp), _pad(qo_pos, qp), _pad(kv_pos, kp)
+        visible = _pad(_pad(visible, qp).T, kp).T
+    o, lse = _padded_attention(q, k, v, visible, qo_pos, kv_pos, params, k_scale, v_scale,
+                               scale=scale, variant=variant)
+    return _finish(variant, params, o[:qo_len], lse[:qo_len], q.dtype)
+
+
+def _traced(x):
+    return isinstance(x, jax.core.Tracer)
+
+
+def _host(x):
+    """x as a NumPy array where it is concrete (sliced and gathered on the host: no program per
+    slice), else x itself (the reference traced inside a caller's jit)."""
+    return x if _traced(x) else np.asarray(x)
+
+
+def _concat(xs):
+    return jnp.asarray(jnp.concatenate(xs) if any(map(_traced, xs)) else np.concatenate(xs))
+
+
+def _bucket(n):
+    """The padded length: the power of two >= n (at least 8)."""
+    return max(8, 1 << (n - 1).bit_length())
+
+
+def _pad(x, n):
+    """x [m, ...] (host copy) zero-padded to [n, ...]."""
+    x = np.asarray(x)
+    return np.concatenate([x, np.zeros((n - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "variant"))
+def _padded_attention(q, k, v, visible, qo_pos, kv_pos, params, k_scale, v_scale, *, scale, variant):
+    """attention() on padded rows: q [QP, Hq, D], k/v [KP, Hkv, D], visible [QP, KP] bool,
+    qo_pos [QP], kv_pos [KP]. Returns (o [QP, Hq, D] float32, lse [QP, Hq])."""
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     group = hq // hkv
-    scale = default_sm_scale(d, sm_scale)
     kf = k.astype(jnp.float32) * _per_head(k_scale, hkv)
     vf = v.astype(jnp.float32) * _per_head(v_scale, hkv)
-    softmax = variant is None or variant.use_softmax
-    if kv_len == 0:
-        lse = jnp.full((qo_len, hq), -jnp.inf if softmax else 0.0, jnp.float32)
-        return _finish(variant, params, jnp.zeros(q.shape, jnp.float32), lse, q.dtype)
-    qo_pos = kv_len - qo_len + jnp.arange(qo_len) if qo_pos is None else jnp.asarray(qo_pos)
-    kv_pos = jnp.arange(kv_len) if kv_pos is None else jnp.asarray(kv_pos)
     row_pos = jnp.repeat(qo_pos, hq)  # rows are (token, head), token-major
     row_head = jnp.tile(jnp.arange(hq), qo_len)
     qf = q.astype(jnp.float32).reshape(qo_len * hq, d)
@@ -50,19 +106,14 @@ def attention(q, k, v, *, causal=False, sm_scale=None, mask=None, variant=None, 
                         precision="highest").reshape(qo_len * hq, kv_len) * scale
     if variant is not None and variant.has_logits_transform:
         logits = variant.logits_transform(params, logits, row_pos[:, None], kv_pos[None, :], row_head[:, None])
-    visible = jnp.ones((qo_len, kv_len), bool)
-    if causal:
-        visible &= (jnp.arange(kv_len)[None, :] <= jnp.arange(qo_len)[:, None] + kv_len - qo_len)
-    if mask is not None:
-        visible &= jnp.asarray(mask, bool)
     visible = jnp.repeat(visible, hq, axis=0)
     if variant is not None and variant.has_mask:
         visible &= variant.logits_mask(params, row_pos[:, None], kv_pos[None, :], row_head[:, None])
     v_rows = jnp.repeat(vf, group, axis=1)  # [kv, Hq, D]
-    if not softmax:
+    if not (variant is None or variant.use_softmax):
         p = jnp.where(visible, logits, 0.0).reshape(qo_len, hq, kv_len)
         o = jnp.einsum("qhk,khd->qhd", p, v_rows, precision="highest")
-        return _finish(variant, params, o, jnp.zeros((qo_len, hq), jnp.float32), q.dtype)
+        return o, jnp.zeros((qo_len, hq), jnp.float32)
     logits = jnp.where(visible, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -71,7 +122,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, mask=None, variant=None, 
     p = (p / jnp.where(denom > 0, denom, 1.0)).reshape(qo_len, hq, kv_len)
     o = jnp.einsum("qhk,khd->qhd", p, v_rows, precision="highest")
     lse = jnp.where(denom[:, 0] > 0, jnp.log(denom[:, 0]) + m_safe[:, 0], -jnp.inf)
-    return _finish(variant, params, o, lse.reshape(qo_len, hq), q.dtype)
+    return o, lse.reshape(qo_len, hq)
 
 
 def _per_head(scale, hkv):
@@ -89,7 +140,7 @@ def _finish(variant, params, o, lse, dtype):
 def _concat_states(states, hq, d, dtype):
     if not states:
         return AttentionState(jnp.zeros((0, hq, d), dtype), jnp.zeros((0, hq), jnp.float32))
-    return AttentionState(jnp.concatenate([s.o for s in states]), jnp.concatenate([s.lse for s in states]))
+    return AttentionState(_concat([_host(s.o) for s in states]), _concat([_host(s.lse) for s in states]))
 
 
 def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None, custom_mask=None,
@@ -101,13 +152,14 @@ def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=No
     variant_kw: variant, params, k_scale, v_scale (see attention).
     """
     qo_indptr, kv_indptr = np.asarray(qo_indptr), np.asarray(kv_indptr)
+    q, k, v = _host(q), _host(k), _host(v)
     states, mask_off = [], 0
     for b in range(len(qo_indptr) - 1):
         qs, qe, ks, ke = qo_indptr[b], qo_indptr[b + 1], kv_indptr[b], kv_indptr[b + 1]
         mask = None
         if custom_mask is not None:
             n = (qe - qs) * (ke - ks)
-            mask = jnp.asarray(custom_mask[mask_off:mask_off + n]).reshape(qe - qs, ke - ks)
+            mask = _host(custom_mask[mask_off:mask_off + n]).reshape(qe - qs, ke - ks)
             mask_off += n
         states.append(attention(q[qs:qe], k[ks:ke], v[ks:ke], causal=causal, sm_scale=sm_scale, mask=mask,
                                 **variant_kw))
@@ -119,18 +171,19 @@ def gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len):
     kv_indptr, kv_indices = np.asarray(kv_indptr), np.asarray(kv_indices)
     kv_last_page_len = np.asarray(kv_last_page_len)
     p = kv_cache.page_size
+    k_pages, v_pages = _host(kv_cache.k_pages), _host(kv_cache.v_pages)
     ks, vs, lens = [], [], []
     for b in range(len(kv_indptr) - 1):
         pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
         n = 0 if len(pages) == 0 else (len(pages) - 1) * p + int(kv_last_page_len[b])
-        kp, vp = kv_cache.k_pages[pages], kv_cache.v_pages[pages]
+        kp, vp = k_pages[pages], v_pages[pages]
         if kv_cache.layout == "HND":  # [n, H, P, D] -> [n, P, H, D]
             kp, vp = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
         ks.append(kp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim)[:n])
         vs.append(vp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim)[:n])
         lens.append(n)
     tok_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    return jnp.concatenate(ks), jnp.concatenate(vs), tok_indptr
+    return _concat(ks), _concat(vs), tok_indptr
 
 
 def paged_attention(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
@@ -148,7 +201,7 @@ def decode(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=Non
     if kv_lens is not None:
         keep = np.concatenate([np.arange(tok_indptr[b], tok_indptr[b] + int(kv_lens[b]))
                                for b in range(len(tok_indptr) - 1)] + [np.zeros(0, np.int64)])
-        k, v = k[keep], v[keep]
+        k, v = _host(k)[keep], _host(v)[keep]
         tok_indptr = np.concatenate([[0], np.cumsum(np.asarray(kv_lens))]).astype(np.int32)
     qo_indptr = np.arange(q.shape[0] + 1, dtype=np.int32)
     return ragged_attention(q, k, v, qo_indptr, tok_indptr, sm_scale=sm_scale, **variant_kw)
