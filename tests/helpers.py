@@ -8,7 +8,8 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 
 
 def randn(rng, shape, dtype, scale=1.0):
-    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+    """Standard normal values in dtype, cast on the host (a device cast compiles per shape)."""
+    return jnp.asarray((rng.standard_normal(shape) * scale).astype(dtype))
 
 
 def np64_attention(q, k, v, *, causal=False, sm_scale=None, mask=None):

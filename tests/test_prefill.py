@@ -228,10 +228,10 @@ def test_mosaic_kernel_one_item_per_cell(rng):
     straight-line code; the wrappers' interpreter runs merge cells and take the loop): one whole
     causal tile in cell 0, cell 1 empty, against the reference."""
     from pallas_kernels import prefill_mosaic
-    qo, kv, h, d = 128, 200, 2, 128
+    qo, kv, h, d = 128, 200, 1, 64
     q = randn(rng, (qo, h, d), jnp.bfloat16)
     k, v = randn(rng, (kv, h, d), jnp.bfloat16), randn(rng, (kv, h, d), jnp.bfloat16)
-    pre = ji.BatchPrefillWithRaggedKVCache(h, h, d, causal=True, impl="mosaic")
+    pre = ji.BatchPrefillWithRaggedKVCache(h, h, d, causal=True, impl="mosaic", config=ji.MosaicPrefillConfig())
     plan = pre.plan(_indptr([qo]), _indptr([kv]))
     items = plan.layout.unpack(np.asarray(plan.buffer))["items"][:1]  # [1, ITEM_FIELDS]
     o, lse_items, _ = prefill_mosaic.prefill_mosaic(
