@@ -50,7 +50,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
 
     def randn(*shape, dtype=jnp.bfloat16):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
+        return jnp.asarray(rng.standard_normal(shape).astype(dtype))  # cast on the host
 
     errors = {}
 
