@@ -94,15 +94,28 @@ def cases(rng):
     yield batch_case(rng, np.full(64, 4), rng.integers(1024, 4097, 64), "BatchAttention q4 B64")
 
 
-def buffers(plan):
-    """The plan's packed int32 buffers, as NumPy arrays."""
-    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(plan) if leaf.dtype == np.int32]
+def packed(plan):
+    """[(packed int32 buffer as NumPy, layout)] of the plan and the plans inside it."""
+    out = []
+    if hasattr(plan, "parts"):
+        parts = [np.asarray(part) for part in plan.parts]
+        if len(parts) == 1:  # the CPU backend: the buffer whole
+            buf = parts[0]
+        else:
+            buf = np.zeros(plan.layout.size, np.int32)
+            for part, (start, stop) in zip(parts, plan.layout.offsets.values()):
+                buf[start:stop] = part
+        out.append((buf, plan.layout))
+    for inner in (getattr(plan, "long", None), getattr(plan, "alt", None), *getattr(plan, "levels", ())):
+        out += packed(inner) if inner is not None else []
+    return out
 
 
 def copy_us(bufs, budget_s):
-    """The plan's packed buffer(s) put on the device as plan() puts them (transfer.plan_buffer,
-    fixed capacities), waited for: median µs (GPU only)."""
-    return timings(lambda: jax.block_until_ready([transfer.plan_buffer(b, True) for b in bufs]), budget_s)[0]
+    """The plan's packed buffer(s) put on the device as plan() puts them (transfer.plan_sections:
+    copied and split into sections), waited for: median µs (GPU only)."""
+    return timings(lambda: jax.block_until_ready([transfer.plan_sections(b, lay, True) for b, lay in bufs]),
+                   budget_s)[0]
 
 
 def main():
@@ -126,8 +139,8 @@ def main():
         if args.only not in name:
             continue
         med, p99 = timings(fn, budget)
-        bufs = buffers(fn())
-        row = f"{name:<48} {med:>8.1f} {p99:>8.1f} {sum(b.nbytes for b in bufs) / 1e3:>7.0f}"
+        bufs = packed(fn())
+        row = f"{name:<48} {med:>8.1f} {p99:>8.1f} {sum(b.nbytes for b, _ in bufs) / 1e3:>7.0f}"
         if gpu:
             row += f" {copy_us(bufs, budget / 2):>8.1f}"
         print(row, flush=True)

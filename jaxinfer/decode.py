@@ -98,7 +98,7 @@ class BatchDecodeWithPagedKVCache:
         if spec is None or spec.num_pages != num_pages:
             spec = self._spec = self.facts.spec(num_pages, dispatch.choose(self.problem, None, None, False).name)
         fixed = self.max_batch_size is not None and self.max_num_pages is not None
-        return DecodePlan(transfer.plan_buffer(buf, fixed), layout, spec, int(horizon), info=info)
+        return DecodePlan(transfer.plan_sections(buf, layout, fixed), layout, spec, int(horizon), info=info)
 
     def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False, variant_params=None,
             k_scale=None, v_scale=None, append_kv=None):

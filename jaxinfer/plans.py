@@ -1,12 +1,15 @@
-"""Plans: what plan() hands to run(). Pytrees of one packed int32 buffer (one host-to-device copy
-per step) plus static facts: the buffer's layout and the PlanSpec that binds the plan to the
-wrapper and cache it was made for. Every plan names its kernel(s) in plan.impl.
+"""Plans: what plan() hands to run(). Pytrees of the sections of one packed int32 buffer (one
+host-to-device copy per step, split on the device: jaxinfer.transfer) plus static facts: the
+buffer's layout and the PlanSpec that binds the plan to the wrapper and cache it was made for.
+Every plan names its kernel(s) in plan.impl.
 """
 import dataclasses
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer import transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,7 @@ class _PagedPlan:
 class DecodePlan(_PagedPlan):
     """A decode plan (see BatchDecodeWithPagedKVCache.plan). kv_lens_at(step) gives the live
     lengths of step `step` of a horizon plan."""
-    buffer: jax.Array
+    parts: Tuple[jax.Array, ...]  # transfer.plan_sections
     layout: object            # planner.decode.DecodeLayout (static)
     spec: PlanSpec
     horizon: int = 1
@@ -93,7 +96,7 @@ class DecodePlan(_PagedPlan):
     info: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def sections(self):
-        return self.layout.unpack(self.buffer)
+        return transfer.sections(self.parts, self.layout)
 
     @property
     def kv_lens(self):
@@ -108,21 +111,22 @@ class DecodePlan(_PagedPlan):
         return dataclasses.replace(self, **kw)
 
     def tree_flatten(self):
-        return (self.buffer, self.page_offset), (self.layout, self.spec, self.horizon)
+        return (self.parts, self.page_offset), (self.layout, self.spec, self.horizon)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         layout, spec, horizon = aux
-        return cls(children[0], layout, spec, horizon, children[1])
+        return cls(tuple(children[0]), layout, spec, horizon, children[1])
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrefillPlan(_PagedPlan):
-    """A prefill plan: one packed int32 buffer (and an int8 custom mask, if any) plus its static
-    layout and causal flag. alt: with impl "prefill_mosaic", the Triton kernel's plan beside it,
-    which run() uses where the Mosaic kernel cannot run the call's dtypes (fp8, float32)."""
-    buffer: jax.Array
+    """A prefill plan: the sections of one packed int32 buffer (and an int8 custom mask, if any)
+    plus its static layout and causal flag. alt: with impl "prefill_mosaic", the Triton kernel's
+    plan beside it, which run() uses where the Mosaic kernel cannot run the call's dtypes (fp8,
+    float32)."""
+    parts: Tuple[jax.Array, ...]  # transfer.plan_sections
     mask: Optional[jax.Array]
     layout: object            # planner.prefill.PrefillLayout (static)
     causal: bool
@@ -132,7 +136,7 @@ class PrefillPlan(_PagedPlan):
     info: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def sections(self):
-        return self.layout.unpack(self.buffer)
+        return transfer.sections(self.parts, self.layout)
 
     def _replace(self, **kw):
         if self.alt is not None and "page_offset" in kw:
@@ -140,13 +144,13 @@ class PrefillPlan(_PagedPlan):
         return dataclasses.replace(self, **kw)
 
     def tree_flatten(self):
-        return (self.buffer, self.mask, self.alt, self.page_offset), (self.layout, self.causal, self.spec)
+        return (self.parts, self.mask, self.alt, self.page_offset), (self.layout, self.causal, self.spec)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        buffer, mask, alt, page_offset = children
+        parts, mask, alt, page_offset = children
         layout, causal, spec = aux
-        return cls(buffer, mask, layout, causal, spec, alt, page_offset)
+        return cls(tuple(parts), mask, layout, causal, spec, alt, page_offset)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -180,10 +184,10 @@ class CascadePlan:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan(_PagedPlan):
-    """A BatchAttention plan: the short requests' decode-kernel work list (one packed buffer)
+    """A BatchAttention plan: the short requests' decode-kernel work list (one packed buffer's sections)
     and, when the step has longer requests, the prefill plan of their rows. Also a prefill
     wrapper's plan when every request is short (impl "prefill_short": long is None)."""
-    buffer: jax.Array
+    parts: Tuple[jax.Array, ...]  # transfer.plan_sections
     layout: object            # planner.batch.ShortLayout (static)
     spec: PlanSpec
     long: Optional[PrefillPlan] = None
@@ -193,7 +197,7 @@ class BatchPlan(_PagedPlan):
     info: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def sections(self):
-        return self.layout.unpack(self.buffer)
+        return transfer.sections(self.parts, self.layout)
 
     def _replace(self, **kw):
         if self.long is not None and "page_offset" in kw:
@@ -201,10 +205,10 @@ class BatchPlan(_PagedPlan):
         return dataclasses.replace(self, **kw)
 
     def tree_flatten(self):
-        return (self.buffer, self.long, self.page_offset), (self.layout, self.spec, self.has_short, self.causal)
+        return (self.parts, self.long, self.page_offset), (self.layout, self.spec, self.has_short, self.causal)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        buffer, long, page_offset = children
+        parts, long, page_offset = children
         layout, spec, has_short, causal = aux
-        return cls(buffer, layout, spec, long, has_short, causal, page_offset)
+        return cls(tuple(parts), layout, spec, long, has_short, causal, page_offset)

@@ -133,7 +133,8 @@ class _Prefill:
             spec = specs.get((num_pages, impl_name))
             if spec is None:
                 spec = specs[num_pages, impl_name] = self.facts.spec(num_pages, impl_name)
-            return PrefillPlan(transfer.plan_buffer(buf, fixed), dev_mask, layout, causal, spec, alt, info=info)
+            return PrefillPlan(transfer.plan_sections(buf, layout, fixed), dev_mask, layout, causal, spec, alt,
+                               info=info)
 
         # impl="auto" plans for Mosaic keep a Triton plan beside, for dtypes Mosaic cannot run.
         alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" else None
@@ -150,8 +151,8 @@ class _Prefill:
             batch_cap=kv_lens.shape[0] if self.max_batch_size is None else int(self.max_batch_size),
             index_cap=max(kv_indices.shape[0], 1) if self.max_num_pages is None else int(self.max_num_pages))
         fixed = None not in (self.max_num_tokens, self.max_batch_size, self.max_num_pages)
-        return BatchPlan(transfer.plan_buffer(buf, fixed), layout, self.facts.spec(num_pages, "prefill_short"),
-                         causal=causal, info=info)
+        return BatchPlan(transfer.plan_sections(buf, layout, fixed), layout,
+                         self.facts.spec(num_pages, "prefill_short"), causal=causal, info=info)
 
     def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, num_rows, kv_name, facts=None,
                  **cache_kw):

@@ -1,4 +1,10 @@
-"""The host-to-device copy of a plan's packed buffer: the last step of every plan().
+"""The host-to-device copy of a plan's packed buffer, split into its sections on the device:
+the last step of every plan().
+
+On a GPU, plans hold each section as its own device array: a slice of one packed buffer inside
+a jitted run() is a copy launch per section on every call (1-1.5 µs each on an H100; 7-12 µs per
+call for 6-10 sections, BENCHMARKS.md session 12); split once at plan time, run() reads them in
+place.
 
 Measured on the 2-core dev CPU (issue 22, BENCHMARKS.md): jax.device_put costs about 30 µs of
 Python dispatch whatever the size; a jitted identity goes through jit's C++ dispatch and costs
@@ -17,6 +23,13 @@ from planner import packing
 # array that is not aligned is copied).
 CPU_ALIAS_BYTES = packing.ALIAS_BYTES
 
+
+def _split(buf, bounds):
+    """buf's sections [start, stop) as separate arrays (each a copy: the plan owns them)."""
+    return tuple(buf[start:stop] for start, stop in bounds)
+
+
+_copy_split = jax.jit(_split, static_argnums=1)
 _copy = jax.jit(lambda buf: buf)  # a copy on the device: the plan owns its buffer
 
 
@@ -25,13 +38,22 @@ def _on_cpu():
     return jax.default_backend() == "cpu"
 
 
-def plan_buffer(buf, fixed_shape):
-    """buf (a NumPy array plan() made for this plan and never writes again) as a device array.
+def plan_sections(buf, layout, fixed_shape):
+    """buf (a NumPy array plan() made for this plan and never writes again) on the device: a
+    tuple of arrays, one per section of its layout (a planner PackedLayout), in layout order.
 
-    fixed_shape: the wrapper's capacities fix buf's shape (so the jitted copy compiles once per
-    wrapper configuration); otherwise every batch size could compile another copy, and
-    jax.device_put is used."""
-    if fixed_shape and not (buf.nbytes >= CPU_ALIAS_BYTES and _on_cpu()):
-        return _copy(buf)
-    return jax.device_put(buf, may_alias=True)  # buf is fresh and never written again
+    One jitted call copies buf and splits it; it compiles once per layout, as run() does (the
+    layout is a static part of the plan). On the CPU backend, where run() is not timed, the
+    buffer stays whole, a 1-tuple (a split would copy it; sections() slices it): a jitted copy
+    when fixed_shape (the wrapper's capacities fix buf's shape: it compiles once), else
+    jax.device_put, which aliases an aligned buffer of CPU_ALIAS_BYTES or more."""
+    if not _on_cpu():
+        return _copy_split(buf, tuple(layout.offsets.values()))
+    if fixed_shape and buf.nbytes < CPU_ALIAS_BYTES:
+        return (_copy(buf),)
+    return (jax.device_put(buf, may_alias=True),)  # buf is fresh and never written again
 
+
+def sections(parts, layout):
+    """{name: section} of a plan's parts (plan_sections)."""
+    return layout.unpack(parts[0]) if len(parts) == 1 else layout.named(parts)

@@ -57,6 +57,10 @@ class PackedLayout:
 
     def unpack(self, buf):
         """Splits the packed buffer (NumPy or jax array) into its named sections (views)."""
-        out = {name: buf[start:stop] for name, (start, stop) in self.offsets.items()}
+        return self.named(tuple(buf[start:stop] for start, stop in self.offsets.values()))
+
+    def named(self, parts):
+        """{name: section} of the sections given in sections() order (items as rows)."""
+        out = dict(zip(self.offsets, parts))
         out["items"] = out["items"].reshape(-1, self.ITEM_FIELDS)
         return out
