@@ -82,7 +82,22 @@ class BatchAttention:
             num_tokens=num_tokens, batch_cap=bcap, index_cap=icap)
         long_plan, impls = None, ["decode_triton"] if info["num_short"] else []
         if info["num_long_tokens"]:
-            long_plan = self._long_plan(qo_indptr, kv_indptr, kv_indices, kv_lens, is_short, num_pages)
+            # The long requests' sub-batch: their rows and their pages (already checked above).
+            long_reqs = np.flatnonzero(~is_short)
+            pages = kv_indptr[1:] - kv_indptr[:-1]
+            sub_pages = pages.take(long_reqs)
+            sub_indptr = np.zeros(long_reqs.shape[0] + 1, np.int32)
+            np.cumsum(sub_pages, out=sub_indptr[1:])
+            sub_qo = np.zeros(long_reqs.shape[0] + 1, np.int32)
+            np.cumsum(qo_lens.take(long_reqs), out=sub_qo[1:])
+            first, last = int(long_reqs[0]), int(long_reqs[-1])
+            if last - first + 1 == long_reqs.shape[0]:  # consecutive requests: their pages are one slice
+                sub_indices = kv_indices[kv_indptr[first]:kv_indptr[last + 1]]
+            else:  # entry j of the sub-table: kv_indices[j + (request's first entry - its sub first)]
+                shift = np.repeat(page_base.take(long_reqs) - sub_indptr[:-1], sub_pages)
+                sub_indices = kv_indices.take(shift + scheduler.arange(int(sub_indptr[-1])))
+            long_plan = self.prefill._plan(sub_qo, kv_lens.take(long_reqs), sub_indptr[:-1], sub_indices,
+                                           None, None, num_pages)
             impls.append(long_plan.impl)
         impl = "+".join(impls) or "none (no query rows)"
         specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl): made once
@@ -94,28 +109,6 @@ class BatchAttention:
         fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
         return BatchPlan(transfer.plan_sections(buf, layout, fixed), layout, spec, long_plan,
                          bool(info["num_short"]), self.causal, info=info)
-
-    def _long_plan(self, qo_indptr, kv_indptr, kv_indices, kv_lens, is_short, num_pages):
-        """The prefill plan of the long requests over q's own rows. Each run of consecutive short
-        requests stands in it as one request with no keys, whose rows the prefill kernel writes as
-        o = 0 (lse = -inf) and the decode kernel then overwrites: q and o need no gather."""
-        # Requests of the prefill plan: each long one, and the first short one of each run.
-        kept = np.flatnonzero(~is_short | np.concatenate([[True], ~is_short[:-1]]))  # [K]
-        keyless = is_short.take(kept)
-        pages = kv_indptr[1:] - kv_indptr[:-1]
-        sub_pages = np.where(keyless, 0, pages.take(kept)).astype(np.int32)
-        sub_indptr = np.zeros(kept.shape[0] + 1, np.int32)
-        np.cumsum(sub_pages, out=sub_indptr[1:])
-        long_reqs = kept[~keyless]
-        first, last = int(long_reqs[0]), int(long_reqs[-1])
-        if last - first + 1 == long_reqs.shape[0]:  # consecutive long requests: their pages are one slice
-            sub_indices = kv_indices[kv_indptr[first]:kv_indptr[last + 1]]
-        else:  # entry j of the sub-table: kv_indices[j + (request's first entry - its sub first)]
-            shift = np.repeat(kv_indptr.take(kept) - sub_indptr[:-1], sub_pages)
-            sub_indices = kv_indices.take(shift + scheduler.arange(int(sub_indptr[-1])))
-        sub_qo = np.append(qo_indptr.take(kept), qo_indptr[-1]).astype(np.int32)  # the runs' rows summed
-        sub_kv = np.where(keyless, 0, kv_lens.take(kept)).astype(np.int32)
-        return self.prefill._plan(sub_qo, sub_kv, sub_indptr[:-1], sub_indices, None, None, num_pages)
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq]) (natural log)."""
@@ -132,10 +125,22 @@ class BatchAttention:
         plan.spec.check_rows(kv_cache.num_pages, "kv_cache")
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         sec = plan.sections()
+        n, hq, d = q.shape
         if plan.long is None:
-            o, lse = jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
-        else:  # every row: the long requests' attention, 0 (lse -inf) elsewhere
+            o, lse = jnp.zeros((n, hq, d), q.dtype), jnp.full((n, hq), -jnp.inf, jnp.float32)
+        elif not plan.has_short:  # every row is long: no gather
             o, lse = self.prefill.run_raw(q, kv_cache, plan.long, params, scales)
+        else:  # the long requests' rows, gathered, attended, then gathered back into place
+            num_long = plan.long.layout.num_tokens
+            rows = sec["prefill_rows"][:num_long]  # [L]: q rows, n past the long ones
+            o_l, lse_l = self.prefill.run_raw(q[jnp.minimum(rows, n - 1)], kv_cache, plan.long, params, scales)
+            # Each row's place among the long rows (L: a short row). A gather writes o whole, where
+            # a scatter of o_l's rows into zeros costs ~6x as much on the GPU.
+            pos = jnp.full((n + 1,), num_long, jnp.int32).at[rows].set(
+                jnp.arange(num_long, dtype=jnp.int32), mode="drop")[:n]  # [n]
+            is_long, pos = pos < num_long, jnp.minimum(pos, num_long - 1)
+            o = jnp.where(is_long[:, None, None], o_l[pos], jnp.zeros((), q.dtype))
+            lse = jnp.where(is_long[:, None], lse_l[pos], -jnp.inf)
         if plan.has_short:  # the decode kernel writes the short rows into o, lse in place
             k_rows, v_rows = kv_cache.rows()
             impl = dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"]

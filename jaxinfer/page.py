@@ -2,7 +2,9 @@
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import _backend
 from jaxinfer.formats import PagedKVCache, check_int32, is_concrete
+from pallas_kernels import _common, kv_write
 from planner import validate
 
 
@@ -89,14 +91,17 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
     return write_slots(kv_cache, page, positions % p, append_k, append_v)
 
 
-def write_slots(kv_cache, page, slot, k_new, v_new):
+def write_slots(kv_cache, page, slot, k_new, v_new, *, interpret=None):
     """The cache with rows k_new / v_new [n, Hkv, D] written at (page[i], slot[i]); rows whose page
-    is out of range (e.g. num_pages, for padding) are dropped."""
-    k_new, v_new = k_new.astype(kv_cache.dtype), v_new.astype(kv_cache.dtype)
-    if kv_cache.layout == "NHD":
-        k = kv_cache.k_pages.at[page, slot].set(k_new, mode="drop")
-        v = kv_cache.v_pages.at[page, slot].set(v_new, mode="drop")
-    else:
-        k = kv_cache.k_pages.at[page, :, slot].set(k_new, mode="drop")
-        v = kv_cache.v_pages.at[page, :, slot].set(v_new, mode="drop")
-    return PagedKVCache(k, v, kv_cache.layout)
+    is out of range (e.g. num_pages, for padding) are dropped. One kernel writes K and V
+    (pallas_kernels/kv_write.py); interpret: its interpreter (default: where no GPU runs it)."""
+    n, hkv, d = k_new.shape
+    heads = jnp.arange(hkv, dtype=jnp.int32)
+    dest = _common.kv_rows(slot[:, None], page[:, None], kv_cache.page_size, hkv, heads[None, :], kv_cache.layout)
+    dest = jnp.where((page >= 0)[:, None] & (page < kv_cache.num_pages)[:, None], dest, -1)  # [n, Hkv]
+    k_rows, v_rows = kv_cache.rows()
+    k_rows, v_rows = kv_write.write_rows(
+        k_rows, v_rows, dest.reshape(n * hkv), k_new.reshape(n * hkv, d), v_new.reshape(n * hkv, d),
+        interpret=_backend.use_interpret(None) if interpret is None else interpret)
+    shape = kv_cache.k_pages.shape
+    return PagedKVCache(k_rows.reshape(shape), v_rows.reshape(shape), kv_cache.layout)

@@ -413,7 +413,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     page, slot, q_pos = _token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live,
                                      pages_per_seq=pages_per_seq, page_size=page_size,
                                      num_pages=kv_cache.num_pages)
-    new_cache = write_slots(kv_cache, page, slot, keys, values)
+    new_cache = write_slots(kv_cache, page, slot, keys, values, interpret=interpret)
 
     # Per class: the work list, its kernel, the merge (into the base class's output).
     kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)

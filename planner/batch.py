@@ -3,7 +3,7 @@
 Short requests (qo_len <= tokens_per_item, the query tokens times the head group fitting one
 decode tile) run on the decode kernel: items of up to tokens_per_item tokens x the group, split-KV
 balanced by Algorithm 1 (MULTI_ITEM_COLUMNS). Longer requests (chunks, prompts) run on the
-prefill kernel (jaxinfer.BatchAttention plans them over q's own rows). Shapes are fixed by the
+prefill kernel over their own rows, gathered from q through prefill_rows. Shapes are fixed by the
 capacities, so one compiled run() serves every composition with the same tokens_per_item.
 """
 from dataclasses import dataclass
@@ -50,7 +50,8 @@ class ShortLayout(PackedLayout):
     def sections(self):
         return (("kv_indices", self.index_cap), ("kv_lens", self.batch),
                 ("items", self.item_cap * self.ITEM_FIELDS), ("cell_indptr", self.num_cells + 1),
-                ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap))
+                ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap),
+                ("prefill_rows", self.num_tokens))
 
 
 @lru_cache(maxsize=256)
@@ -61,8 +62,8 @@ def short_layout(num_tokens, batch, index_cap, num_cells, tokens_per_item):
 
 def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size, num_cells, tokens_per_item,
                num_tokens, batch_cap, index_cap, min_split_tokens=256, item_cost=32.0):
-    """Work list of the short requests (is_short) on the decode kernel. Returns (layout, buffer,
-    info); info["num_long_tokens"]: the other requests' query rows.
+    """Work list of the short requests (is_short) on the decode kernel, and the rows of the others
+    (prefill_rows: their q rows in order, padded with num_tokens). Returns (layout, buffer, info).
 
     kv_indptr: each request's first entry in kv_indices (int32[B])."""
     batch = kv_lens.shape[0]
@@ -124,9 +125,9 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
 
     buf = new_buffer(layout.size)
     buf[:] = 0
-    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1) = (
+    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1), (p0, p1) = (
         layout.offsets[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
-                                          "merge_dest"))
+                                          "merge_dest", "prefill_rows"))
     buf[i0:i0 + kv_indices.shape[0]] = kv_indices
     buf[l0:l0 + batch] = kv_lens
     buf[t0:t0 + n_items * len(ITEM_COLUMNS)].reshape(n_items, len(ITEM_COLUMNS))[:] = work.take(order, axis=0)
@@ -140,6 +141,14 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         merge_indptr[:n_merge] = part_first.take(g_req) + (t_in + 1) * nchunks.take(g_req)
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
         merge_dest[:n_merge] = qo_indptr.take(reqs.take(g_req)) + t_in
-    num_long = int(qo_lens[~is_short].sum())
+    prefill_rows = buf[p0:p1]
+    if bool(is_short.all()):  # every row is short
+        prefill_rows[:] = num_tokens
+        num_long = 0
+    else:
+        long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
+        num_long = long_rows.shape[0]
+        prefill_rows[:num_long] = long_rows
+        prefill_rows[num_long:] = num_tokens
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=num_short, num_long_tokens=num_long, nnz=nnz)
     return layout, buf, info

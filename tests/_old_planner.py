@@ -425,9 +425,8 @@ def two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_s
 
 def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size, num_cells, tokens_per_item,
                num_tokens, batch_cap, index_cap, min_split_tokens=256, item_cost=32.0):
-    """Work list of the short requests (is_short) on the decode kernel. Returns (layout, buffer, info).
-    (The buffer's prefill_rows section, the long requests' q rows, is gone since BatchAttention
-    plans them over q's own rows.)"""
+    """Work list of the short requests (is_short) on the decode kernel, and the rows of the others
+    (prefill_rows: their q rows in order, padded with num_tokens). Returns (layout, buffer, info)."""
     batch = kv_lens.shape[0]
     nnz = int(qo_indptr[-1])
     layout = ShortLayout.for_capacities(num_tokens, batch_cap, index_cap, num_cells, tokens_per_item)
@@ -477,6 +476,8 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     sec["merge_dest"][:] = -1
     sec["merge_dest"][:n_merge] = qo_indptr[reqs[g_req]] + t_in
     long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
+    sec["prefill_rows"][:] = num_tokens
+    sec["prefill_rows"][:long_rows.shape[0]] = long_rows
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=int(reqs.shape[0]),
                 num_long_tokens=int(long_rows.shape[0]), nnz=nnz)
     return layout, buf, info

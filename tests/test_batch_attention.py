@@ -41,24 +41,6 @@ def test_mixed_step_matches_reference(rng, page, layout, causal):
     assert_lse_close(lse, want.lse)
 
 
-def test_mixed_step_on_the_mosaic_kernel(rng):
-    """impl="mosaic" (its interpreter), bf16: the long requests' tiles read q and write o in place
-    (rows unaligned to the kernel's 8-row groups, runs of short requests keyless between them), the
-    decode kernel then writes the short rows."""
-    qo, kv = np.array([1, 37, 2, 0, 1, 70, 3]), np.array([40, 90, 17, 5, 1, 130, 64])
-    hq, hkv, d, page = 1, 1, 64, 16
-    q, cache, table, num_pages = _case(rng, qo, kv, page, hq, hkv, d)
-    q = q.astype(jnp.bfloat16)
-    cache = ji.PagedKVCache(cache.k_pages.astype(jnp.bfloat16), cache.v_pages.astype(jnp.bfloat16))
-    attn = ji.BatchAttention(hq, hkv, d, page, num_ctas=2, impl="mosaic")
-    plan = attn.plan(*table, num_pages=num_pages)
-    assert plan.impl == "decode_triton+prefill_mosaic"
-    o, lse = attn.run(q, cache, plan, return_lse=True)
-    want = ref.paged_attention(q, cache, *table, causal=True)
-    assert rel_err(o, want.o) < TOL[jnp.bfloat16]
-    assert_lse_close(lse, want.lse, 1e-2)
-
-
 def test_one_compilation_across_compositions(rng):
     """Fixed capacities: steps of different mixes (same short-token class) share one program."""
     hq, hkv, d, page = 4, 2, 32, 8
