@@ -2,7 +2,8 @@
 
 An XLA scatter of the same rows (`.at[page, slot].set`) ran at about 120 GB/s on an H100: 24 µs
 per array for 2108 tokens x 8 heads x 128 (BENCHMARKS.md, session 12). Here each program copies
-ROWS (token, head) rows of D elements, so the write runs at copy speed.
+ROWS (token, head) rows of D elements, so the write runs at copy speed. (The interpreter copies
+the whole cache in every program: it runs up to INTERPRET_ROWS rows in each.)
 
     k_rows, v_rows = write_rows(k_rows, v_rows, dest, k_new, v_new, interpret=False)
 
@@ -10,19 +11,22 @@ k_rows, v_rows [R, D]: the cache viewed as rows (any layout; updated in place wh
 dest int32[N]: the cache row of new row i; rows whose dest lies outside [0, R) are dropped (padding).
 k_new, v_new [N, D], in the cache's dtype.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
 
-ROWS = 16  # (token, head) rows per program
+ROWS = 16  # (token, head) rows per program on the GPU
+INTERPRET_ROWS = 4096  # in the interpreter, where each program copies the whole cache: few programs
 
 
-def _write_kernel(dest_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, k_out_ref, v_out_ref):
+def _write_kernel(dest_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, k_out_ref, v_out_ref, *, block):
     del k_in_ref, v_in_ref  # aliased to the outputs
     n = dest_ref.shape[0]
-    rows = pl.program_id(0) * ROWS + jnp.arange(ROWS)  # [ROWS]
+    rows = pl.program_id(0) * block + jnp.arange(block)  # [block]
     inside = rows < n
     dest = _common.load_rows(dest_ref, rows, inside)  # [ROWS] (0 where outside: masked below)
     write = inside & (dest >= 0) & (dest < k_out_ref.shape[0])
@@ -36,9 +40,10 @@ def write_rows(k_rows, v_rows, dest, k_new, v_new, *, interpret, num_warps=4):
     n, d = k_new.shape
     if n == 0:
         return k_rows, v_rows
+    block = min(INTERPRET_ROWS, _common.next_pow2(n)) if interpret else ROWS
     return pl.pallas_call(
-        _write_kernel,
-        grid=(pl.cdiv(n, ROWS),),
+        functools.partial(_write_kernel, block=block),
+        grid=(pl.cdiv(n, block),),
         out_shape=(jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype),
                    jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)),
         input_output_aliases={3: 0, 4: 1},
