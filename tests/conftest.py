@@ -10,6 +10,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The Mosaic GPU interpreter needs more XLA CPU threads than its 3-4 warpgroups, or it can
 # deadlock on small machines (see pallas_kernels/prefill_mosaic.py). Set before JAX starts.
 os.environ.setdefault("PJRT_NPROC", "8")
+# Interpret-mode kernels on small test shapes are compile-bound: XLA's CPU backend compiles them
+# with LLVM at optimization level 0 (15-30% less wall time per test on the 2-core machine,
+# results within every test's tolerance). Tests only; set before JAX starts.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
 @pytest.fixture
