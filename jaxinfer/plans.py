@@ -184,8 +184,8 @@ class CascadePlan:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan(_PagedPlan):
-    """A BatchAttention plan: the short requests' decode-kernel work list (one packed buffer's sections)
-    and, when the step has longer requests, the prefill plan of their rows. Also a prefill
+    """A BatchAttention plan: the short requests' decode-kernel work list (one packed buffer's
+    sections) and, when the step has longer requests, the prefill plan of their rows. Also a prefill
     wrapper's plan when every request is short (impl "prefill_short": long is None)."""
     parts: Tuple[jax.Array, ...]  # transfer.plan_sections
     layout: object            # planner.batch.ShortLayout (static)

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend, dispatch, transfer
+from jaxinfer import _backend, dispatch
 from jaxinfer.runners import run_decode_sections, run_prefill_sections
 from jaxinfer.formats import AttentionState, check_qkv, default_sm_scale
 from jaxinfer.plans import PrefillPlan, WrapperFacts
@@ -90,7 +90,7 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
     spec = WrapperFacts("single_prefill_with_kv_cache", hq, hkv, d, 1, "NHD").spec(kv_len, impl.name)
     o, lse = run_prefill_sections(
         q, k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d),
-        PrefillPlan(transfer.plan_sections(buf, layout, False), None, layout, causal, spec), None,
-        page_size=1, num_kv_heads=hkv, cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), interpret=interpret,
+        PrefillPlan((jnp.asarray(buf),), None, layout, causal, spec), None, page_size=1, num_kv_heads=hkv,
+        cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), interpret=interpret,
         config=dispatch.config_for(impl, problem, dispatch.check_configs(config)))
     return AttentionState(o, lse) if return_lse else o

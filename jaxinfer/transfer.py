@@ -55,5 +55,6 @@ def plan_sections(buf, layout, fixed_shape):
 
 
 def sections(parts, layout):
-    """{name: section} of a plan's parts (plan_sections)."""
+    """{name: section} of a plan's parts: the sections (plan_sections on a GPU) or a 1-tuple of
+    the packed buffer whole."""
     return layout.unpack(parts[0]) if len(parts) == 1 else layout.named(parts)

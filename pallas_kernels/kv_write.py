@@ -28,7 +28,7 @@ def _write_kernel(dest_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, k_out_ref,
     n = dest_ref.shape[0]
     rows = pl.program_id(0) * block + jnp.arange(block)  # [block]
     inside = rows < n
-    dest = _common.load_rows(dest_ref, rows, inside)  # [ROWS] (0 where outside: masked below)
+    dest = _common.load_rows(dest_ref, rows, inside)  # [block] (0 where outside: masked below)
     write = inside & (dest >= 0) & (dest < k_out_ref.shape[0])
     for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
         _common.store_rows(out_ref, dest, _common.load_rows(new_ref, rows, write, fill=False), write)
