@@ -31,11 +31,12 @@ beyond the base's own.
 The work list of a decode or Triton class. Each of its sequences' q_len query tokens are cut
 into blocks of up to T tokens (the class's item or tile). Block (i, t0) with qo tokens reaches keys
 [lo, kv_len - q_len + t0 + qo) (causal; all kv_len keys if not; lo > 0 only under a sliding
-window). Blocks longer than a chunk of L keys, L = max(ceil(the class's keys / cells), 256)
-rounded to 128-key units, split into L-key items whose float32 partial states are merged
-afterwards. With this L at most cells - 1 blocks split, into fewer than 2 x cells items in all,
-and the list holds at most blocks + 2 x cells items: that bounds the static capacities. Each
-cell runs a contiguous run of items of about equal cost (keys plus a per-tile constant).
+window). With L = max(ceil(the class's keys / (2 x cells)), 256) rounded to 128-key units, a
+block of more than L keys splits into n = ceil(its keys / L) items of equal 128-key multiples,
+whose float32 partial states are merged afterwards. So fewer than 2 x cells blocks split, the
+list holds fewer than blocks + 2 x cells items (that bounds the static capacities), and each
+cell runs a contiguous run of items of about equal cost (keys plus a per-tile constant): at
+most the mean plus one chunk.
 
 How a decode block's own query positions reach the kernel: a multi-token item's first query
 sits at kv_lens[item.request] - qo_len. Here `request` names the block, and the kv_lens the
@@ -61,6 +62,8 @@ from planner import batch as batch_planner
 
 CHUNK_UNIT = 128       # keys: KV chunks are multiples of this (the kernel's default block_kv)
 MIN_CHUNK_UNITS = 2    # no item splits below 256 keys (planner/batch.py's min_split_tokens)
+CHUNKS_PER_CELL = 2    # KV chunks are at most 1 / (2 x cells) of a class's keys: a cell's run of
+                       # items then costs at most 1.5 x the mean (runs are contiguous, not greedy)
 TILE_COST = 32         # an item's fixed cost in keys per query token of its tile (cell balance)
 PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as BatchAttention's chunks
 # Query tokens per Mosaic tile (of one query head): the kernel's two compute warpgroups, ping-pong
@@ -83,7 +86,7 @@ class _Class(NamedTuple):
     base: bool
     pad: bool
     blocks: int          # query blocks (each up to tokens_per_item tokens of one sequence)
-    items: int           # work items: blocks plus at most 2 x cells extra chunks
+    items: int           # work items: blocks plus at most CHUNKS_PER_CELL x cells extra chunks
     part_cap: int        # partial-state rows
     merges: int          # merge groups
     cells: int
@@ -125,25 +128,33 @@ def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0):
                               MOSAIC_TILE * group, True, sub_rows))
             continue
         blocks = max(1, min(tokens, (tokens + seqs * (t - 1)) // t, seqs * -(-hi // t)))
-        if base:  # at most cells - 1 blocks split (module docstring)
-            part_cap, merges = 2 * num_cells * t, max(1, (num_cells - 1) * t)
-        else:  # every token's chunks are partials: one more chunk than blocks at most 2 x cells times
-            part_cap, merges = tokens + 2 * num_cells * t, tokens
+        c = CHUNKS_PER_CELL * num_cells  # the class's keys / the longest chunk, at most
+        if base:  # fewer than c blocks split, into fewer than 2c chunks (module docstring)
+            part_cap, merges = 2 * c * t, max(1, (c - 1) * t)
+        else:  # every token's chunks are partials: one more chunk than blocks at most c times
+            part_cap, merges = tokens + c * t, tokens
         if pad:  # padding rows, disjoint from this class's and fewer than num_tokens
             merges = num_tokens if not base else merges + num_tokens
-        out.append(_Class(lo, hi, prefill, t, base, pad, blocks, blocks + 2 * num_cells, part_cap, merges,
+        out.append(_Class(lo, hi, prefill, t, base, pad, blocks, blocks + c, part_cap, merges,
                           num_cells, rows))
     return tuple(out)
 
 
+def _cumsum(x):
+    """jnp.cumsum(x), kept out of its consumers' fusions: XLA's GPU fusion otherwise recomputes
+    the prefix sum (a serial loop per element) inside each consumer's threads, e.g. once per
+    compare of a searchsorted: 14.8 us for one [2136 x 64] search on an H100."""
+    return jax.lax.optimization_barrier(jnp.cumsum(x))
+
+
 def _excl_cumsum(x):
-    return jnp.cumsum(x) - x
+    return _cumsum(x) - x
 
 
 def _owner(counts, n):
     """For slots 0..n-1 laid out as counts[0] slots of owner 0, then counts[1] of owner 1, ...:
     (owner of each slot clipped to a valid index, index within the owner, slot is used)."""
-    ends = jnp.cumsum(counts)
+    ends = _cumsum(counts)
     slot = jnp.arange(n, dtype=jnp.int32)
     owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right", method="compare_all"),
                         counts.shape[0] - 1).astype(jnp.int32)
@@ -171,16 +182,17 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
     if window_left is not None:  # keys left of the first token's window are never seen
         lo = jnp.where(window_left < 0, 0, jnp.maximum(first_pos - window_left, 0)) // CHUNK_UNIT * CHUNK_UNIT
     units = jnp.where(blk_ok, -(-(end - lo) // CHUNK_UNIT), 0)
-    chunk = jnp.maximum(-(-jnp.sum(units) // cls.cells), MIN_CHUNK_UNITS) * CHUNK_UNIT  # keys per item
-    n_chunks = jnp.where(blk_ok, jnp.maximum(-(-(end - lo) // chunk), 1), 0)
+    max_chunk = jnp.maximum(-(-jnp.sum(units) // (CHUNKS_PER_CELL * cls.cells)), MIN_CHUNK_UNITS)  # units
+    n_chunks = jnp.where(blk_ok, jnp.maximum(-(-units // max_chunk), 1), 0)
+    chunk = -(-units // jnp.maximum(n_chunks, 1)) * CHUNK_UNIT  # [NB] keys per item: the block cut evenly
     split = n_chunks > 1 if cls.base else blk_ok  # blocks writing partials
     parts = jnp.where(split, n_chunks * qo, 0)
     part_first = _excl_cumsum(parts)
 
     # Items: block b's n_chunks KV chunks.
     blk, c, item_ok = _owner(n_chunks, cls.items)  # [IC]
-    tok_start = lo[blk] + c * chunk
-    tok_end = jnp.minimum(tok_start + chunk, end[blk])
+    tok_start = lo[blk] + c * chunk[blk]
+    tok_end = jnp.minimum(tok_start + chunk[blk], end[blk])
     sb = seq[blk]
     if cls.prefill:  # pallas_kernels.prefill.ITEM_COLUMNS (no mask, no tails)
         zero = jnp.zeros_like(blk)
