@@ -12,10 +12,10 @@ decode kernel's multi-token items of T_s tokens, T_s x the GQA group within a 16
 (decode, speculative verify: BatchAttention's short rows); q_len <= T_l on 64-row decode tiles
 (when T_l > T_s); longer sequences on prefill tiles, of the kernel jaxinfer.dispatch picks
 (dispatch.ragged_long_impl). A class with no sequence costs a launch over an empty work list.
-The long class is the base; every other class writes all its tokens as float32 partial states
-(one chunk or several), and its merge writes them into the base's output in place
-(merge_varlen's out=). So the classes' outputs combine without a pass over the whole output
-beyond the base's own.
+The long class is the base, launched first; every other class's kernel writes its unsplit
+blocks into the base's output in place (the decode kernel's out=), and its merge its split
+blocks (merge_varlen's out=). So the classes' outputs combine without a pass over the whole
+output beyond the base's own.
 - Mosaic (Hopper, 16-bit q and K/V; _mosaic_plan): the class's rows are gathered into a
   sub-buffer where each sequence starts at an 8-aligned row (TMA copies rows in groups of 8),
   cut into tiles of 128 tokens of one query head that never split KV. The grid is (Hq, cells),
@@ -76,9 +76,8 @@ ROW_ALIGN = 8          # the Mosaic kernel reads and writes q / o rows in groups
 
 class _Class(NamedTuple):
     """A q_len class (static): its sequences, kernel, tile and work-list capacities. The base
-    class (launched first) writes its rows itself; every other class writes each of its tokens as
-    partial states that its merge writes into the base's output. The last class's merge also
-    zeroes the padding rows."""
+    class (launched first) makes the output; every other class writes its rows into it in place.
+    The last class's merge also zeroes the padding rows."""
     min_q: int           # sequences with min_q <= q_len <= max_q
     max_q: int
     prefill: bool        # the prefill kernel's tiles (else the decode kernel's multi-token items)
@@ -129,12 +128,10 @@ def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0):
             continue
         blocks = max(1, min(tokens, (tokens + seqs * (t - 1)) // t, seqs * -(-hi // t)))
         c = CHUNKS_PER_CELL * num_cells  # the class's keys / the longest chunk, at most
-        if base:  # fewer than c blocks split, into fewer than 2c chunks (module docstring)
-            part_cap, merges = 2 * c * t, max(1, (c - 1) * t)
-        else:  # every token's chunks are partials: one more chunk than blocks at most c times
-            part_cap, merges = tokens + c * t, tokens
+        # Fewer than c blocks split, into fewer than 2c chunks (module docstring).
+        part_cap, merges = 2 * c * t, max(1, (c - 1) * t)
         if pad:  # padding rows, disjoint from this class's and fewer than num_tokens
-            merges = num_tokens if not base else merges + num_tokens
+            merges += num_tokens
         out.append(_Class(lo, hi, prefill, t, base, pad, blocks, blocks + c, part_cap, merges,
                           num_cells, rows))
     return tuple(out)
@@ -185,7 +182,7 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
     max_chunk = jnp.maximum(-(-jnp.sum(units) // (CHUNKS_PER_CELL * cls.cells)), MIN_CHUNK_UNITS)  # units
     n_chunks = jnp.where(blk_ok, jnp.maximum(-(-units // max_chunk), 1), 0)
     chunk = -(-units // jnp.maximum(n_chunks, 1)) * CHUNK_UNIT  # [NB] keys per item: the block cut evenly
-    split = n_chunks > 1 if cls.base else blk_ok  # blocks writing partials
+    split = n_chunks > 1  # blocks writing partials
     parts = jnp.where(split, n_chunks * qo, 0)
     part_first = _excl_cumsum(parts)
 
@@ -445,7 +442,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
                 q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, **kw)
             mine = pos >= 0
             o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
-            out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the merges below, never read)
+            out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
             continue
         sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, cls=cls,
                                    causal=causal, window_left=params.get("window_left"), num_rows=t)
@@ -455,13 +452,13 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
                 queries, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], causal=causal,
                 rows=cls.rows, impl="triton", config=long_config, q_pos=q_pos if variant is not None else None,
                 **kw)
-        else:
+        else:  # a class after the base writes its unsplit blocks into the base's output
+            flat_out = None if cls.base else (out[0].reshape(t * hq, d), out[1].reshape(t * hq))
             o, lse, o_part, lse_part = decode_kernels.paged_decode(
                 queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
                 columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
-                causal=causal and cls.max_q > 1, config=decode_config, **kw)
-        if cls.base:
-            out = (o.reshape(t, hq, d), lse.reshape(t, hq))
+                causal=causal and cls.max_q > 1, config=decode_config, out=flat_out, **kw)
+        out = (o.reshape(t, hq, d), lse.reshape(t, hq))
         out = merge_kernels.merge_varlen(
             o_part.reshape(cls.part_cap, hq, d), lse_part.reshape(cls.part_cap, hq), sec["merge_indptr"],
             sec["merge_dest"], out=out, interpret=interpret)
