@@ -1,6 +1,6 @@
 """The model examples: the Flax Llama on jaxinfer against dense jnp attention, the serving loop
-against requests served alone, generate.py end to end, quickstart.py (the README's API tour) and
-the host page allocator."""
+against requests served alone, generate.py end to end, quickstart.py (the README's API tour),
+bench_e2e.py's chunked-prefill row and the host page allocator."""
 import os
 import sys
 
@@ -10,6 +10,7 @@ import pytest
 from flax import nnx  # the test extra (Python >= 3.11, as jaxinfer requires)
 
 import jaxinfer as ji
+from benchmarks import bench_e2e
 from planner.allocator import PageAllocator, PrefixCache, page_table, pad
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -127,6 +128,19 @@ def test_generate_end_to_end_and_scan_horizon():
     np.testing.assert_array_equal(scanned["tokens"], step["tokens"])
     with pytest.raises(ValueError, match="--batch"):
         generate.parse_args(["--batch", "0"])
+
+
+def test_bench_e2e_mixed_row_smoke(tmp_path, monkeypatch, capsys):
+    """bench_e2e --smoke: the chunked-prefill row (jaxinfer-mixed: prompts split across steps that
+    also carry decode rows) samples the jaxinfer row's first tokens and prints in the table."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    jaxinfer, mixed = bench_e2e.main(["--smoke", "--methods", "jaxinfer,jaxinfer-mixed", "--batches", "2",
+                                      "--chunk", "8", "--out-tokens", "3"])
+    assert "error" not in jaxinfer and "error" not in mixed, (jaxinfer, mixed)
+    assert mixed["first_tokens_match"] and mixed["first_token_mismatches"] == 0
+    assert mixed["steps"] > -(-mixed["prompt_tokens"] // 8) and mixed["ttft_ms_max"] >= mixed["ttft_ms"] > 0
+    assert mixed["itl_ms_p50"] > 0
+    assert "jaxinfer-mixed     2" in capsys.readouterr().out
 
 
 def test_quickstart_runs_the_readme_api_tour():
