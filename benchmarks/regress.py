@@ -224,30 +224,38 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
               for i in range(layers)]
     qs = _random(env, 9, (calls, tokens, hq, head_dim), jnp.bfloat16)  # [calls, T, Hq, D]
 
-    kw = env.wrapper_kw()
-    name = wrapper
-    if wrapper == "decode":
-        cls = ji.BatchDecodeWithPagedKVCache
-    else:
-        cls = ji.BatchPrefillWithPagedKVCache
-        kw["causal"] = True
-        if wrapper == "attention" and hasattr(ji, "BatchAttention"):
-            cls = ji.BatchAttention
-        name = cls.__name__
     run_kw = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
-    key = ("paged", cls.__name__, hq, hkv, head_dim, page, calls, layers, tuple(sorted(run_kw.items())))
-    w = env.memo(key + ("wrapper",), lambda: cls(hq, hkv, head_dim, page, **kw))
-    plan_kw = {"num_pages": num_pages} | ({"cascade": cascade} if cascade else {})
-    if wrapper == "decode":
-        plan = w.plan(indptr, indices, last, **plan_kw)
+    if wrapper == "rpa":
+        run, cache_of = _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page)
+        name, plan, sm_scale = "ragged_paged_attention", None, 1.0 / math.sqrt(head_dim)
     else:
-        plan = w.plan(qo_indptr, indptr, indices, last, **plan_kw)
+        kw = env.wrapper_kw()
+        name = wrapper
+        if wrapper == "decode":
+            cls = ji.BatchDecodeWithPagedKVCache
+        else:
+            cls = ji.BatchPrefillWithPagedKVCache
+            kw["causal"] = True
+            if wrapper == "attention" and hasattr(ji, "BatchAttention"):
+                cls = ji.BatchAttention
+            name = cls.__name__
+        key = ("paged", cls.__name__, hq, hkv, head_dim, page, calls, layers, tuple(sorted(run_kw.items())))
+        w = env.memo(key + ("wrapper",), lambda: cls(hq, hkv, head_dim, page, **kw))
+        plan_kw = {"num_pages": num_pages} | ({"cascade": cascade} if cascade else {})
+        if wrapper == "decode":
+            plan = w.plan(indptr, indices, last, **plan_kw)
+        else:
+            plan = w.plan(qo_indptr, indptr, indices, last, **plan_kw)
 
-    def make():
-        return jax.jit(lambda qs, caches, plan: [
-            w.run(qs[i], caches[i % len(caches)], plan, **run_kw) for i in range(qs.shape[0])])
-    fn = env.memo(key + ("run",), make)
-    reference = _reference(env, w.sm_scale, k_scale=run_kw.get("k_scale"), v_scale=run_kw.get("v_scale"))
+        def make():
+            return jax.jit(lambda qs, caches, plan: [
+                w.run(qs[i], caches[i % len(caches)], plan, **run_kw) for i in range(qs.shape[0])])
+        fn = env.memo(key + ("run",), make)
+        run, sm_scale = (lambda: fn(qs, caches, plan)), w.sm_scale
+
+        def cache_of(i):
+            return caches[i % layers]
+    reference = _reference(env, sm_scale, k_scale=run_kw.get("k_scale"), v_scale=run_kw.get("v_scale"))
     sample = sorted({0, batch - 1})
 
     def check(i, o):
@@ -255,7 +263,7 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
         for b in sample:
             n = min(int(qo_lens[b]), CHECK_ROWS)
             start = int(qo_indptr[b + 1]) - n
-            cache = caches[i % layers]
+            cache = cache_of(i)
             want.append(np.asarray(reference(qs, i, start, cache.k_pages, cache.v_pages,
                                              indices[indptr[b]:indptr[b + 1]], None, n=n,
                                              kv_len=int(kv_lens[b]), paged=True)))
@@ -278,12 +286,50 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
             return F.paged_prefill(qo_indptr=qo_indptr, indptr=indptr, indices=indices, last=last,
                                    **common)
 
-    info = {"wrapper": name, "plan": type(plan).__name__, "plan_impl": getattr(plan, "impl", None),
+    info = {"wrapper": name, "plan": type(plan).__name__ if plan is not None else None,
+            "plan_impl": getattr(plan, "impl", None),
             "batch": batch, "tokens": tokens, "kv_tokens": int(kv_lens.sum()), "layers": layers,
             "hq": hq, "hkv": hkv, "head_dim": head_dim, "dtype": dtype.name}
     flops = 4 * head_dim * hq * causal_pairs(qo_lens, kv_lens) if qo_lens.max() >= 64 else 0.0
-    return Case(run=lambda: fn(qs, caches, plan), calls=calls, check=check, flops=flops, info=info,
-                flashinfer=flashinfer)
+    return Case(run=run, calls=calls, check=check, flops=flops, info=info, flashinfer=flashinfer)
+
+
+def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page):
+    """(run, cache_of) of ji.ragged_paged_attention over the caches, call i on cache i % layers:
+    each call writes its tokens' K/V as the cache already holds them, so every output is checked
+    against the cache as built; one jitted program of all calls, the caches donated from run to
+    run (cache_of(i): call i's cache as it is now)."""
+    batch, layers = len(qo_lens), len(caches)
+    if np.any(np.diff((qo_lens > 1).astype(int)) < 0):
+        raise ValueError("rpa rows list their decode segments (q_len 1) first")
+    pages_per_seq = int(np.diff(indptr).max())
+    page_indices = np.zeros((batch, pages_per_seq), np.int32)
+    for b in range(batch):
+        page_indices[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
+    pos = np.concatenate([np.arange(kv - q, kv) for q, kv in zip(qo_lens, kv_lens)])  # [T] token positions
+    seq = np.repeat(np.arange(batch), qo_lens)
+    pages, slots = page_indices[seq, pos // page], pos % page
+    new_kv = [(c.k_pages[pages, slots], c.v_pages[pages, slots]) for c in caches]  # [T, Hkv, D] per layer
+    n_decode = int(np.sum(qo_lens == 1))
+    meta = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(_indptr(qo_lens)),
+            jnp.asarray([n_decode, n_decode, batch], jnp.int32))
+    kw = env.wrapper_kw()
+
+    def calls(qs, new_kv, caches, meta):
+        caches, outs = list(caches), []
+        for i in range(qs.shape[0]):
+            k, v = new_kv[i % layers]
+            o, caches[i % layers] = ji.ragged_paged_attention(qs[i], k, v, caches[i % layers], *meta, **kw)
+            outs.append(o)
+        return outs, caches
+
+    fn = jax.jit(calls, donate_argnums=2)
+    state = {"caches": caches}
+
+    def run():
+        outs, state["caches"] = fn(qs, new_kv, state["caches"], meta)
+        return outs
+    return run, lambda i: state["caches"][i % layers]
 
 
 def build_plan(env, segs, page=16, hq=32, hkv=8, head_dim=128):
@@ -397,12 +443,16 @@ ROWS = [
         fi="attention"),
     row("q4 B64 kv4096 BatchAttention", build_paged, segs=((64, 4, 4096),), wrapper="attention",
         fi="attention"),
+    row("q4 B64 kv4096 ragged_paged_attention", build_paged, segs=((64, 4, 4096),), wrapper="rpa",
+        fi="attention"),
     row("decode B64 kv4096 BatchAttention", build_paged, segs=((64, 1, 4096),), wrapper="attention",
         fi="attention"),
     row("paged B4 S8192 32/8 BatchAttention", build_paged, segs=((4, 8192, 8192),), wrapper="attention",
         fi="attention"),
     row("mixed 4x512/2048 + 60 decode", build_paged, segs=((4, 512, 2048), (60, 1, (512, 4096))),
         wrapper="attention", fi="attention"),
+    row("mixed 4x512/2048 + 60 decode ragged_paged_attention (decode first)", build_paged,
+        segs=((60, 1, (512, 4096)), (4, 512, 2048)), wrapper="rpa", fi="attention"),
     row("mixed 4x512/2048 + 60 decode prefill-wrapper", build_paged,
         segs=((4, 512, 2048), (60, 1, (512, 4096))), wrapper="prefill", fi="attention"),
     row("append 512 onto 3584 B8", build_paged, segs=((8, 512, 4096),), wrapper="prefill", fi="prefill"),
