@@ -8,7 +8,9 @@ On the device machine (the repo root is the cwd; jax 0.11.2 with CUDA; one H100)
     PYTHONPATH=. python3 benchmarks/regress.py --rows 'cascade|q4'         # a subset (regex)
 
 The device copy has no .git: give --commit (`git rev-parse HEAD` here) with --update, then
-copy $OUT's baseline back (--update --baseline $OUT/h100.json writes it there).
+copy $OUT's baseline back (--update --baseline $OUT/h100.json writes it there). --update with
+--rows rewrites only those rows, each with its own commit and date; the header keeps the run
+the other rows came from.
 With FlashInfer 0.5.3 beside (wheels installed into /tmp/site as ../shared/anchors/README.md
 says; its first call of each kernel JIT-compiles, minutes in all on a fresh machine):
 
@@ -671,16 +673,21 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(header | {"smoke": args.smoke, "elapsed_s": elapsed, "results": results}, f, indent=1)
     if args.update:
-        new_rows = dict(baseline.get("rows", {})) if args.rows else {}
+        # With --rows the header stays the baseline's; the rows rewritten record their own run.
+        partial = bool(args.rows and baseline.get("rows"))
+        new_rows = dict(baseline.get("rows", {})) if partial else {}
         for r in results:
             if "error" in r:
                 new_rows.pop(r["name"], None)
                 continue
             new_rows[r["name"]] = {k: r[k] for k in ("median_us", "rel_err", "tflops", "fi_us")
                                    if r.get(k) is not None}
+            if partial:
+                new_rows[r["name"]] |= {"commit": header["commit"], "date": header["date"]}
         os.makedirs(os.path.dirname(os.path.abspath(args.baseline)), exist_ok=True)
         with open(args.baseline, "w") as f:
-            json.dump(header | {"rows": new_rows}, f, indent=1)
+            kept = {k: baseline[k] for k in header} if partial else header
+            json.dump(kept | {"rows": new_rows}, f, indent=1)
             f.write("\n")
         log(f"baseline written: {args.baseline}")
     print(table(results, base_rows))
