@@ -96,6 +96,12 @@ def mosaic_default_config(problem):
         # ragged d64 B4 S8192 32/8 458.4 TFLOP/s, the two-warpgroup ping-pong 413.4 in the
         # same call.
         return MosaicPrefillConfig(compute_wgs=3, pipeline="free", tree_max=True)
+    if problem.head_dim == 128 and problem.variant is None and problem.kv_format == "ragged":
+        # FA3's overlap on contiguous K/V (session 13, regress.py rows in one call, ping-pong before
+        # and after): ragged B16 S4096 16/16 528 TFLOP/s against 500 / 497, B4 S8192 32/8 606
+        # against 564 / 567, B1 S16384 32/8 609 against 584 / 593. Paged K/V (whole-page TMA
+        # copies) gained nothing there (-1.7% to +0.8%), the mixed step lost 1.5-3.7%.
+        return MosaicPrefillConfig(pipeline="overlap")
     return MosaicPrefillConfig()
 
 
