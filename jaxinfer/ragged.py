@@ -138,10 +138,13 @@ def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0):
 
 
 def _cumsum(x):
-    """jnp.cumsum(x), kept out of its consumers' fusions: XLA's GPU fusion otherwise recomputes
-    the prefix sum (a serial loop per element) inside each consumer's threads, e.g. once per
-    compare of a searchsorted: 14.8 us for one [2136 x 64] search on an H100."""
-    return jax.lax.optimization_barrier(jnp.cumsum(x))
+    """Inclusive prefix sum of a short vector x [n] (sequences, blocks, items: at most a few
+    thousand) as one [n, n] masked row sum: one GPU kernel, where XLA lowers jnp.cumsum to a
+    blocked scan of two or three kernels. Kept out of its consumers' fusions (XLA would otherwise
+    recompute it inside each consumer's threads)."""
+    n = x.shape[0]
+    lower = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]  # [n, n]: j <= i
+    return jax.lax.optimization_barrier(jnp.sum(jnp.where(lower, x[None, :], 0), axis=1, dtype=x.dtype))
 
 
 def _excl_cumsum(x):
