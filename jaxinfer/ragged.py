@@ -64,6 +64,7 @@ CHUNK_UNIT = 128       # keys: KV chunks are multiples of this (the kernel's def
 MIN_CHUNK_UNITS = 2    # no item splits below 256 keys (planner/batch.py's min_split_tokens)
 CHUNKS_PER_CELL = 2    # KV chunks are at most 1 / (2 x cells) of a class's keys: a cell's run of
                        # items then costs at most 1.5 x the mean (runs are contiguous, not greedy)
+DENSE_PREFIX_MAX = 1024  # _cumsum's one-kernel form up to this length (n^2 adds: 1M at the most)
 TILE_COST = 32         # an item's fixed cost in keys per query token of its tile (cell balance)
 PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as BatchAttention's chunks
 # Query tokens per Mosaic tile (of one query head): the kernel's two compute warpgroups, ping-pong
@@ -138,11 +139,13 @@ def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0):
 
 
 def _cumsum(x):
-    """Inclusive prefix sum of a short vector x [n] (sequences, blocks, items: at most a few
-    thousand) as one [n, n] masked row sum: one GPU kernel, where XLA lowers jnp.cumsum to a
-    blocked scan of two or three kernels. Kept out of its consumers' fusions (XLA would otherwise
-    recompute it inside each consumer's threads)."""
+    """Inclusive prefix sum of a vector x [n] (sequences, blocks or items), kept out of its
+    consumers' fusions (XLA would otherwise recompute it inside each consumer's threads). Up to
+    DENSE_PREFIX_MAX entries it is one [n, n] masked row sum: one GPU kernel, where XLA lowers
+    jnp.cumsum to a blocked scan of two or three."""
     n = x.shape[0]
+    if n > DENSE_PREFIX_MAX:
+        return jax.lax.optimization_barrier(jnp.cumsum(x))
     lower = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]  # [n, n]: j <= i
     return jax.lax.optimization_barrier(jnp.sum(jnp.where(lower, x[None, :], 0), axis=1, dtype=x.dtype))
 

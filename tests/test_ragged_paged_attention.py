@@ -172,6 +172,17 @@ def test_decode_only_and_prefill_only(rng, kind):
     _check(args, want_cache, table, out, new_cache)
 
 
+@pytest.mark.parametrize("n", [1, 7, ragged.DENSE_PREFIX_MAX, ragged.DENSE_PREFIX_MAX + 3])
+def test_device_plan_prefix_sums(rng, n):
+    """The device plan's prefix sums (one masked row sum up to DENSE_PREFIX_MAX, XLA's scan past
+    it) equal NumPy's, on int32 counts and float32 costs."""
+    counts = rng.integers(0, 1000, n).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(ragged._cumsum(jnp.asarray(counts))), np.cumsum(counts))
+    np.testing.assert_array_equal(np.asarray(ragged._excl_cumsum(jnp.asarray(counts))), np.cumsum(counts) - counts)
+    costs = counts.astype(np.float32)  # integers well under 2^24: exact in float32 either way
+    np.testing.assert_array_equal(np.asarray(ragged._cumsum(jnp.asarray(costs))), np.cumsum(costs))
+
+
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16, 64])
 def test_classes_cover_every_q_len(group):
     """The static classes partition q_len 1..T: decode tiles of 16 rows, then up to 64, then the
