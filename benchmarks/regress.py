@@ -546,12 +546,17 @@ def measure(spec, env, fi):
 
 
 def _commit(given):
+    """--commit, else git's HEAD, marked "-dirty" when the tracked files differ from it (the
+    device machine's copy can carry a .git older than its files)."""
     if given:
         return given
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else "unknown"
+        git = dict(cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], **git)
+        if out.returncode:
+            return "unknown"
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], **git).returncode != 0
+        return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
