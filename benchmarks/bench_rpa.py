@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer as ji
-from benchmarks.common import bench, random_paged_cache, record, rel_err, save
+from benchmarks.common import bench, random_paged_cache, record, rel_err, rpa_inputs, save
 from jaxinfer import ragged
 from jaxinfer import reference as ref
 
@@ -41,25 +41,6 @@ def rows(rng):
         ("q8 B64 kv4096", np.full(64, 8), np.full(64, 4096)),  # ragged's 64-row decode class
         ("prefill B4 S8192", np.full(4, 8192), np.full(4, 8192)),
     ]
-
-
-def rpa_inputs(cache, q_lens, kv_lens, indptr, indices):
-    """RPA metadata for the step, and K/V rows copied from the cache at the new tokens' positions."""
-    s = len(q_lens)
-    npages = np.diff(indptr)
-    pages_per_seq = int(npages.max())
-    page_indices = np.zeros((s, pages_per_seq), np.int32)
-    for i in range(s):
-        page_indices[i, :npages[i]] = indices[indptr[i]:indptr[i + 1]]
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(kv - q, kv) for q, kv in zip(q_lens, kv_lens)])
-    seq = np.repeat(np.arange(s), q_lens)
-    pages, slots = page_indices[seq, pos // PAGE], pos % PAGE
-    keys, values = cache.k_pages[pages, slots], cache.v_pages[pages, slots]  # [T, Hkv, D]
-    n_decode = int(np.sum(np.cumprod(q_lens == 1)))
-    meta = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(cu),
-            jnp.asarray([n_decode, n_decode, s], jnp.int32))
-    return keys, values, meta
 
 
 def time_rpa(qs, ks, vs, cache, meta, iters=20, reps=7, **kw):
@@ -119,7 +100,7 @@ def main():
         qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         nnz = int(qo_indptr[-1])
         q = jax.random.normal(jax.random.key(1), (nnz, HQ, D), jnp.bfloat16)
-        keys, values, meta = rpa_inputs(cache, q_lens, kv_lens, indptr, indices)
+        keys, values, meta = rpa_inputs(cache, q_lens, kv_lens, indptr, indices, PAGE)
 
         check_rows, want = reference_rows(q, cache, qo_indptr, indptr, indices, last)
         attn = ji.BatchAttention(HQ, HKV, D, PAGE)

@@ -4,6 +4,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer as ji
@@ -53,6 +54,28 @@ def random_paged_cache(rng, kv_lens, page_size, num_kv_heads, head_dim, dtype, l
     return cache, indptr, indices, last
 
 
+def rpa_inputs(cache, q_lens, kv_lens, indptr, indices, page_size):
+    """ragged_paged_attention's inputs for a step over a paged cache (CSR page table indptr /
+    indices, decode sequences first): (keys, values [T, Hkv, D], the cache's own rows at the new
+    tokens' positions, so a call leaves the cache unchanged; meta: (kv_lens, page_indices,
+    cu_q_lens, distribution) on the device)."""
+    s = len(q_lens)
+    npages = np.diff(indptr)
+    pages_per_seq = int(npages.max())
+    page_indices = np.zeros((s, pages_per_seq), np.int32)
+    for i in range(s):
+        page_indices[i, :npages[i]] = indices[indptr[i]:indptr[i + 1]]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(kv - q, kv) for q, kv in zip(q_lens, kv_lens)])
+    seq = np.repeat(np.arange(s), q_lens)
+    pages, slots = page_indices[seq, pos // page_size], pos % page_size
+    keys, values = cache.k_pages[pages, slots], cache.v_pages[pages, slots]  # [T, Hkv, D]
+    n_decode = int(np.sum(np.cumprod(q_lens == 1)))
+    meta = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(cu),
+            jnp.asarray([n_decode, n_decode, s], jnp.int32))
+    return keys, values, meta
+
+
 def rel_err(out, ref):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -61,7 +84,6 @@ def rel_err(out, ref):
 def dense_decode_reference(q, cache, indptr, indices, kv_lens, sm_scale):
     """Decode attention in float32 over pages gathered into a padded dense batch (NHD caches;
     vectorized, so it checks large GPU batches quickly). Returns o [B, Hq, D] float32."""
-    import jax.numpy as jnp
     batch, hq, d = q.shape
     npages = np.diff(indptr)
     table = np.zeros((batch, max(int(npages.max()), 1)), np.int32)

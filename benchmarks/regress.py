@@ -298,23 +298,15 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
 
 def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page):
     """(run, cache_of) of ji.ragged_paged_attention over the caches, call i on cache i % layers:
-    each call writes its tokens' K/V as the cache already holds them, so every output is checked
-    against the cache as built; one jitted program of all calls, the caches donated from run to
-    run (cache_of(i): call i's cache as it is now)."""
-    batch, layers = len(qo_lens), len(caches)
+    each call writes its tokens' K/V as the cache already holds them (common.rpa_inputs), so
+    every output is checked against the cache as built; one jitted program of all calls, the
+    caches donated from run to run (cache_of(i): call i's cache as it is now)."""
+    from benchmarks.common import rpa_inputs
     if np.any(np.diff((qo_lens > 1).astype(int)) < 0):
         raise ValueError("rpa rows list their decode segments (q_len 1) first")
-    pages_per_seq = int(np.diff(indptr).max())
-    page_indices = np.zeros((batch, pages_per_seq), np.int32)
-    for b in range(batch):
-        page_indices[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
-    pos = np.concatenate([np.arange(kv - q, kv) for q, kv in zip(qo_lens, kv_lens)])  # [T] token positions
-    seq = np.repeat(np.arange(batch), qo_lens)
-    pages, slots = page_indices[seq, pos // page], pos % page
-    new_kv = [(c.k_pages[pages, slots], c.v_pages[pages, slots]) for c in caches]  # [T, Hkv, D] per layer
-    n_decode = int(np.sum(qo_lens == 1))
-    meta = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(_indptr(qo_lens)),
-            jnp.asarray([n_decode, n_decode, batch], jnp.int32))
+    layers = len(caches)
+    inputs = [rpa_inputs(c, qo_lens, kv_lens, indptr, indices, page) for c in caches]
+    new_kv, meta = [x[:2] for x in inputs], inputs[0][2]  # per layer (keys, values) [T, Hkv, D]
     kw = env.wrapper_kw()
 
     def calls(qs, new_kv, caches, meta):
