@@ -6,23 +6,14 @@ a jitted run() is a copy launch per section on every call (1-1.5 µs each on an 
 call for 6-10 sections, BENCHMARKS.md session 12); split once at plan time, run() reads them in
 place.
 
-Measured on the 2-core dev CPU (issue 22, BENCHMARKS.md): jax.device_put costs about 30 µs of
-Python dispatch whatever the size; a jitted identity goes through jit's C++ dispatch and costs
-7-10 µs up to ~1 MB, but compiles once per buffer shape, so it serves wrappers whose capacities
-fix the shape. Keeping the NumPy buffer in the plan instead would move the copy into every run()
-call (each layer), so plans hold device arrays.
+On the CPU backend plans keep the NumPy buffer: measured on the 2-core dev CPU (issue 22,
+BENCHMARKS.md), jax.device_put costs about 30 µs of Python dispatch whatever the size, and a
+jitted copy 7-10 µs of dispatch plus the copy, per plan; a NumPy argument of a jitted step costs
+jit's C++ argument handling instead.
 """
 import functools
 
 import jax
-
-from planner import packing
-
-# On the CPU backend a copy of a large buffer costs more than device_put, which aliases it
-# (planner buffers this large start 64-byte aligned, as XLA's CPU buffers must; a NumPy
-# array that is not aligned is copied).
-CPU_ALIAS_BYTES = packing.ALIAS_BYTES
-
 
 def _split(buf, bounds):
     """buf's sections [start, stop) as separate arrays (each a copy: the plan owns them)."""
@@ -30,7 +21,6 @@ def _split(buf, bounds):
 
 
 _copy_split = jax.jit(_split, static_argnums=1)
-_copy = jax.jit(lambda buf: buf)  # a copy on the device: the plan owns its buffer
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,16 +32,15 @@ def plan_sections(buf, layout, fixed_shape):
     """buf (a NumPy array plan() made for this plan and never writes again) on the device: a
     tuple of arrays, one per section of its layout (a planner PackedLayout), in layout order.
 
-    One jitted call copies buf and splits it; it compiles once per layout, as run() does (the
-    layout is a static part of the plan). On the CPU backend, where run() is not timed, the
-    buffer stays whole, a 1-tuple (a split would copy it; sections() slices it): a jitted copy
-    when fixed_shape (the wrapper's capacities fix buf's shape: it compiles once), else
-    jax.device_put, which aliases an aligned buffer of CPU_ALIAS_BYTES or more."""
-    if not _on_cpu():
-        return _copy_split(buf, tuple(layout.offsets.values()))
-    if fixed_shape and buf.nbytes < CPU_ALIAS_BYTES:
-        return (_copy(buf),)
-    return (jax.device_put(buf, may_alias=True),)  # buf is fresh and never written again
+    On a GPU one jitted call copies buf and splits it; it compiles once per layout, as run()
+    does (the layout is a static part of the plan). On the CPU backend, whose device memory is
+    host memory, the plan keeps buf itself, whole (a 1-tuple; sections() slices it): jit's
+    argument handling takes it as it takes any NumPy argument (aliased when 64-byte aligned,
+    else copied), where a copy here would cost a jit dispatch (~10 µs) or jax.device_put (~30
+    µs of Python) per plan. fixed_shape is unused there."""
+    if _on_cpu():
+        return (buf,)
+    return _copy_split(buf, tuple(layout.offsets.values()))
 
 
 def sections(parts, layout):

@@ -89,23 +89,20 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
     layout = decode_layout(bcap, icap, int(num_cells), fixed_split_pages)
     if fixed_split_pages is not None:
         chunk = int(fixed_split_pages)
-    else:
-        chunk = scheduler.chunk_for_total(num_listed, num_cells, -(-min_split_tokens // page_size))
+    else:  # Algorithm 1, line 3 (scheduler.chunk_for_total)
+        chunk = max(-(-min_split_tokens // page_size), -(-num_listed // max(num_cells, 1)), 1)
 
     # Every entry of buf is written once: sections, their padding, the gaps between them.
     buf = new_buffer(layout.size)
-    off = layout.offsets
-    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1) = (
-        off[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
-                               "merge_dest"))
+    i0, l0, t0, c0, m0, d0 = layout.starts
+    c1 = c0 + layout.num_cells + 1
     buf[i0:i0 + num_listed] = kv_indices[:num_listed]
     buf[i0 + num_listed:l0] = 0
     buf[l0:l0 + batch] = kv_lens
     buf[l0 + batch:t0] = 0
     lens = buf[l0:l0 + bcap]  # int32[bcap]: kv_lens, 0 for padding rows
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
-    merge_indptr, merge_dest = buf[m0:m0 + layout.merge_cap + 1], buf[d0:d1]
-    ic = int(item_cost) if float(item_cost).is_integer() else None
+    ic = _integer_cost(item_cost)
 
     if not batch or int(_max(pages)) <= chunk:  # no request is split: one item per row, all writethrough
         costs = np.add(lens, ic, dtype=np.int64) if ic is not None else (item_cost + lens).astype(np.int64)
@@ -119,24 +116,28 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
         items[:n_items, 2::2] = _WRITETHROUGH
         items[:n_items, 3] = lens.take(order)
         buf[c1:d0] = 0  # cell_indptr's gap, merge_indptr (no split request), its gap
-        merge_dest[:] = -1
+        buf[d0:d0 + layout.merge_cap] = -1
         num_split = num_parts = 0
     else:
-        nchunks = np.maximum(-(-pages // chunk), 1)
-        split_reqs = np.flatnonzero(nchunks > 1)
-        work = np.zeros((int(nchunks.sum()) + bcap - batch, ITEM_FIELDS), np.int64)
-        _split_items(work, nchunks, kv_indptr, kv_lens, chunk * page_size, batch, bcap)
-        n_items, num_split = work.shape[0], split_reqs.size
+        work, part_end, split = _split_items(pages, kv_indptr, lens, chunk, chunk * page_size, batch, bcap)
+        n_items = work.shape[0]
+        split_reqs = np.flatnonzero(split)
+        num_split = split_reqs.shape[0]
         assert n_items <= layout.item_cap and num_split <= layout.merge_cap
-        costs = work[:, 3] - work[:, 2] + ic if ic is not None else (item_cost + work[:, 3] - work[:, 2])
-        order, _ = scheduler.assign_positive(costs.astype(np.int64, copy=False), layout.num_cells,
-                                             out=buf[c0:c1])
-        items[:n_items] = work[order]
+        costs = np.subtract(work[:, 3], work[:, 2], dtype=np.int64)
+        if ic is not None:
+            costs += ic
+        else:
+            costs = (item_cost + costs).astype(np.int64)
+        order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
+        work.take(order, axis=0, out=items[:n_items], mode="clip")  # (clip: in range; no buffered copy)
         buf[c1:m0 + 1] = 0  # cell_indptr's gap, merge_indptr[0]
-        np.cumsum(nchunks[split_reqs], out=merge_indptr[1:num_split + 1])
-        num_parts = int(merge_indptr[num_split])
-        merge_indptr[num_split + 1:] = num_parts
-        buf[m0 + layout.merge_cap + 1:d0] = 0
+        merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
+        part_end.take(split_reqs, out=merge_indptr[:num_split])
+        num_parts = int(part_end[-1])
+        merge_indptr[num_split:] = num_parts
+        buf[m0 + 1 + layout.merge_cap:d0] = 0
+        merge_dest = buf[d0:d0 + layout.merge_cap]
         merge_dest[:num_split] = split_reqs
         merge_dest[num_split:] = -1
     buf[t0 + n_items * ITEM_FIELDS:c0] = 0  # unused items, the gap after them
@@ -144,19 +145,37 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
     return layout, buf, info
 
 
-def _split_items(items, nchunks, kv_indptr, kv_lens, chunk_tokens, batch, bcap):
-    """Fills items with request b's chunks in order; split requests get consecutive partial
-    slots, the rest write through; padding rows (batch..bcap) get empty items."""
-    n_items = items.shape[0] - (bcap - batch)
+def _integer_cost(item_cost):
+    """item_cost as an int when it is integral (costs stay integer arithmetic), else None."""
+    if type(item_cost) is int:
+        return item_cost
+    return int(item_cost) if float(item_cost).is_integer() else None
+
+
+def _split_items(pages, kv_indptr, lens, chunk_pages, chunk_tokens, batch, bcap):
+    """The work items of a plan with split requests, in request order: request b's chunks in
+    order (consecutive partial slots if it has more than one, else writethrough), then one empty
+    item per padding row (batch..bcap). Returns (items int32[n, ITEM_FIELDS], part_end
+    int64[bcap]: each request's partial slots end (cumulative), split bool[batch])."""
+    nchunks = np.ones(bcap, np.int64)
+    np.floor_divide(pages + (chunk_pages - 1), chunk_pages, out=nchunks[:batch])
+    np.maximum(nchunks, 1, out=nchunks)
     split = nchunks > 1
-    req = np.repeat(np.arange(batch), nchunks)
-    chunk_idx = np.arange(n_items) - (np.cumsum(nchunks) - nchunks)[req]
-    tok_start = chunk_idx * chunk_tokens
-    part_first = np.cumsum(np.where(split, nchunks, 0)) - np.where(split, nchunks, 0)
-    items[:n_items, 0] = req
-    items[:n_items, 1] = kv_indptr[:-1][req]
-    items[:n_items, 2] = tok_start
-    items[:n_items, 3] = np.minimum(tok_start + chunk_tokens, kv_lens[req])
-    items[:n_items, 4] = np.where(split[req], part_first[req] + chunk_idx, -1)
-    items[n_items:, 0] = np.arange(batch, bcap)
-    items[n_items:, 4] = -1
+    part_end = np.add.accumulate(nchunks * split)
+    item_end = np.add.accumulate(nchunks)
+    # Per request, the item columns' values at its first chunk; tok_start holds -first item
+    # (chunk index = item index + it) and part_slot the first partial slot (-1: writethrough).
+    per_req = np.zeros((bcap, ITEM_FIELDS), np.int32)
+    per_req[:, 0] = scheduler.arange32(bcap)
+    per_req[:batch, 1] = kv_indptr[:-1]
+    np.subtract(nchunks, item_end, out=per_req[:, 2], casting="unsafe")
+    per_req[:, 3] = lens
+    per_req[:, 4] = np.where(split, part_end - nchunks, -1)
+    req = scheduler.arange(bcap).repeat(nchunks)
+    items = per_req.take(req, axis=0)  # [n, ITEM_FIELDS]
+    chunk_idx = items[:, 2]
+    chunk_idx += scheduler.arange32(items.shape[0])
+    items[:, 4] += chunk_idx
+    np.multiply(chunk_idx, chunk_tokens, out=chunk_idx)  # now tok_start
+    np.minimum(items[:, 3], chunk_idx + chunk_tokens, out=items[:, 3])
+    return items, part_end, split[:batch]

@@ -7,14 +7,15 @@ SECTION_ALIGN = 64  # int32 entries: every section starts 256-byte aligned (Mosa
 # take their inputs only at such addresses, and XLA may hand a section to a kernel in place)
 
 
-ALIAS_BYTES = 1 << 20  # buffers this large start aligned; jaxinfer.transfer lets jax alias them on CPU
+ALIAS_BYTES = 1 << 20  # buffers this large start aligned, so jax on the CPU backend aliases them
 
 
 def new_buffer(size):
     """A fresh int32[size] plan buffer. One of ALIAS_BYTES or more starts at a 256-byte aligned
     address (NumPy's arrays start 16-byte aligned): jax on the CPU backend aliases such an
-    array instead of copying it (XLA's CPU buffers need 64-byte alignment). Smaller buffers
-    are copied to the device anyway, and finding an address costs more than their allocation."""
+    array instead of copying it (XLA's CPU buffers need 64-byte alignment; CPU plans keep their
+    buffer, jaxinfer.transfer). Smaller buffers are cheap to copy, and finding an address costs
+    more than their allocation."""
     if size * 4 < ALIAS_BYTES:
         return np.empty(size, np.int32)
     raw = np.empty(size + SECTION_ALIGN, np.int32)

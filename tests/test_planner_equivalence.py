@@ -174,10 +174,9 @@ def test_first_page_check_never_hides_a_shared_prefix(seed):
 
 
 def test_wrapper_plans_own_their_buffers(rng):
-    """Each plan() hands the runtime a fresh host buffer (jax may alias it: on CPU,
-    device_put of a 64-byte-aligned NumPy array aliases it even with may_alias=False), so
-    a later plan never changes an earlier one: with fixed capacities (the jitted copy) and
-    without (jax.device_put)."""
+    """Each plan() fills a fresh host buffer (on the CPU backend the plan keeps it, and jax
+    aliases it when it is 64-byte aligned), so a later plan never changes an earlier one: with
+    fixed capacities and without."""
     import jaxinfer as ji
     for caps in (dict(max_batch_size=8, max_num_pages=200), {}):
         dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, 16, **caps)
@@ -190,8 +189,8 @@ def test_wrapper_plans_own_their_buffers(rng):
 
 
 def test_wrapper_plans_own_their_large_buffers(rng):
-    """Page 1 with a plan buffer of over 1 MB: on the CPU backend jax aliases it (64-byte aligned,
-    put with device_put), so each plan() must fill a fresh one; two plans keep their contents."""
+    """Page 1 with a plan buffer of over 1 MB (64-byte aligned, so jax aliases it on the CPU
+    backend): each plan() must fill a fresh one; two plans keep their contents."""
     import jaxinfer as ji
     from planner import packing
     tables = [page_table(rng, rng.integers(70_000, 80_000, 4), 1) for _ in range(2)]
