@@ -216,7 +216,8 @@ class Bench:
 
         def prefill_args():
             kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
-            plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=num_pages)
+            plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=num_pages,
+                                q_data_type=cfg.dtype)
             attention = llama.PagedAttention(prefill, num_pages, plan, rows, positions, kv_indptr,
                                              pad(kv_indices, num_pages))
             return (self.params, tokens, positions, kv_cache, attention, qo_indptr[1:] - 1, *sampling)

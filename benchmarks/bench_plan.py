@@ -6,7 +6,9 @@ Rows (issue 22): decode B 1, 64, 128, 256, 1024 at page 1 and 16, cascade off / 
 request shares a page, so "auto" plans a plain decode); paged prefill B 4 x 2048 (causal) and
 B 64 mixed (4 chunks of 512 queries + 60 decode rows); BatchAttention on the same mixed step
 and on 64 requests of 4 query tokens (speculative verify). Page ids are a shuffled subset of a
-cache of num_pages pages (given to plan(), as in serving); every wrapper has fixed capacities.
+cache of num_pages pages (given to plan(), as in serving); every wrapper has fixed capacities;
+prefill and BatchAttention plans are told their dtypes (q_data_type="bfloat16"), so a Hopper GPU
+plans one kernel, as FlashInfer's plan() is told them.
 Columns: median and p99 of the wrapper's plan() in µs (the device copy is asynchronous: plan()
 does not wait for it); KB: the packed buffer(s); on a GPU, "copy": putting those buffers on the
 device as plan() does and waiting for them (median µs).
@@ -69,7 +71,7 @@ def prefill_case(rng, qo_lens, kv_lens, name, page=16):
     pre = ji.BatchPrefillWithPagedKVCache(**HEADS, page_size=page, max_batch_size=len(qo_lens),
                                           max_num_tokens=int(qo_indptr[-1]), max_num_pages=int(indptr[-1]),
                                           num_ctas=PREFILL_CTAS)
-    return name, lambda: pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    return name, lambda: pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages, q_data_type="bfloat16")
 
 
 def batch_case(rng, qo_lens, kv_lens, name, page=16):
@@ -78,7 +80,7 @@ def batch_case(rng, qo_lens, kv_lens, name, page=16):
     attn = ji.BatchAttention(**HEADS, page_size=page, max_batch_size=len(qo_lens),
                              max_num_tokens=int(qo_indptr[-1]), max_num_pages=int(indptr[-1]),
                              num_ctas=DECODE_CTAS)
-    return name, lambda: attn.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    return name, lambda: attn.plan(qo_indptr, indptr, indices, last, num_pages=num_pages, q_data_type="bfloat16")
 
 
 def cases(rng):

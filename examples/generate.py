@@ -159,7 +159,8 @@ def main(argv=None):
 
     def prefill_inputs():
         kv_indptr, kv_indices, last = page_table(page_lists, prompt_lens, ps)
-        plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=num_pages)
+        plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=num_pages,
+                            q_data_type=cfg.dtype)
         positions = np.concatenate([np.arange(n) for n in prompt_lens]).astype(np.int32)
         attention = llama.PagedAttention(prefill, num_pages, plan,
                                          np.repeat(np.arange(batch), prompt_lens).astype(np.int32),

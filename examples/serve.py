@@ -224,7 +224,8 @@ class Engine:
         qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
         nnz = int(qo_indptr[-1])
         kv_indptr, kv_indices, last = page_table([s.pages for s in seqs], [s.length for s in seqs], self.page_size)
-        plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages)
+        plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,
+                                 q_data_type=self.cfg.dtype)
         tokens = np.concatenate([s.request.prompt[s.prefill_from:] for s in seqs]).astype(np.int32)
         positions = np.concatenate([np.arange(s.prefill_from, s.length) for s in seqs]).astype(np.int32)
         rows = np.repeat(np.arange(len(seqs)), qo_lens).astype(np.int32)

@@ -54,9 +54,13 @@ class BatchAttention:
         self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
                                   layout, (max_batch_size, max_num_tokens, max_num_pages))
 
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None):
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, q_data_type=None,
+             kv_data_type=None):
         """Plans one step from host int32 arrays (qo_indptr [B+1] and a CSR page table); num_pages:
-        the cache's page count (required)."""
+        the cache's page count (required). q_data_type / kv_data_type (as FlashInfer's; kv defaults
+        to q): the dtypes run() will get, so the long requests' plan is made for the one kernel that
+        runs them (without them a Mosaic plan carries a Triton plan beside it); run() rejects others."""
+        dtypes = dispatch.plan_dtypes(q_data_type, kv_data_type)
         num_pages = validate.check_num_pages(num_pages)
         qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
         kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
@@ -97,15 +101,15 @@ class BatchAttention:
                 shift = np.repeat(page_base.take(long_reqs) - sub_indptr[:-1], sub_pages)
                 sub_indices = kv_indices.take(shift + scheduler.arange(int(sub_indptr[-1])))
             long_plan = self.prefill._plan(sub_qo, kv_lens.take(long_reqs), sub_indptr[:-1], sub_indices,
-                                           None, None, num_pages)
+                                           None, None, num_pages, dtypes=dtypes)
             impls.append(long_plan.impl)
         impl = "+".join(impls) or "none (no query rows)"
-        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl): made once
+        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl, dtypes): made once
         if len(specs) > 16:
             specs.clear()
-        spec = specs.get((num_pages, impl))
+        spec = specs.get((num_pages, impl, dtypes))
         if spec is None:
-            spec = specs[num_pages, impl] = self.facts.spec(num_pages, impl)
+            spec = specs[num_pages, impl, dtypes] = self.facts.spec(num_pages, impl, dtypes)
         fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
         return BatchPlan(transfer.plan_sections(buf, layout, fixed), layout, spec, long_plan,
                          bool(info["num_short"]), self.causal, info=info)
@@ -123,6 +127,7 @@ class BatchAttention:
             raise ValueError(f"q must have shape {(lay.num_tokens, self.num_qo_heads, self.head_dim)}, got {q.shape}")
         check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
         plan.spec.check_rows(kv_cache.num_pages, "kv_cache")
+        plan.spec.check_dtypes(q.dtype, kv_cache.dtype)
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         sec = plan.sections()
         n, hq, d = q.shape

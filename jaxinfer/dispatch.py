@@ -75,6 +75,8 @@ class Implementation:
     config_type: type
     unsupported: Callable[[Problem, bool], Optional[str]]
     cost_us: Callable[[Problem, np.ndarray, np.ndarray, bool], float]
+    # Why it cannot take q / K/V of these dtypes (None when it can).
+    dtypes_unsupported: Callable[[np.dtype, np.dtype], Optional[str]] = lambda q_dtype, kv_dtype: None
 
     def default_config(self, problem):
         if self.config_type is MosaicPrefillConfig:
@@ -167,9 +169,15 @@ def _always(problem, explicit):
     return None
 
 
+def _mosaic_dtypes_unsupported(q_dtype, kv_dtype):
+    if np.dtype(q_dtype) not in (np.dtype("bfloat16"), np.dtype("float16")) or np.dtype(kv_dtype) != np.dtype(q_dtype):
+        return f"q and K/V must both be bfloat16 or float16, got {np.dtype(q_dtype)} / {np.dtype(kv_dtype)}"
+    return None
+
+
 def _mosaic_unsupported(problem, explicit):
-    """Why the Mosaic GPU prefill kernel cannot run the problem (dtypes are checked per call:
-    it takes 16-bit q/K/V only, and plans for it carry a Triton plan for the others)."""
+    """Why the Mosaic GPU prefill kernel cannot run the problem (its dtypes, 16-bit q/K/V only, are
+    _mosaic_dtypes_unsupported: a plan made without dtypes carries a Triton plan for the others)."""
     if not explicit and not problem.hopper:
         return "needs a Hopper GPU (compiled; interpret mode runs it only with impl='mosaic')"
     if problem.layout != "NHD":
@@ -196,7 +204,7 @@ IMPLEMENTATIONS = (
     Implementation("decode_triton", "decode", "triton", DecodeConfig, _always, _decode_cost),
     Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost),
     Implementation("prefill_mosaic", "prefill", "mosaic", MosaicPrefillConfig, _mosaic_unsupported,
-                   _mosaic_prefill_cost),
+                   _mosaic_prefill_cost, _mosaic_dtypes_unsupported),
     # Prefill steps whose every request is short (speculative verify, small appends): the decode
     # kernel with each request's tokens x head group in one tile, split-KV (planner.batch).
     Implementation("prefill_short", "prefill", "short", DecodeConfig, _short_unsupported, _short_cost),
@@ -228,11 +236,35 @@ def supported(problem, impl="auto"):
     return [i.name for i, reason in implementations(problem, impl) if reason is None]
 
 
-def candidates(problem, impl="auto"):
-    """check(problem, impl), then the implementations that can run `problem` (a tuple). Static per
-    wrapper: wrappers compute it once and pass it to choose(rows=)."""
+def candidates(problem, impl="auto", dtypes=None):
+    """check(problem, impl), then the implementations that can run `problem` (a tuple), and with
+    dtypes = (q dtype, K/V dtype) those that take them. Static per wrapper (and dtypes): wrappers
+    compute it once and pass it to choose(rows=)."""
     check(problem, impl)
-    return tuple(i for i, reason in implementations(problem, impl) if reason is None)
+    rows = tuple(i for i, reason in implementations(problem, impl) if reason is None)
+    if dtypes is not None:
+        why = {i.name: i.dtypes_unsupported(*dtypes) for i in rows}
+        if all(why.values()):
+            raise ValueError(f"impl={impl!r}: no kernel takes q / K/V of dtypes {dtypes[0]} / {dtypes[1]} ("
+                             + "; ".join(f"{name}: {reason}" for name, reason in why.items()) + ")")
+        rows = tuple(i for i in rows if why[i.name] is None)
+    return rows
+
+
+def plan_dtypes(q_data_type, kv_data_type):
+    """plan()'s q_data_type / kv_data_type (kv defaults to q, as FlashInfer's) as a (q, kv) pair of
+    NumPy dtypes, or None when q_data_type is None (the plan then serves any dtypes)."""
+    if q_data_type is None:
+        if kv_data_type is not None:
+            raise ValueError("kv_data_type needs q_data_type")
+        return None
+    try:
+        q = np.dtype(q_data_type)
+        kv = q if kv_data_type is None else np.dtype(kv_data_type)
+    except TypeError as err:
+        raise ValueError(f"q_data_type / kv_data_type must name dtypes, got {q_data_type!r} / "
+                         f"{kv_data_type!r}") from err
+    return q, kv
 
 
 def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
@@ -274,9 +306,8 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     if impl == "triton":
         return IMPLEMENTATIONS_BY_NAME["prefill_triton"]
     why = mosaic.unsupported(problem, impl == "mosaic")
-    if why is None and (np.dtype(q_dtype) not in (np.dtype("bfloat16"), np.dtype("float16"))
-                        or np.dtype(kv_dtype) != np.dtype(q_dtype)):
-        why = f"q and K/V must both be bfloat16 or float16, got {np.dtype(q_dtype)} / {np.dtype(kv_dtype)}"
+    if why is None:
+        why = mosaic.dtypes_unsupported(q_dtype, kv_dtype)
     if why is None and scaled:
         why = "fp8 K/V scales run on Triton only"
     if why is None and not sm_scale > 0:

@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import transfer
 
@@ -28,6 +29,14 @@ class PlanSpec:
     num_pages: int               # page ids (or K/V rows) read lie in [0, num_pages)
     impl: str                    # the kernel(s) run() will launch, "+"-joined
     capacities: Tuple[Optional[int], ...] = ()  # the wrapper's fixed-shape capacities
+    dtypes: Optional[Tuple[str, str]] = None  # (q, K/V) dtype names plan() was told; None: any
+
+    def check_dtypes(self, q_dtype, kv_dtype, kv_name="kv_cache"):
+        """ValueError unless q / K/V have the dtypes the plan was made for (when it names them)."""
+        got = (np.dtype(q_dtype).name, np.dtype(kv_dtype).name)
+        if self.dtypes is not None and got != self.dtypes:
+            raise ValueError(f"plan was made for q_data_type={self.dtypes[0]}, kv_data_type={self.dtypes[1]}; "
+                             f"got q {got[0]}, {kv_name} {got[1]}")
 
     def check(self, facts, what="plan"):
         """ValueError naming each field where this spec differs from `facts` (a PlanSpec-like
@@ -56,9 +65,11 @@ class WrapperFacts:
     layout: str
     capacities: Tuple[Optional[int], ...] = ()
 
-    def spec(self, num_pages, impl):
+    def spec(self, num_pages, impl, dtypes=None):
+        """The PlanSpec of a plan for num_pages pages running impl; dtypes: plan_dtypes' pair or None."""
+        names = None if dtypes is None else tuple(np.dtype(x).name for x in dtypes)
         return PlanSpec(self.wrapper, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                        self.page_size, self.layout, int(num_pages), impl, self.capacities)
+                        self.page_size, self.layout, int(num_pages), impl, self.capacities, names)
 
 
 class _PagedPlan:

@@ -90,7 +90,9 @@ class _Prefill:
                                   layout, (max_batch_size, max_num_tokens, max_num_pages, max_mask_len))
 
     def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
-              causal=None, window_left=None, contiguous_kv=False, **positions):
+              causal=None, window_left=None, contiguous_kv=False, dtypes=None, **positions):
+        """The plan of one step (checked page table or K/V rows). dtypes: dispatch.plan_dtypes' (q, K/V)
+        pair, or None: a Mosaic plan then carries a Triton plan for dtypes Mosaic cannot take."""
         qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)  # the only check of it
         if qo_indptr.shape[0] != kv_lens.shape[0] + 1:  # before any planner (prefill_short too)
             raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests but the KV side has "
@@ -103,20 +105,20 @@ class _Prefill:
             mask, offsets = _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, self.max_mask_len)
             causal = False  # the custom mask replaces the causal mask
             problem = dataclasses.replace(problem, custom_mask=True)
-        rows = self._candidates.get(problem.custom_mask)  # static per wrapper (and mask or not)
+        rows = self._candidates.get((problem.custom_mask, dtypes))  # static per wrapper, mask, dtypes
         if rows is None:
-            rows = self._candidates[problem.custom_mask] = dispatch.candidates(problem, self.impl)
+            rows = self._candidates[problem.custom_mask, dtypes] = dispatch.candidates(problem, self.impl, dtypes)
         choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows)
         # Cascade levels need their positions; a pinned tile_rows pins one Triton program.
         if choice.name == "prefill_short" and (positions or self.tile_rows is not None):
             choice = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
         if choice.name == "prefill_short":
-            return self._plan_short(qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal)
+            return self._plan_short(qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal, dtypes)
         tails = choice.name == "prefill_mosaic"
         # Capacities fix the buffer's shape (up to the tile height: at most 4 shapes).
         fixed = (self.max_num_tokens is not None and self.max_batch_size is not None
                  and (self.max_num_pages is not None or contiguous_kv))
-        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl): made once
+        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl, dtypes): made once
         if len(specs) > 16:
             specs.clear()
 
@@ -130,17 +132,18 @@ class _Prefill:
                 mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
                 tails=tails, contiguous_kv=contiguous_kv, **positions)
             dev_mask = None if mask is None else jax.device_put(mask, may_alias=True)
-            spec = specs.get((num_pages, impl_name))
+            spec = specs.get((num_pages, impl_name, dtypes))
             if spec is None:
-                spec = specs[num_pages, impl_name] = self.facts.spec(num_pages, impl_name)
+                spec = specs[num_pages, impl_name, dtypes] = self.facts.spec(num_pages, impl_name, dtypes)
             return PrefillPlan(transfer.plan_sections(buf, layout, fixed), dev_mask, layout, causal, spec, alt,
                                info=info)
 
-        # impl="auto" plans for Mosaic keep a Triton plan beside, for dtypes Mosaic cannot run.
-        alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" else None
+        # impl="auto" plans for Mosaic made without dtypes keep a Triton plan beside, for dtypes
+        # Mosaic cannot run (on a GPU host that doubles plan()'s cost).
+        alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" and dtypes is None else None
         return plan_for(tails, choice.name, alt)
 
-    def _plan_short(self, qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal):
+    def _plan_short(self, qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal, dtypes=None):
         """Every request short: the decode kernel's multi-token items (planner.batch)."""
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
         nnz = int(qo_indptr[-1])
@@ -152,7 +155,7 @@ class _Prefill:
             index_cap=max(kv_indices.shape[0], 1) if self.max_num_pages is None else int(self.max_num_pages))
         fixed = None not in (self.max_num_tokens, self.max_batch_size, self.max_num_pages)
         return BatchPlan(transfer.plan_sections(buf, layout, fixed), layout,
-                         self.facts.spec(num_pages, "prefill_short"), causal=causal, info=info)
+                         self.facts.spec(num_pages, "prefill_short", dtypes), causal=causal, info=info)
 
     def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, num_rows, kv_name, facts=None,
                  **cache_kw):
@@ -162,6 +165,7 @@ class _Prefill:
             raise ValueError(f"plan must be a PrefillPlan from {type(self).__name__}.plan()")
         plan.spec.check(facts or self.facts)
         plan.spec.check_rows(num_rows, kv_name)
+        plan.spec.check_dtypes(q.dtype, k_rows.dtype, kv_name)
         _check_q(q)
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
@@ -179,7 +183,8 @@ class _Prefill:
                                            self.configs))
         impl = plan.spec.impl
         if impl == "prefill_mosaic":  # 16-bit q/K/V only; else the Triton plan beside it
-            fits = q.dtype in (jnp.bfloat16, jnp.float16) and k_rows.dtype == q.dtype and scales is None
+            mosaic = dispatch.IMPLEMENTATIONS_BY_NAME[impl]
+            fits = mosaic.dtypes_unsupported(q.dtype, k_rows.dtype) is None and scales is None
             if not fits and plan.alt is not None:
                 plan, impl = plan.alt, plan.alt.spec.impl
         implementation = dispatch.IMPLEMENTATIONS_BY_NAME[impl]
@@ -257,7 +262,8 @@ class BatchPrefillWithPagedKVCache(_Prefill):
                          variant=variant, impl=impl, config=config)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, custom_mask=None,
-             packed_custom_mask=None, causal=None, cascade=None, window_left=None):
+             packed_custom_mask=None, causal=None, cascade=None, window_left=None, q_data_type=None,
+             kv_data_type=None):
         """Plans one step from host arrays (int32 CSR page table, as for decode).
 
         num_pages: the cache's page count (required): page ids outside [0, num_pages) are
@@ -267,7 +273,11 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         causal (optional) overrides the wrapper's setting for this plan.
         cascade="auto": a two-level CascadePlan when requests share leading pages (before
         all of their queries) and the cost model (dispatch.cascade_pays) says it pays.
+        q_data_type / kv_data_type (as FlashInfer's; kv defaults to q): the dtypes run() will get,
+        so the plan is made for the one kernel that runs them; run() rejects others. Without them
+        a Mosaic plan carries a Triton plan for dtypes Mosaic cannot take (two plans' cost).
         """
+        dtypes = dispatch.plan_dtypes(q_data_type, kv_data_type)
         if cascade not in (None, "auto"):
             raise ValueError(f"cascade must be None or 'auto', got {cascade!r}")
         num_pages = validate.check_num_pages(num_pages)
@@ -276,17 +286,20 @@ class BatchPrefillWithPagedKVCache(_Prefill):
             levels = auto_cascade_levels(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, self.page_size,
                                          causal=causal, problem=self.problem)
             if levels is not None:
-                return self.plan_levels(levels, num_pages=num_pages, causal=causal)
+                return self.plan_levels(levels, num_pages=num_pages, causal=causal, q_data_type=q_data_type,
+                                        kv_data_type=kv_data_type)
         kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         used = kv_indices[: kv_indptr[-1]]
         return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
-                          num_pages, causal, window_left)
+                          num_pages, causal, window_left, dtypes=dtypes)
 
-    def plan_levels(self, levels, *, num_pages=None, causal=None):
+    def plan_levels(self, levels, *, num_pages=None, causal=None, q_data_type=None, kv_data_type=None):
         """A CascadePlan over levels (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of
         the same queries; causal (default: the wrapper's) applies to the last level only.
-        Variants see each key at its position in the request's whole sequence."""
+        Variants see each key at its position in the request's whole sequence. q_data_type,
+        kv_data_type: as plan()."""
+        dtypes = dispatch.plan_dtypes(q_data_type, kv_data_type)
         num_pages = validate.check_num_pages(num_pages)
         causal = self.causal if causal is None else causal
         qo_indptrs, tables = [], []
@@ -303,7 +316,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         plans = []
         for i, ((kv_indptr, kv_indices, _, kv_lens, _), qo_indptr) in enumerate(zip(tables, qo_indptrs)):
             plans.append(self._plan(qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]],
-                                    None, None, num_pages, causal and i == len(levels) - 1,
+                                    None, None, num_pages, causal and i == len(levels) - 1, dtypes=dtypes,
                                     kv_pos_offset=offsets[i], q_positions=q_pos))
         return CascadePlan(tuple(plans))
 
@@ -349,11 +362,15 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
                          variant=variant, impl=impl, config=config)
 
-    def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None, window_left=None):
+    def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None, window_left=None,
+             q_data_type=None, kv_data_type=None):
+        """Plans one step (int32 host indptrs). q_data_type, kv_data_type: as
+        BatchPrefillWithPagedKVCache.plan()."""
+        dtypes = dispatch.plan_dtypes(q_data_type, kv_data_type)
         kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
         return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
                           np.zeros(0, np.int32), custom_mask, packed_custom_mask, int(kv_indptr[-1]),
-                          window_left=window_left, contiguous_kv=True)
+                          window_left=window_left, contiguous_kv=True, dtypes=dtypes)
 
     def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):

@@ -3,6 +3,7 @@ import ast
 import itertools
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -105,3 +106,50 @@ def test_jaxinfer_has_no_import_circles():
 
     for n in internal:
         visit(n, [])
+
+
+def test_plan_dtypes_pick_one_kernel_and_bind_the_plan(monkeypatch, rng):
+    """plan(q_data_type=, kv_data_type=) (FlashInfer's arguments): on a Hopper GPU the Mosaic plan
+    then carries no Triton plan beside it, a K/V dtype Mosaic cannot take plans Triton alone, and
+    run() rejects other dtypes naming both."""
+    from helpers import page_table, random_cache
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)  # plan as on a Hopper GPU
+    indptr, indices, last, num_pages = page_table(rng, np.array([4096, 4000]), 16)
+    qo = np.array([0, 4096, 8192], np.int32)  # long prompts: the cost model picks Mosaic
+    pre = ji.BatchPrefillWithPagedKVCache(8, 2, 128, 16)
+    plain = pre.plan(qo, indptr, indices, last, num_pages=num_pages)
+    assert plain.impl == "prefill_mosaic" and plain.alt is not None and plain.spec.dtypes is None
+    bf16 = pre.plan(qo, indptr, indices, last, num_pages=num_pages, q_data_type="bfloat16")
+    assert bf16.impl == "prefill_mosaic" and bf16.alt is None and bf16.spec.dtypes == ("bfloat16", "bfloat16")
+    fp8 = pre.plan(qo, indptr, indices, last, num_pages=num_pages, q_data_type=jnp.bfloat16,
+                   kv_data_type=jnp.float8_e4m3fn)
+    assert fp8.impl == "prefill_triton" and fp8.alt is None
+    cache = random_cache(rng, num_pages, 16, 2, 128, jnp.float32)
+    q = jnp.zeros((8192, 8, 128), jnp.float32)
+    with pytest.raises(ValueError, match="q_data_type=bfloat16, kv_data_type=bfloat16; got q float32, kv_cache float32"):
+        pre.run(q, cache, bf16)
+    attn = ji.BatchAttention(8, 2, 128, 16)
+    plan = attn.plan(qo, indptr, indices, last, num_pages=num_pages, q_data_type="float16")
+    assert plan.long.alt is None
+    with pytest.raises(ValueError, match="q_data_type=float16"):
+        attn.run(q, cache, plan)
+    with pytest.raises(ValueError, match="kv_data_type needs q_data_type"):
+        pre.plan(qo, indptr, indices, last, num_pages=num_pages, kv_data_type="bfloat16")
+    with pytest.raises(ValueError, match="must name dtypes"):
+        pre.plan(qo, indptr, indices, last, num_pages=num_pages, q_data_type=object())
+    with pytest.raises(ValueError, match="no kernel takes q / K/V of dtypes float32"):
+        dispatch.candidates(dispatch.Problem("prefill", 8, 2, 64, "paged", 16, interpret=False), "mosaic",
+                            (np.dtype("float32"), np.dtype("float32")))
+
+
+def test_plan_dtypes_run_as_the_plan_without_them(rng):
+    """A plan told the dtypes it will run gives the output of one that was not (CPU: Triton)."""
+    from helpers import page_table, randn, random_cache
+    indptr, indices, last, num_pages = page_table(rng, np.array([40, 23]), 8)
+    qo = np.array([0, 9, 16], np.int32)
+    pre = ji.BatchPrefillWithPagedKVCache(4, 2, 32, 8)
+    cache = random_cache(rng, num_pages, 8, 2, 32, jnp.float32)
+    q = randn(rng, (16, 4, 32), jnp.float32)
+    want = pre.run(q, cache, pre.plan(qo, indptr, indices, last, num_pages=num_pages))
+    got = pre.run(q, cache, pre.plan(qo, indptr, indices, last, num_pages=num_pages, q_data_type=np.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
