@@ -21,7 +21,8 @@ Attention goes through an attention object passed to the model with the step's i
                   BatchDecodeWithPagedKVCache (one token per request) or
                   MultiLevelCascadeAttention (shared prefixes) with one plan per step. Decode
                   steps without a page table (batch_indices None) write the new K/V inside
-                  the decode kernel instead (run(..., append_kv=)): one launch per layer.
+                  the decode kernel instead (run(..., append_kv="from_q"), q, k, v in one
+                  array): one launch per layer.
   DenseAttention  the baseline: a dense padded cache [L, B, S, Hkv, D] and plain jnp attention
                   (impl="jnp") or jax.nn.dot_product_attention(implementation="cudnn").
 """
@@ -262,8 +263,10 @@ class PagedAttention:
             offset = layer * self.pages_per_layer
             plan = plan.with_page_offset(offset)
             kv_indices = None if kv_indices is None else kv_indices + offset
-        if self.batch_indices is None:  # decode: the kernel appends (one launch per layer)
-            return self.wrapper.run(q, kv_cache, plan, kv_lens=self.kv_lens, append_kv=(k, v))
+        if self.batch_indices is None:  # decode: the kernel appends (one launch per layer), reading the
+            # new K/V heads after q's in one array: XLA writes q, k, v (RoPE applied) in one fusion
+            qkv = jnp.concatenate([q, k, v], axis=1)  # [B, Hq + 2 Hkv, D]
+            return self.wrapper.run(qkv, kv_cache, plan, kv_lens=self.kv_lens, append_kv="from_q")
         kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, self.batch_indices, self.positions,
                                             kv_indices, self.kv_indptr)
         if self.kv_lens is None:

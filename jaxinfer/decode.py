@@ -111,6 +111,9 @@ class BatchDecodeWithPagedKVCache:
         by the decode kernel itself, which attends to it in the same launch (one launch where
         append_paged_kv_cache + run() take three); returns (o or AttentionState, the updated
         PagedKVCache), in place when the cache is donated. Rows whose length is 0 write nothing.
+        append_kv="from_q": q is [B, Hq + 2 Hkv, D], each request's query heads, then its new key
+        heads, then its new value heads (a fused QKV projection's output, RoPE applied), read in
+        place: no slices of it are materialized; o is still [B, Hq, D].
         """
         if isinstance(plan, CascadePlan):
             if kv_lens is not None:
@@ -122,13 +125,14 @@ class BatchDecodeWithPagedKVCache:
                                                v_scale=v_scale)
         variants.check_variant(self.variant, return_lse)
         params = None if self.variant is None else self.variant.check_params(variant_params)
-        self._check(q, kv_cache, plan)
+        self._check(q, kv_cache, plan, fused=isinstance(append_kv, str) and append_kv == "from_q")
         if append_kv is not None:
             append_kv = self._check_append(q, kv_cache, append_kv, k_scale, v_scale)
         sec = plan.sections()
         lens = sec["kv_lens"] if kv_lens is None else self._check_kv_lens(kv_lens, plan)
         if q.shape[0] == 0:  # batch 0 without capacities: empty outputs, no kernel
-            empty = AttentionState(jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32))
+            shape = (0, self.num_qo_heads, self.head_dim)
+            empty = AttentionState(jnp.zeros(shape, q.dtype), jnp.zeros(shape[:2], jnp.float32))
             empty = empty if return_lse else empty.o
             return empty if append_kv is None else (empty, kv_cache)
         k_rows, v_rows = kv_cache.rows()
@@ -147,14 +151,20 @@ class BatchDecodeWithPagedKVCache:
         return out, PagedKVCache(rows[0].reshape(shape), rows[1].reshape(shape), kv_cache.layout)
 
     def _check_append(self, q, kv_cache, append_kv, k_scale, v_scale):
-        """append_kv as a (k, v) pair of [B, Hkv, D] arrays in the cache's dtype; ValueError otherwise."""
-        if not isinstance(append_kv, (tuple, list)) or len(append_kv) != 2:
-            raise ValueError("append_kv must be a (k, v) pair")
+        """append_kv as a (k, v) pair of [B, Hkv, D] arrays in the cache's dtype, or "from_q";
+        ValueError otherwise."""
+        fused = isinstance(append_kv, str)
+        if fused and append_kv != "from_q":
+            raise ValueError(f"append_kv must be a (k, v) pair or 'from_q', got {append_kv!r}")
+        if not fused and (not isinstance(append_kv, (tuple, list)) or len(append_kv) != 2):
+            raise ValueError("append_kv must be a (k, v) pair or 'from_q'")
         if self.variant is not None:
             raise ValueError("append_kv runs without a variant; use append_paged_kv_cache")
         if k_scale is not None or v_scale is not None or jnp.dtype(kv_cache.dtype) != jnp.dtype(q.dtype):
             raise ValueError(f"append_kv needs K/V pages in q's dtype ({jnp.dtype(q.dtype).name}) without "
                              f"scales, got {jnp.dtype(kv_cache.dtype).name}; use append_paged_kv_cache")
+        if fused:
+            return append_kv
         expect = (q.shape[0], self.num_kv_heads, self.head_dim)
         for name, x in zip("kv", append_kv):
             if not hasattr(x, "shape") or tuple(x.shape) != expect:
@@ -185,14 +195,17 @@ class BatchDecodeWithPagedKVCache:
                 config=tuple(c for c in self.configs if not isinstance(c, decode_kernels.DecodeConfig)))
         return self._cascade
 
-    def _check(self, q, kv_cache, plan):
+    def _check(self, q, kv_cache, plan, fused=False):
+        """fused: q holds the new K/V heads after its query heads (append_kv="from_q")."""
         if not isinstance(plan, DecodePlan):
             raise ValueError("plan must be a DecodePlan from BatchDecodeWithPagedKVCache.plan()")
         plan.spec.check(self.facts)
         if not hasattr(q, "dtype") or jnp.dtype(q.dtype) not in (jnp.float32, jnp.float16, jnp.bfloat16):
             raise ValueError(f"q must be float32, float16 or bfloat16, got {getattr(q, 'dtype', type(q))}")
-        expect_q = (plan.layout.batch, self.num_qo_heads, self.head_dim)
+        heads = self.num_qo_heads + (2 * self.num_kv_heads if fused else 0)
+        expect_q = (plan.layout.batch, heads, self.head_dim)
         if tuple(q.shape) != expect_q:
-            raise ValueError(f"q must have shape {expect_q}, got {q.shape}")
+            raise ValueError(f"q must have shape {expect_q}{' (Hq + 2 Hkv heads: append_kv=from_q)' if fused else ''}, "
+                             f"got {q.shape}")
         check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
         plan.spec.check_rows(kv_cache.num_pages, "kv_cache")

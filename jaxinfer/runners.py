@@ -18,8 +18,11 @@ def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, 
     before any variant output transform. out (optional): (o [N, Hq, D], lse [N, Hq]) whose rows the
     plan does not write are kept (updated in place). append (optional): (k, v) [N, Hkv, D], each
     request's new row, written at position kv_lens - 1 by the decode kernel itself
-    (decode_kernels.paged_decode); then returns (o, lse, k_rows, v_rows), the cache updated."""
+    (decode_kernels.paged_decode); then returns (o, lse, k_rows, v_rows), the cache updated;
+    append="from_q": q [N, Hq + 2 Hkv, D] holds them after its query heads."""
     n, hq, d = q.shape
+    if isinstance(append, str):
+        hq -= 2 * num_kv_heads
     flat_out = None if out is None else (out[0].reshape(n * hq, d), out[1].reshape(n * hq))
     o, lse, o_part, lse_part, *rows = decode_kernels.paged_decode(
         q, k_rows, v_rows, kv_indices, kv_lens, sec["items"], sec["cell_indptr"],

@@ -47,7 +47,7 @@ MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
                    *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant,
-                   param_tree, heads_fastest, has_out, has_append, **attend_kw):
+                   param_tree, heads_fastest, has_out, has_append, append_in_q, q_stride, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     # refs: [params..., (k_new, v_new), (o, lse aliased)] inputs, then the outputs
     # o, lse, o_part, lse_part, (k_rows, v_rows aliased).
@@ -55,7 +55,10 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
     o_ref, lse_ref, o_part_ref, lse_part_ref, k_out_ref, v_out_ref = outs
     if has_out:
         refs = refs[:-2]
-    (k_new_ref, v_new_ref), param_refs = (refs[-2:], refs[:-2]) if has_append else ((None, None), refs)
+    if has_append and not append_in_q:
+        (k_new_ref, v_new_ref), param_refs = refs[-2:], refs[:-2]
+    else:  # (append_in_q: the new K/V rows are q_ref's rows past the query heads)
+        (k_new_ref, v_new_ref), param_refs = (q_ref, q_ref) if has_append else (None, None), refs
     cell, head = pl.program_id(0), pl.program_id(1)
     if heads_fastest:
         cell, head = head, cell
@@ -76,7 +79,8 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         n_tok = jnp.maximum(jnp.minimum(tok_end, cached) - tok_start, 0)
         row_ok = t_local < qo_len
         q_tok = jnp.minimum(t_local, jnp.maximum(qo_len, 1) - 1)
-        q_rows = (q_start + q_tok) * num_qo_heads + heads
+        q_rows = (q_start + q_tok) * q_stride + heads
+        o_rows = (q_start + q_tok) * num_qo_heads + heads
         q = q_ref[q_rows]  # [rows, D]
         first_pos = kv_len - qo_len  # position of the item's first query token
         n_head, var_kw, visible = 0, {}, None
@@ -95,9 +99,11 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         acc, m, l = _attention.attend(q, k_ref, v_ref, kv_indices_ref, f["page_base"], tok_start, n_tok,
                                       head, num_kv_heads=num_kv_heads, n_head=n_head, n_plain=n_plain,
                                       visible_fn=visible, k_scale=k_scale, **var_kw, **attend_kw)
-        if has_append:
-            acc, m, l = _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_out_ref, v_out_ref, kv_indices_ref,
-                                      req, head, f["page_base"], tok_start, tok_end, kv_len, r,
+        if has_append:  # request req's new K / V row of this head: in q_ref past its query heads, or own arrays
+            k_new_row = req * q_stride + num_qo_heads + head if append_in_q else req * num_kv_heads + head
+            v_new_row = k_new_row + num_kv_heads if append_in_q else k_new_row
+            acc, m, l = _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_new_row, v_new_row, k_out_ref,
+                                      v_out_ref, kv_indices_ref, head, f["page_base"], tok_start, tok_end, kv_len, r,
                                       num_kv_heads=num_kv_heads, page_size=attend_kw["page_size"],
                                       layout=attend_kw["layout"], sm_scale=attend_kw["sm_scale"])
         o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
@@ -105,8 +111,8 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
         @pl.when(part_slot < 0)
         def _():
-            _common.store_rows(o_ref, q_rows, o.astype(o_ref.dtype), row_ok)
-            _common.store_rows(lse_ref, q_rows, lse, row_ok)
+            _common.store_rows(o_ref, o_rows, o.astype(o_ref.dtype), row_ok)
+            _common.store_rows(lse_ref, o_rows, lse, row_ok)
 
         @pl.when(part_slot >= 0)
         def _():  # token t's partials are part_stride apart (contiguous per token for the merge)
@@ -121,18 +127,19 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
     lax.fori_loop(first, end, item, 0)
 
 
-def _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_out_ref, v_out_ref, kv_indices_ref, req, head,
-                  page_base, tok_start, tok_end, kv_len, r, *, num_kv_heads, page_size, layout, sm_scale):
+def _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_new_row, v_new_row, k_out_ref, v_out_ref,
+                  kv_indices_ref, head, page_base, tok_start, tok_end, kv_len, r, *, num_kv_heads, page_size,
+                  layout, sm_scale):
     """The fused append: if this item's chunk [tok_start, tok_end) holds position kv_len - 1,
-    writes request req's new K/V row of KV head `head` there (page from kv_indices) and adds
+    writes the new K/V row (k_new_ref[k_new_row], v_new_ref[v_new_row]: the item's request's, of
+    KV head `head`) there (page from kv_indices) and adds
     that key to the base-2 online-softmax state (acc [M, D], m [M], l [M]); otherwise the
     state is returned unchanged and nothing is written."""
     last = kv_len - 1
     owns = (kv_len > 0) & (tok_start <= last) & (last < tok_end)
     own_rows = jnp.full(r.shape, owns)
-    new_rows = jnp.full(r.shape, req * num_kv_heads + head)  # [M], every row the same K/V row
-    k = _common.load_rows(k_new_ref, new_rows, own_rows)  # [M, D] (0 where not owned)
-    v = _common.load_rows(v_new_ref, new_rows, own_rows)
+    k = _common.load_rows(k_new_ref, jnp.full(r.shape, k_new_row), own_rows)  # [M, D], every row the same (0 where not owned)
+    v = _common.load_rows(v_new_ref, jnp.full(r.shape, v_new_row), own_rows)
     s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=1) * (sm_scale * _common.LOG2E)  # [M]
     s = jnp.where(own_rows, s, -jnp.inf)
     m_new = jnp.maximum(m, s)
@@ -186,12 +193,18 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     append (optional): (k_new, v_new) [N, Hkv, D] in the cache's dtype (= q's), one token per
     request (ITEM_COLUMNS), no variant or scales: request b's row is written at position
     kv_lens[b] - 1 of the cache (k_rows / v_rows aliased in and out) and attended to (see the
-    module docstring).
+    module docstring). append="from_q": q is [N, Hq + 2 Hkv, D], each request's query heads
+    then its new key heads then its new value heads (a fused QKV projection's output), read in
+    place.
     Returns flat (o [N*Hq, D], lse [N*Hq], o_part [num_parts*Hq, D] f32,
     lse_part [num_parts*Hq]), then with append the new (k_rows, v_rows); rows of o that no
     writethrough item covers are left for the caller's merge (or keep out's values).
     """
-    n, num_qo_heads, d = q.shape
+    n, q_stride, d = q.shape
+    append_in_q = isinstance(append, str)
+    if append_in_q and append != "from_q":
+        raise ValueError(f"append must be a (k, v) pair or 'from_q', got {append!r}")
+    num_qo_heads = q_stride - 2 * num_kv_heads if append_in_q else q_stride
     if append is not None and (tuple(columns) != ITEM_COLUMNS or variant is not None or scales is not None
                                or k_rows.dtype != q.dtype):
         raise ValueError("append needs one-token items, no variant, no K/V scales and K/V in q's dtype")
@@ -207,8 +220,8 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
-        has_out=out is not None, has_append=append is not None)
-    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * num_qo_heads, d), k_rows, v_rows,
+        has_out=out is not None, has_append=append is not None, append_in_q=append_in_q, q_stride=q_stride)
+    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), k_rows, v_rows,
             *(scales or ()), *leaves]
     out_shape = [
         jax.ShapeDtypeStruct((n * num_qo_heads, d), q.dtype),  # o (writethrough)
@@ -218,7 +231,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     ]
     aliases = {}
     if append is not None:  # the cache, written in place: outputs 4 and 5
-        args += [x.reshape(n * num_kv_heads, d) for x in append]
+        args += [] if append_in_q else [x.reshape(n * num_kv_heads, d) for x in append]
         out_shape += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
         aliases = {5: 4, 6: 5}
     if out is not None:

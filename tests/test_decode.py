@@ -241,8 +241,14 @@ def test_append_kv_fused_equals_append_then_run(rng, layout, split, horizon):
     pos = np.append(lens - 1, -1).astype(np.int32)  # row 3: padding
     want_cache = ji.append_paged_kv_cache(cache, k, v, np.array([0, 1, 2, -1], np.int32), pos, indices, indptr)
     want = dec.run(q, want_cache, plan, kv_lens=kv_lens)
+    # append_kv="from_q": the new K/V heads after the query heads of one array, read in place.
+    from_q = jax.jit(lambda qkv, c, p, n: dec.run(qkv, c, p, kv_lens=n, append_kv="from_q"), donate_argnums=1)
+    o_q, new_q = from_q(jnp.concatenate([q, k, v], axis=1), jax.tree.map(jnp.copy, cache), plan, kv_lens)
     fused = jax.jit(lambda q, c, p, k, v, n: dec.run(q, c, p, kv_lens=n, append_kv=(k, v)), donate_argnums=1)
     o, new = fused(q, cache, plan, k, v, kv_lens)
+    np.testing.assert_array_equal(o_q, o)
+    np.testing.assert_array_equal(new_q.k_pages, new.k_pages)
+    np.testing.assert_array_equal(new_q.v_pages, new.v_pages)
     np.testing.assert_array_equal(new.k_pages, want_cache.k_pages)
     np.testing.assert_array_equal(new.v_pages, want_cache.v_pages)
     np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
@@ -265,6 +271,10 @@ def test_append_kv_rejects_what_it_cannot_fuse(rng):
         dec.run(q, cache, plan, append_kv=(k, k[:1]))
     with pytest.raises(ValueError, match="pair"):
         dec.run(q, cache, plan, append_kv=k)
+    with pytest.raises(ValueError, match="'from_q'"):
+        dec.run(q, cache, plan, append_kv="fused")
+    with pytest.raises(ValueError, match=r"q must have shape \(2, 12, 64\) \(Hq \+ 2 Hkv heads"):
+        dec.run(q, cache, plan, append_kv="from_q")
     with pytest.raises(ValueError, match="q's dtype"):
         dec.run(q.astype(jnp.bfloat16), random_cache(rng, num_pages, page, hkv, d, jnp.float16), plan,
                 append_kv=(k, k))
