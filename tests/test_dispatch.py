@@ -128,6 +128,13 @@ def test_plan_dtypes_pick_one_kernel_and_bind_the_plan(monkeypatch, rng):
     q = jnp.zeros((8192, 8, 128), jnp.float32)
     with pytest.raises(ValueError, match="q_data_type=bfloat16, kv_data_type=bfloat16; got q float32, kv_cache float32"):
         pre.run(q, cache, bf16)
+    rag = ji.BatchPrefillWithRaggedKVCache(8, 2, 128)
+    kv_indptr = np.array([0, 4096, 8192], np.int32)
+    assert rag.plan(qo, kv_indptr).alt is not None
+    rag_plan = rag.plan(qo, kv_indptr, q_data_type="bfloat16")
+    assert rag_plan.impl == "prefill_mosaic" and rag_plan.alt is None
+    with pytest.raises(ValueError, match="got q float32, k float32"):
+        rag.run(q, q[:, :2], q[:, :2], rag_plan)
     attn = ji.BatchAttention(8, 2, 128, 16)
     plan = attn.plan(qo, indptr, indices, last, num_pages=num_pages, q_data_type="float16")
     assert plan.long.alt is None
