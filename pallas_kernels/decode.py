@@ -99,11 +99,12 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         acc, m, l = _attention.attend(q, k_ref, v_ref, kv_indices_ref, f["page_base"], tok_start, n_tok,
                                       head, num_kv_heads=num_kv_heads, n_head=n_head, n_plain=n_plain,
                                       visible_fn=visible, k_scale=k_scale, **var_kw, **attend_kw)
-        if has_append:  # request req's new K / V row of this head: in q_ref past its query heads, or own arrays
+        if has_append:  # request req's new K / V row of this head: q_ref's past its query heads, or own arrays
             k_new_row = req * q_stride + num_qo_heads + head if append_in_q else req * num_kv_heads + head
             v_new_row = k_new_row + num_kv_heads if append_in_q else k_new_row
             acc, m, l = _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_new_row, v_new_row, k_out_ref,
-                                      v_out_ref, kv_indices_ref, head, f["page_base"], tok_start, tok_end, kv_len, r,
+                                      v_out_ref, kv_indices_ref, head, f["page_base"], tok_start, tok_end,
+                                      kv_len, r,
                                       num_kv_heads=num_kv_heads, page_size=attend_kw["page_size"],
                                       layout=attend_kw["layout"], sm_scale=attend_kw["sm_scale"])
         o, lse = _attention.finalize(acc, m, l, use_softmax=variant is None or variant.use_softmax,
@@ -131,14 +132,15 @@ def _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_new_row, v_new_row, k_ou
                   kv_indices_ref, head, page_base, tok_start, tok_end, kv_len, r, *, num_kv_heads, page_size,
                   layout, sm_scale):
     """The fused append: if this item's chunk [tok_start, tok_end) holds position kv_len - 1,
-    writes the new K/V row (k_new_ref[k_new_row], v_new_ref[v_new_row]: the item's request's, of
-    KV head `head`) there (page from kv_indices) and adds
-    that key to the base-2 online-softmax state (acc [M, D], m [M], l [M]); otherwise the
-    state is returned unchanged and nothing is written."""
+    writes the item's request's new K/V row of KV head `head` (k_new_ref[k_new_row],
+    v_new_ref[v_new_row]) there (page from kv_indices) and adds that key to the base-2
+    online-softmax state (acc [M, D], m [M], l [M]); otherwise the state is returned unchanged
+    and nothing is written."""
     last = kv_len - 1
     owns = (kv_len > 0) & (tok_start <= last) & (last < tok_end)
     own_rows = jnp.full(r.shape, owns)
-    k = _common.load_rows(k_new_ref, jnp.full(r.shape, k_new_row), own_rows)  # [M, D], every row the same (0 where not owned)
+    # [M, D]: every row the same K (V) row, 0 where not owned
+    k = _common.load_rows(k_new_ref, jnp.full(r.shape, k_new_row), own_rows)
     v = _common.load_rows(v_new_ref, jnp.full(r.shape, v_new_row), own_rows)
     s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=1) * (sm_scale * _common.LOG2E)  # [M]
     s = jnp.where(own_rows, s, -jnp.inf)
