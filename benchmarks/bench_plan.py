@@ -116,7 +116,7 @@ def packed(plan):
 def copy_us(bufs, budget_s):
     """The plan's packed buffer(s) put on the device as plan() puts them (transfer.plan_sections:
     copied and split into sections), waited for: median µs (GPU only)."""
-    return timings(lambda: jax.block_until_ready([transfer.plan_sections(b, lay, True) for b, lay in bufs]),
+    return timings(lambda: jax.block_until_ready([transfer.plan_sections(b, lay) for b, lay in bufs]),
                    budget_s)[0]
 
 

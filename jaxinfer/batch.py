@@ -110,8 +110,7 @@ class BatchAttention:
         spec = specs.get((num_pages, impl, dtypes))
         if spec is None:
             spec = specs[num_pages, impl, dtypes] = self.facts.spec(num_pages, impl, dtypes)
-        fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
-        return BatchPlan(transfer.plan_sections(buf, layout, fixed), layout, spec, long_plan,
+        return BatchPlan(transfer.plan_sections(buf, layout), layout, spec, long_plan,
                          bool(info["num_short"]), self.causal, info=info)
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):

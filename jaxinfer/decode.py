@@ -97,8 +97,7 @@ class BatchDecodeWithPagedKVCache:
         spec = getattr(self, "_spec", None)
         if spec is None or spec.num_pages != num_pages:
             spec = self._spec = self.facts.spec(num_pages, dispatch.choose(self.problem, None, None, False).name)
-        fixed = self.max_batch_size is not None and self.max_num_pages is not None
-        return DecodePlan(transfer.plan_sections(buf, layout, fixed), layout, spec, int(horizon), info=info)
+        return DecodePlan(transfer.plan_sections(buf, layout), layout, spec, int(horizon), info=info)
 
     def run(self, q, kv_cache, plan, *, kv_lens=None, return_lse=False, variant_params=None,
             k_scale=None, v_scale=None, append_kv=None):
@@ -154,10 +153,10 @@ class BatchDecodeWithPagedKVCache:
         """append_kv as a (k, v) pair of [B, Hkv, D] arrays in the cache's dtype, or "from_q";
         ValueError otherwise."""
         fused = isinstance(append_kv, str)
-        if fused and append_kv != "from_q":
-            raise ValueError(f"append_kv must be a (k, v) pair or 'from_q', got {append_kv!r}")
-        if not fused and (not isinstance(append_kv, (tuple, list)) or len(append_kv) != 2):
-            raise ValueError("append_kv must be a (k, v) pair or 'from_q'")
+        if fused and append_kv != "from_q" or not fused and (
+                not isinstance(append_kv, (tuple, list)) or len(append_kv) != 2):
+            raise ValueError(f"append_kv must be a (k, v) pair or 'from_q', got {type(append_kv).__name__}"
+                             f"{' ' + repr(append_kv) if fused else ''}")
         if self.variant is not None:
             raise ValueError("append_kv runs without a variant; use append_paged_kv_cache")
         if k_scale is not None or v_scale is not None or jnp.dtype(kv_cache.dtype) != jnp.dtype(q.dtype):

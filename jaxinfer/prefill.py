@@ -115,9 +115,6 @@ class _Prefill:
         if choice.name == "prefill_short":
             return self._plan_short(qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal, dtypes)
         tails = choice.name == "prefill_mosaic"
-        # Capacities fix the buffer's shape (up to the tile height: at most 4 shapes).
-        fixed = (self.max_num_tokens is not None and self.max_batch_size is not None
-                 and (self.max_num_pages is not None or contiguous_kv))
         specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl, dtypes): made once
         if len(specs) > 16:
             specs.clear()
@@ -135,7 +132,7 @@ class _Prefill:
             spec = specs.get((num_pages, impl_name, dtypes))
             if spec is None:
                 spec = specs[num_pages, impl_name, dtypes] = self.facts.spec(num_pages, impl_name, dtypes)
-            return PrefillPlan(transfer.plan_sections(buf, layout, fixed), dev_mask, layout, causal, spec, alt,
+            return PrefillPlan(transfer.plan_sections(buf, layout), dev_mask, layout, causal, spec, alt,
                                info=info)
 
         # impl="auto" plans for Mosaic made without dtypes keep a Triton plan beside, for dtypes
@@ -153,8 +150,7 @@ class _Prefill:
             num_tokens=nnz if self.max_num_tokens is None else int(self.max_num_tokens),
             batch_cap=kv_lens.shape[0] if self.max_batch_size is None else int(self.max_batch_size),
             index_cap=max(kv_indices.shape[0], 1) if self.max_num_pages is None else int(self.max_num_pages))
-        fixed = None not in (self.max_num_tokens, self.max_batch_size, self.max_num_pages)
-        return BatchPlan(transfer.plan_sections(buf, layout, fixed), layout,
+        return BatchPlan(transfer.plan_sections(buf, layout), layout,
                          self.facts.spec(num_pages, "prefill_short", dtypes), causal=causal, info=info)
 
     def _run_raw(self, q, k_rows, v_rows, plan, variant_params, scales, num_rows, kv_name, facts=None,

@@ -15,6 +15,7 @@ import functools
 
 import jax
 
+
 def _split(buf, bounds):
     """buf's sections [start, stop) as separate arrays (each a copy: the plan owns them)."""
     return tuple(buf[start:stop] for start, stop in bounds)
@@ -28,7 +29,7 @@ def _on_cpu():
     return jax.default_backend() == "cpu"
 
 
-def plan_sections(buf, layout, fixed_shape):
+def plan_sections(buf, layout):
     """buf (a NumPy array plan() made for this plan and never writes again) on the device: a
     tuple of arrays, one per section of its layout (a planner PackedLayout), in layout order.
 
@@ -37,7 +38,7 @@ def plan_sections(buf, layout, fixed_shape):
     host memory, the plan keeps buf itself, whole (a 1-tuple; sections() slices it): jit's
     argument handling takes it as it takes any NumPy argument (aliased when 64-byte aligned,
     else copied), where a copy here would cost a jit dispatch (~10 µs) or jax.device_put (~30
-    µs of Python) per plan. fixed_shape is unused there."""
+    µs of Python) per plan."""
     if _on_cpu():
         return (buf,)
     return _copy_split(buf, tuple(layout.offsets.values()))
