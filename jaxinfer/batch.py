@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
-from jaxinfer.runners import run_short_sections
+from jaxinfer.runners import run_mixed_sections, run_short_sections
 from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, kv_scales
 from jaxinfer.plans import BatchPlan, WrapperFacts
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache, _check_q
@@ -36,11 +36,13 @@ class BatchAttention:
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  variant=None, sm_scale=None, max_batch_size=None, max_num_tokens=None, max_num_pages=None,
                  num_ctas=None, backend=None, impl="auto", config=None):
+        if impl not in ("auto", "triton", "mosaic", "mixed"):
+            raise ValueError(f"impl must be 'auto', 'triton', 'mosaic' or 'mixed', got {impl!r}")
         self.prefill = BatchPrefillWithPagedKVCache(
             num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal, layout=layout,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
-            sm_scale=sm_scale, backend=backend, variant=variant, impl=impl, config=config,
-            num_ctas=num_ctas)
+            sm_scale=sm_scale, backend=backend, variant=variant, impl="mosaic" if impl == "mixed" else impl,
+            config=config, num_ctas=num_ctas)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.layout, self.causal = page_size, check_layout(layout), causal
         self.group = num_qo_heads // num_kv_heads
@@ -51,6 +53,11 @@ class BatchAttention:
         self.problem = dispatch.Problem("decode", num_qo_heads, num_kv_heads, head_dim, "paged", page_size,
                                         layout, variant, interpret=self.interpret)
         dispatch.check(self.problem)
+        # Steps with both short and long requests: two classes, or one mixed launch (impl "mixed"
+        # forces it; "auto" lets the cost model choose when plan() is told the dtypes).
+        self.mixed_problem = dataclasses.replace(self.problem, family="batch")
+        self.mixed_impl = {"auto": "auto", "mixed": "mixed"}.get(impl, "classes")
+        dispatch.check(self.mixed_problem, self.mixed_impl)
         self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
                                   layout, (max_batch_size, max_num_tokens, max_num_pages))
 
@@ -80,6 +87,19 @@ class BatchAttention:
                 raise ValueError(f"the step has {n} {what}, over {name}={cap}")
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
         page_base = kv_indptr[:-1]
+        live = qo_lens > 0
+        if (dtypes is not None or self.mixed_impl == "mixed") and (is_short & live).any() and (~is_short & live).any():
+            rows = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
+            choice = dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows)
+            if choice.name == "batch_mosaic":
+                config = dispatch.config_for(choice, self.mixed_problem, self.configs)
+                layout, buf, info = batch_planner.plan_mixed(
+                    qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short, page_size=self.page_size,
+                    num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, num_cells=_backend.num_sms(),
+                    tile_tokens=config.tile_tokens, tokens_per_item=tokens, num_tokens=num_tokens,
+                    batch_cap=bcap, index_cap=icap, causal=self.causal)
+                return BatchPlan(transfer.plan_sections(buf, layout), layout,
+                                 self._spec(num_pages, choice.name, dtypes), None, True, self.causal, info=info)
         layout, buf, info = batch_planner.plan_short(
             qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short,
             page_size=self.page_size, num_cells=self.num_cells, tokens_per_item=tokens,
@@ -104,14 +124,18 @@ class BatchAttention:
                                            None, None, num_pages, dtypes=dtypes)
             impls.append(long_plan.impl)
         impl = "+".join(impls) or "none (no query rows)"
-        specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl, dtypes): made once
+        return BatchPlan(transfer.plan_sections(buf, layout), layout, self._spec(num_pages, impl, dtypes),
+                         long_plan, bool(info["num_short"]), self.causal, info=info)
+
+    def _spec(self, num_pages, impl, dtypes):
+        """The PlanSpec of a plan (made once per num_pages, impl and dtypes)."""
+        specs = self.__dict__.setdefault("_specs", {})
         if len(specs) > 16:
             specs.clear()
         spec = specs.get((num_pages, impl, dtypes))
         if spec is None:
             spec = specs[num_pages, impl, dtypes] = self.facts.spec(num_pages, impl, dtypes)
-        return BatchPlan(transfer.plan_sections(buf, layout), layout, spec, long_plan,
-                         bool(info["num_short"]), self.causal, info=info)
+        return spec
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None, v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq]) (natural log)."""
@@ -130,6 +154,18 @@ class BatchAttention:
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         sec = plan.sections()
         n, hq, d = q.shape
+        if isinstance(lay, batch_planner.MixedLayout):  # one persistent launch
+            if scales is not None:
+                raise ValueError("k_scale / v_scale: the mixed kernel reads 16-bit K/V only")
+            k_rows, v_rows = kv_cache.rows()
+            o, lse = run_mixed_sections(
+                q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), lay, page_size=self.page_size,
+                num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale, causal=self.causal,
+                interpret=self.interpret, config=dispatch.config_for(
+                    dispatch.IMPLEMENTATIONS_BY_NAME["batch_mosaic"], self.mixed_problem, self.configs),
+                padded=self.max_num_tokens is not None)
+            out = variants.finish(self.variant, params, o, lse, return_lse)
+            return AttentionState(*out) if return_lse else out
         if plan.long is None:
             o, lse = jnp.zeros((n, hq, d), q.dtype), jnp.full((n, hq), -jnp.inf, jnp.float32)
         elif not plan.has_short:  # every row is long: no gather

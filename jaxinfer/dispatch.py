@@ -19,6 +19,7 @@ import numpy as np
 from jaxinfer import _backend, variants
 from pallas_kernels.decode import DecodeConfig
 from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
+from planner import batch as batch_planner
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
 
@@ -30,7 +31,7 @@ MOSAIC_FLOPS_PER_US = 5.3e8     # the same row on the Mosaic GPU kernel: 539-572
 LAUNCH_US = 8.0                 # one kernel launch plus its merge (decode (16, 1024): 37 µs total)
 KV_ITEMSIZE = 2                 # bf16 K/V (plans are made before dtypes are known)
 
-FAMILIES = ("decode", "prefill")
+FAMILIES = ("decode", "prefill", "batch")  # batch: BatchAttention's steps with short and long requests
 KV_FORMATS = ("paged", "ragged", "bsr")
 
 
@@ -200,6 +201,57 @@ def _mosaic_unsupported(problem, explicit):
     return None
 
 
+# A mixed step in one persistent Mosaic launch (BatchAttention impl "mixed", planner.batch.plan_mixed),
+# measured by its parts (BENCHMARKS.md, session 15; the mixed step 4 x 512 on 1536 + 60 decode):
+MIXED_TILE_FLOPS_PER_US = 3.36e8  # its query tiles alone (the 4 chunks): 62.3 GFLOP in 185.5 µs
+MIXED_BYTES_PER_US = 2.18e6       # its packed tiles alone (the 60 decode rows): 566 MB in ~260 µs
+MIXED_OVERLAP = 0.9               # the whole step (400 µs) against its parts' sum (445)
+SM_BYTES_PER_US = 1.6e4           # one SM's share of MIXED_BYTES_PER_US (132 SMs)
+
+
+def _classes(problem, qo_lens):
+    """(short, long) bool[B] masks of a step's non-empty requests (planner.batch.short_tokens)."""
+    _, is_short = batch_planner.short_tokens(qo_lens, problem.group, SHORT_MAX_ROWS)
+    live = qo_lens > 0
+    return is_short & live, ~is_short & live
+
+
+def _batch_classes_cost(problem, qo_lens, kv_lens, causal):
+    """Short requests on the decode kernel, then the long ones on the cheaper prefill kernel."""
+    short, long_ = _classes(problem, qo_lens)
+    cost = _short_cost(problem, qo_lens[short], kv_lens[short], causal) if short.any() else 0.0
+    if long_.any():
+        prefill = dataclasses.replace(problem, family="prefill")
+        cost += min(i.cost_us(prefill, qo_lens[long_], kv_lens[long_], causal)
+                    for i in candidates(prefill) if i.cost_us is not _short_cost)
+    return cost
+
+
+def _batch_mosaic_cost(problem, qo_lens, kv_lens, causal):
+    """Both classes in one launch: the query tiles' FLOPs and the packed tiles' K/V share the
+    SMs (their times add, less the measured overlap); the longest unsplit tile (either kind)
+    bounds it."""
+    short, long_ = _classes(problem, qo_lens)
+    tile_tokens = mosaic_default_config(problem).tile_tokens
+    tile_flops = 4.0 * tile_tokens * problem.head_dim  # per key, per query head
+    keys = float(_visible_keys(qo_lens[long_], kv_lens[long_], tile_tokens, causal).sum())
+    kv_short = kv_lens[short]
+    total = MIXED_OVERLAP * (tile_flops * keys * problem.num_qo_heads / MIXED_TILE_FLOPS_PER_US
+                             + _kv_us(problem, kv_short, MIXED_BYTES_PER_US))
+    per_sm = MIXED_TILE_FLOPS_PER_US / _backend.num_sms()
+    longest = max(tile_flops * float(kv_lens[long_].max(initial=0)) / per_sm,
+                  2.0 * KV_ITEMSIZE * problem.head_dim * float(kv_short.max(initial=0)) / SM_BYTES_PER_US)
+    return LAUNCH_US + max(total, longest)
+
+
+def _batch_mosaic_unsupported(problem, explicit):
+    if problem.variant is not None:
+        return "variants run on the two-class path"
+    if problem.kv_format != "paged":
+        return "reads paged caches only"
+    return _mosaic_unsupported(problem, explicit)
+
+
 IMPLEMENTATIONS = (
     Implementation("decode_triton", "decode", "triton", DecodeConfig, _always, _decode_cost),
     Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost),
@@ -208,6 +260,12 @@ IMPLEMENTATIONS = (
     # Prefill steps whose every request is short (speculative verify, small appends): the decode
     # kernel with each request's tokens x head group in one tile, split-KV (planner.batch).
     Implementation("prefill_short", "prefill", "short", DecodeConfig, _short_unsupported, _short_cost),
+    # BatchAttention steps with both short and long requests: the decode kernel for the short ones,
+    # then a prefill kernel (the prefill rows' choice) for the long ones ...
+    Implementation("batch_classes", "batch", "classes", DecodeConfig, _short_unsupported, _batch_classes_cost),
+    # ... or both in one persistent Mosaic GPU launch.
+    Implementation("batch_mosaic", "batch", "mixed", MosaicPrefillConfig, _batch_mosaic_unsupported,
+                   _batch_mosaic_cost, _mosaic_dtypes_unsupported),
 )
 IMPLEMENTATIONS_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
 

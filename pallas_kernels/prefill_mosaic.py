@@ -50,6 +50,9 @@ from pallas_kernels import _common
 WG_ROWS = 64  # query rows per compute warpgroup
 LOG2E = math.log2(math.e)
 ITEM_FIELDS = 16  # = prefill.ITEM_FIELDS
+# Mixed launches (packed_tokens > 0): items carry their head, lse slot and kind in fields the
+# Triton kernel's split uses (part_base, num_chunks, chunk).
+MIXED_ITEM_COLUMNS = ("head", "lse_slot", "packed")  # fields 7, 8, 9 (= planner.batch's)
 MEMORY_REGISTERS = {2: 40, 3: 24}  # per thread of the memory warpgroup, by compute warpgroups
 # plgpu.load takes an index argument up to jax 0.11 (the empty index: the whole ref); 0.12
 # dropped it (load the ref itself).
@@ -88,6 +91,10 @@ class _Item(NamedTuple):
     kv_visible: jax.Array  # keys before it are loaded, never shown (kv_first)
     full_lo: Optional[jax.Array]  # a bounded variant's first key every row sees, or None
     tile_steps: jax.Array  # KV blocks the memory warpgroup loads
+    head: jax.Array        # the query head (a packed tile: its KV head)
+    kv_head: jax.Array
+    lse_slot: jax.Array    # its lse rows: lse_items[., lse_slot * T + row]
+    packed: object         # a packed tile (mixed launches; False elsewhere)
 
 
 def _row_max(s, tree):
@@ -109,15 +116,16 @@ def _compute_registers(compute_wgs):
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
             o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
             max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
-            persistent):
+            persistent, packed_tokens):
     tile_tokens = compute_wgs * WG_ROWS
-    head = lax.axis_index("heads")
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
-    kv_head = lax.div(head, jnp.int32(num_qo_heads // k_ref.shape[-2]))
-    smem, (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-    q_smem2, k_smem, v_smem, lse_smem2, *pos_smem2 = smem
-    pos_smem2 = pos_smem2[0] if pos_smem2 else None  # [2, 64] int32 with a variant
+    group = num_qo_heads // k_ref.shape[-2]
+    mixed = packed_tokens > 0
+    smem, (k_bar, v_bar, q_bar, *qp_bar), (k_free, v_free), sched = scoped
+    q_smem2, k_smem, v_smem, lse_smem2, *extra_smem = smem
+    qp_smem = extra_smem.pop() if mixed else None  # [wgs, 64, D] unswizzled (store_mixed)
+    pos_smem2 = extra_smem[0] if extra_smem else None  # [2, 64] int32 with a variant
     wg = lax.axis_index("wg")
     first_item, end_item = cell_indptr_ref[cell], cell_indptr_ref[cell + 1]
     softmax = variant is None or variant.use_softmax
@@ -141,13 +149,53 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             lo, full_lo = variant.kv_bounds(params, load(14), load(15))
             kv_begin = jnp.clip(lo - load(11), kv_start, kv_hi)
         kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
+        if mixed:  # the item's head and kind
+            head, lse_slot, packed = load(7), load(8), load(9) != 0
+            kv_head = jnp.where(packed, head, lax.div(head, jnp.int32(group)))
+        else:  # the grid's head
+            head, lse_slot, packed = lax.axis_index("heads"), w, False
+            kv_head = lax.div(head, jnp.int32(group))
         return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end, load(11), load(12),
                      offset, kv_begin, jnp.maximum(kv_start, load(13)), full_lo,
-                     jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0))
+                     jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0),
+                     head, kv_head, lse_slot, packed)
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
+
+    def store_mixed(has_item, f, first_tok, row0):
+        """A mixed launch's output rows, from the warpgroup's unswizzled qp_smem: a packed tile's
+        G rows per token; a query tile's rows of its request (64 at once, else 8 or 1 at a time:
+        rows next to it belong to other requests)."""
+        qp = qp_smem.at[wg]
+        for t in range(packed_tokens):
+            @pl.when(has_item & f.packed & (wg == 0) & (t < f.qo_len))
+            def _():
+                plgpu.copy_smem_to_gmem(qp.at[pl.ds(t * group, group)],
+                                        o_ref.at[f.q_row_start + t, pl.ds(f.kv_head * group, group)])
+
+        lo = jnp.clip(-first_tok, 0, WG_ROWS)  # the request's rows: [lo, hi) of the 64
+        hi = jnp.clip(f.qo_len - first_tok, 0, WG_ROWS)
+        tile = has_item & ~f.packed
+        whole = tile & (lo == 0) & (hi == WG_ROWS)
+
+        @pl.when(whole)
+        def _():
+            plgpu.copy_smem_to_gmem(qp, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
+
+        part = tile & ~whole
+        for j in range(0, WG_ROWS, 8):
+            eight = part & (lo <= j) & (j + 8 <= hi)
+
+            @pl.when(eight)
+            def _():
+                plgpu.copy_smem_to_gmem(qp.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), f.head])
+
+            for i in range(j, j + 8):
+                @pl.when(part & ~eight & (lo <= i) & (i < hi))
+                def _():
+                    plgpu.copy_smem_to_gmem(qp.at[pl.ds(i, 1)], o_ref.at[pl.ds(row0 + i, 1), f.head])
 
     def _compute_item(w, f, has_item=True):
         q_row_start, tile_tok, qo_len, kv_start, kv_end = f.q_row_start, f.tile_tok, f.qo_len, f.kv_start, f.kv_end
@@ -172,12 +220,31 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             lead = steps  # no bounds: every block masked
         lead = jnp.clip(lead, 0, steps)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], q_smem,
-                                q_bar.at[wg])
-        if variant is not None:  # the rows' query positions, by the same barrier
-            plgpu.copy_gmem_to_smem(q_pos_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS)],
-                                    pos_smem2.at[wg], q_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
+        head, packed = f.head, f.packed
+
+        def load_rows():  # the warpgroup's 64 query tokens of one head
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], q_smem,
+                                    q_bar.at[wg])
+            if variant is not None:  # the rows' query positions, by the same barrier
+                plgpu.copy_gmem_to_smem(q_pos_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS)],
+                                        pos_smem2.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+        if mixed:
+            pl.when(~packed)(load_rows)
+
+            @pl.when(packed & (wg == 0))
+            def _():  # row t * G + g: token t, query head kv_head * G + g (tokens past qo_len: its last)
+                for t in range(packed_tokens):
+                    tok = q_row_start + jnp.minimum(t, qo_len - 1)
+                    plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(f.kv_head * group, group)],
+                                            qp_smem.at[0, pl.ds(t * group, group)], qp_bar[0])
+                plgpu.barrier_wait(qp_bar[0])
+                q_smem[...] = qp_smem[0] if interpret else plgpu.load(
+                    qp_smem.at[0], *_LOAD_IDX, layout=plgpu.Layout.WGMMA, optimized=False)
+                plgpu.commit_smem()
+        else:
+            load_rows()
         # (The interpreter has no register layouts: plain arrays there.)
         cast = (lambda x, _: x) if interpret else plgpu.layout_cast
         m_i = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -209,7 +276,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             visible = None
             if masked:
                 visible = (kv_tok >= kv_visible) & (kv_tok < kv_end)
-                if causal:
+                if causal and mixed:  # row r is token r // G of a packed tile, else token r
+                    rows_per_token = jnp.where(packed, jnp.int32(group), jnp.int32(1))
+                    visible = visible & ((kv_tok - first_tok - offset) * rows_per_token <= iota(s.shape, 0))
+                elif causal:
                     visible = visible & (kv_tok <= iota(s.shape, 0) + first_tok + offset)
                 if masked_variant:
                     visible = visible & variant.logits_mask(params, qo_pos, kv_pos, head)
@@ -381,11 +451,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
         else:  # plain sums: lse 0 (see _attention.finalize)
             o, lse = acc, l_i
-        q_smem[...] = o.astype(q_ref.dtype)
+        (qp_smem.at[wg] if mixed else q_smem)[...] = o.astype(q_ref.dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
         row0 = q_row_start + first_tok
-        if row_stores:  # the tile starts at the request's first row: store its rows, 8 at a time where partial
+        if mixed:
+            store_mixed(has_item, f, first_tok, row0)
+        elif row_stores:  # the tile starts at the request's first row: store its rows, 8 at a time where partial
             n_rows = jnp.clip(qo_len - first_tok, 0, WG_ROWS)
 
             @pl.when(has_item & (n_rows == WG_ROWS))
@@ -408,14 +480,19 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 plgpu.copy_smem_to_gmem(
                     q_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), head])
 
-        @pl.when(has_item)  # lse rows by item slot: a contiguous TMA store needs a 16-byte aligned destination
+        # lse rows by slot (a contiguous TMA store needs a 16-byte aligned destination); a packed
+        # tile's rows in token-major order
+        lse_row = 0 if mixed else head
+
+        @pl.when((has_item | (packed & (wg == 0))) if mixed else has_item)
         def _():
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(w * tile_tokens + wg * WG_ROWS, WG_ROWS)])
+            plgpu.copy_smem_to_gmem(
+                lse_smem, lse_ref.at[lse_row, pl.ds(f.lse_slot * tile_tokens + wg * WG_ROWS, WG_ROWS)])
 
         plgpu.wait_smem_to_gmem(0)
 
     def _memory_item(f):
-        page_base, kv_len, kv_begin, tile_steps = f.page_base, f.kv_len, f.kv_begin, f.tile_steps
+        page_base, kv_len, kv_begin, tile_steps, kv_head = f.page_base, f.kv_len, f.kv_begin, f.tile_steps, f.kv_head
         pages_per_block = max(1, block_kv // page_size)
         rows_per_copy = min(page_size, block_kv)
         last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
@@ -489,7 +566,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
                    pipeline="pingpong", tree_max=False, compute_wgs=2,
                    variant=None, params=None, q_pos=None, interpret=False, row_stores=False,
-                   persistent=False):
+                   persistent=False, packed_tokens=0, num_lse_slots=None):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
@@ -499,8 +576,21 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     row are left unwritten, and no tile uses a tail slot. persistent: a cell may hold several work
     items, run in order (else at most one). Returns (o [nnz, Hq, D],
     lse_items [Hq, num_items * T] (item slot w's tokens in rows w * T + i),
-    o_tail [num_tail_rows, Hq, D])."""
+    o_tail [num_tail_rows, Hq, D]).
+
+    packed_tokens > 0: a mixed launch (one persistent grid of cells, no variant). Items name their
+    head and lse slot (MIXED_ITEM_COLUMNS); a packed item is a request of at most packed_tokens
+    tokens whose G = Hq / Hkv query heads of KV head `head` share one 64-row tile (row t * G + g:
+    token t, query head head * G + g), loaded and stored a token at a time; the others are
+    query tiles of one query head as above. lse_items is then [1, num_lse_slots * T]: slot s's
+    rows at s * T + row (a packed tile's rows in its row order)."""
     nnz, num_qo_heads, d = q.shape
+    mixed = packed_tokens > 0
+    persistent = persistent or mixed
+    if mixed and (variant is not None or row_stores):
+        raise ValueError("prefill_mosaic: a mixed launch takes no variant and no row_stores")
+    if mixed and packed_tokens * (num_qo_heads // num_kv_heads) > WG_ROWS:
+        raise ValueError(f"prefill_mosaic: packed_tokens={packed_tokens} x the head group is over {WG_ROWS} rows")
     # TMA views token dimensions in tiles of 8 rows: arrays are padded to a multiple of 8 tokens
     # (a copy only when they are not one already), o and lse are allocated so and sliced.
     nnz_pad = _round_up(nnz, 8)
@@ -548,10 +638,14 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                 plgpu.SMEM((compute_wgs, WG_ROWS), jnp.float32)]
         if variant is not None:
             smem.append(plgpu.SMEM((compute_wgs, WG_ROWS), jnp.int32))
+        if mixed:  # unswizzled: a packed tile's q; each warpgroup's output rows
+            smem.append(plgpu.SMEM((compute_wgs, WG_ROWS, d), q.dtype))
         copies = 1 if contiguous else max(1, block_kv // page_size)
         loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
                   plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
                   plgpu.Barrier(num_arrivals=1 if variant is None else 2, num_barriers=compute_wgs))
+        if mixed:  # a packed tile's q: a copy per token
+            loaded += (plgpu.Barrier(num_arrivals=packed_tokens),)
         freed = (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
@@ -560,14 +654,17 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
                 sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,
-                pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs, persistent=persistent),
+                pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs, persistent=persistent,
+                packed_tokens=packed_tokens),
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
+    lse_shape = (1, num_lse_slots * tile_tokens) if mixed else (num_qo_heads, items.shape[0] * tile_tokens)
     out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),
-                 jax.ShapeDtypeStruct((num_qo_heads, items.shape[0] * tile_tokens), jnp.float32),
+                 jax.ShapeDtypeStruct(lse_shape, jnp.float32),
                  jax.ShapeDtypeStruct((num_tail_rows, num_qo_heads, d), q.dtype))
     kw = dict(interpret=interpret_params) if interpret else {}
-    o, lse_items, o_tail = plgpu.kernel(entry, out_type=out_shape, grid=(num_qo_heads, num_cells),
+    grid = (1 if mixed else num_qo_heads, num_cells)
+    o, lse_items, o_tail = plgpu.kernel(entry, out_type=out_shape, grid=grid,
                         grid_names=("heads", "cells"), num_threads=compute_wgs + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(
                             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), **kw)(

@@ -152,3 +152,143 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         prefill_rows[num_long:] = num_tokens
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=num_short, num_long_tokens=num_long, nnz=nnz)
     return layout, buf, info
+
+
+MIXED_ITEM_FIELDS = 16          # = pallas_kernels.prefill_mosaic.ITEM_FIELDS
+MIXED_ITEM_COLUMNS = ("head", "lse_slot", "packed")  # fields 7-9 (= prefill_mosaic's)
+ROW_ALIGN = 8                   # query tiles start at 8-aligned rows of q (TMA)
+
+
+@dataclass(frozen=True)
+class MixedLayout(PackedLayout):
+    """Static sizes of a mixed plan: one persistent launch of query tiles (one query head each,
+    tile_tokens tokens) and packed tiles (one short request x one KV head)."""
+    ITEM_FIELDS = MIXED_ITEM_FIELDS
+    num_tokens: int
+    batch: int
+    index_cap: int
+    num_cells: int
+    num_qo_heads: int
+    num_kv_heads: int
+    tile_tokens: int
+    tokens_per_item: int  # a packed tile's tokens (its q copies)
+    tile_cap: int         # query tiles (each run for every query head)
+
+    @classmethod
+    def for_capacities(cls, num_tokens, batch, index_cap, num_cells, num_qo_heads, num_kv_heads, tile_tokens,
+                       tokens_per_item):
+        # A request's tiles start at the aligned row below it: ceil((qo + 7) / T) <= (qo + T + 6) / T.
+        tile_cap = -(-(num_tokens + batch * (tile_tokens + ROW_ALIGN - 2)) // tile_tokens)
+        return cls(num_tokens, batch, index_cap, num_cells, num_qo_heads, num_kv_heads, tile_tokens,
+                   tokens_per_item, tile_cap)
+
+    @property
+    def packed_slot0(self):
+        """The first lse slot of packed tiles (query tiles' slots come first: tile * Hq + head)."""
+        return self.tile_cap * self.num_qo_heads
+
+    @property
+    def num_lse_slots(self):
+        return self.packed_slot0 + self.batch * self.num_kv_heads
+
+    def sections(self):
+        return (("kv_indices", self.index_cap), ("items", self.num_lse_slots * self.ITEM_FIELDS),
+                ("cell_indptr", self.num_cells + 1), ("lse_src", self.num_tokens))
+
+
+@lru_cache(maxsize=256)
+def mixed_layout(*args):
+    """MixedLayout.for_capacities, one instance per capacities."""
+    return MixedLayout.for_capacities(*args)
+
+
+def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size, num_qo_heads, num_kv_heads,
+               num_cells, tile_tokens, tokens_per_item, num_tokens, batch_cap, index_cap, causal,
+               packed_weight=1, tile_weight=2, item_cost=256):
+    """One persistent work list for a mixed step (pallas_kernels.prefill_mosaic, packed_tokens):
+    each short request (is_short) is one packed tile per KV head over all its keys; each other
+    request is query tiles of tile_tokens tokens per query head, from the 8-aligned row at or
+    below its first (the kernel stores only the request's rows). KV is never split.
+    Items go to cells longest first (Algorithm 1), costed in keys: packed_weight per key of a
+    packed tile, tile_weight per visible key of a query tile, plus item_cost each.
+
+    Returns (layout, buffer, info). lse_src[n] (row n of q): a query-tile row's lse index for
+    query head 0 (head h: + h * T); a packed row's for head 0 of its tile (head h: + (h // G) * T +
+    h % G; these are the indices >= packed_slot0 * T); -1 for rows past the step."""
+    batch = kv_lens.shape[0]
+    group = num_qo_heads // num_kv_heads
+    nnz = int(qo_indptr[-1])
+    T = tile_tokens
+    layout = mixed_layout(num_tokens, batch_cap, index_cap, num_cells, num_qo_heads, num_kv_heads, T,
+                          tokens_per_item)
+    qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)  # [B]
+    kv64 = kv_lens.astype(np.int64)
+    short = np.flatnonzero(is_short & (qo_lens > 0))  # [S]
+    long_ = np.flatnonzero(~is_short & (qo_lens > 0))  # [L]
+
+    # Query tiles of the long requests: tile_tok from the aligned row below each request's first.
+    start_l, qo_l, kv_l = qo_indptr.take(long_).astype(np.int64), qo_lens.take(long_), kv64.take(long_)
+    q_off = start_l % ROW_ALIGN
+    ntiles = -(-(qo_l + q_off) // T)  # [L]
+    num_tiles = int(ntiles.sum())
+    if num_tiles > layout.tile_cap:
+        raise ValueError("the step needs more query tiles than the plan holds")
+    tile_req = np.repeat(scheduler.arange(long_.shape[0]), ntiles)  # [tiles]: index into long_
+    tile_first = np.cumsum(ntiles) - ntiles
+    tile_tok = (scheduler.arange(num_tiles) - tile_first.take(tile_req)) * T - q_off.take(tile_req)
+    qo_t, kv_t = qo_l.take(tile_req), kv_l.take(tile_req)
+    # Keys visible to the tile's last token (causal), else all of them.
+    kv_hi = np.clip(kv_t - qo_t + np.minimum(tile_tok + T, qo_t), 0, kv_t) if causal else kv_t
+
+    # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
+    # packed_slot0 + short index * Hkv + KV head).
+    n_q, n_p = num_tiles * num_qo_heads, short.shape[0] * num_kv_heads
+    items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int64)
+    rq = long_.take(tile_req)
+    q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED_ITEM_FIELDS)
+    q_items[:, :, 0] = start_l.take(tile_req)[:, None]
+    q_items[:, :, 1] = tile_tok[:, None]
+    q_items[:, :, 2] = qo_t[:, None]
+    q_items[:, :, 3] = page_base.take(rq)[:, None]
+    q_items[:, :, 4] = kv_t[:, None]
+    q_items[:, :, 6] = kv_hi[:, None]
+    q_items[:, :, 7] = np.arange(num_qo_heads)
+    q_items[:, :, 8] = scheduler.arange(n_q).reshape(num_tiles, num_qo_heads)
+    q_items[:, :, 12] = -1
+    p_items = items[n_q:].reshape(short.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
+    p_items[:, :, 0] = qo_indptr.take(short)[:, None]
+    p_items[:, :, 2] = qo_lens.take(short)[:, None]
+    p_items[:, :, 3] = page_base.take(short)[:, None]
+    p_items[:, :, 4] = kv64.take(short)[:, None]
+    p_items[:, :, 6] = kv64.take(short)[:, None]
+    p_items[:, :, 7] = np.arange(num_kv_heads)
+    p_items[:, :, 8] = layout.packed_slot0 + scheduler.arange(n_p).reshape(-1, num_kv_heads)
+    p_items[:, :, 9] = 1
+    p_items[:, :, 12] = -1
+    costs = np.concatenate([np.repeat(kv_hi * tile_weight, num_qo_heads),
+                            np.repeat(kv64.take(short) * packed_weight, num_kv_heads)]) + item_cost
+    order, cell_indptr = scheduler.assign_positive(costs, layout.num_cells)
+
+    buf = new_buffer(layout.size)
+    buf[:] = 0
+    (i0, _), (t0, _), (c0, c1), (s0, s1) = (layout.offsets[name] for name in (
+        "kv_indices", "items", "cell_indptr", "lse_src"))
+    buf[i0:i0 + kv_indices.shape[0]] = kv_indices
+    buf[t0:t0 + items.size].reshape(items.shape)[:] = items.take(order, axis=0)
+    buf[c0:c1] = cell_indptr
+    # lse_src: per row of q.
+    lse_src = buf[s0:s1]
+    lse_src[:] = -1
+    if num_tiles:
+        tok_in = np.arange(int(qo_l.sum())) - np.repeat(np.cumsum(qo_l) - qo_l, qo_l) + np.repeat(q_off, qo_l)
+        tile_of = np.repeat(tile_first, qo_l) + tok_in // T  # [long rows]
+        rows = np.repeat(start_l - np.cumsum(qo_l) + qo_l, qo_l) + scheduler.arange(tok_in.shape[0])
+        lse_src[rows] = tile_of * (num_qo_heads * T) + tok_in % T
+    if short.shape[0]:
+        qo_s = qo_lens.take(short)
+        t_in = np.arange(int(qo_s.sum())) - np.repeat(np.cumsum(qo_s) - qo_s, qo_s)
+        slot = layout.packed_slot0 + np.repeat(scheduler.arange(short.shape[0]) * num_kv_heads, qo_s)
+        rows = np.repeat(qo_indptr.take(short).astype(np.int64) - np.cumsum(qo_s) + qo_s, qo_s) + scheduler.arange(t_in.shape[0])
+        lse_src[rows] = slot * T + t_in * group
+    info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], nnz=nnz)
+    return layout, buf, info

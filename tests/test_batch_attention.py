@@ -107,3 +107,105 @@ def test_prefill_wrapper_runs_short_steps_on_the_decode_kernel(rng, causal):
     assert rel_err(o[:8], want.o) < TOL[jnp.float32]
     assert_lse_close(lse[:8], want.lse)
     assert not np.any(np.asarray(o[8:])) and np.all(np.isneginf(np.asarray(lse[8:])))
+
+
+
+def _bf16(q, cache):
+    return q.astype(jnp.bfloat16), ji.PagedKVCache(cache.k_pages.astype(jnp.bfloat16), cache.v_pages.astype(jnp.bfloat16))
+
+
+def _f32(cache):
+    return ji.PagedKVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mixed_kernel_matches_reference(rng, causal):
+    """impl="mixed": short requests (qo 1, 3; 0 too) as packed tiles and long ones (37, 140:
+    several query tiles, unaligned first rows) in one persistent Mosaic launch (its interpreter),
+    bf16, unlisted pages NaN, against the reference; lse too."""
+    hq, hkv, d, page = 8, 2, 64, 16
+    qo, kv = np.array([1, 37, 0, 3, 140, 1]), np.array([70, 90, 9, 200, 150, 16])
+    q, cache, table, num_pages = _case(rng, qo, kv, page, hq, hkv, d)
+    q, cache = _bf16(q, cache)
+    attn = ji.BatchAttention(hq, hkv, d, page, causal=causal, impl="mixed")
+    plan = attn.plan(*table, num_pages=num_pages, q_data_type="bfloat16")
+    assert plan.impl == "batch_mosaic" and plan.info["num_short"] == 3
+    o, lse = attn.run(q, cache, plan, return_lse=True)
+    want = ref.paged_attention(q.astype(jnp.float32), _f32(cache), *table, causal=causal)
+    assert rel_err(o.astype(jnp.float32), want.o) < TOL[jnp.bfloat16]
+    assert_lse_close(lse, want.lse, tol=2e-2)
+
+
+def test_mixed_kernel_compiles_once_under_capacities(rng):
+    """Fixed capacities: two mixed compositions (same short-token class: 2) share one program;
+    rows past the step give 0."""
+    hq, hkv, d, page = 4, 2, 64, 8
+    attn = ji.BatchAttention(hq, hkv, d, page, impl="mixed", max_batch_size=4, max_num_tokens=96,
+                             max_num_pages=48)
+    traces = []
+    step = jax.jit(lambda q, c, p: (traces.append(1), attn.run(q, c, p))[1])
+    for qo, kv in ((np.array([2, 70]), np.array([30, 100])), (np.array([40, 1, 2, 20]), np.array([41, 9, 64, 20]))):
+        q, cache, table, num_pages = _case(rng, qo, kv, page, hq, hkv, d, poison=False)
+        q, cache = _bf16(q, cache)
+        cache = ji.PagedKVCache(jnp.pad(cache.k_pages, ((0, 48 - num_pages),) + ((0, 0),) * 3),
+                                jnp.pad(cache.v_pages, ((0, 48 - num_pages),) + ((0, 0),) * 3))
+        plan = attn.plan(*table, num_pages=48, q_data_type="bfloat16")
+        assert plan.impl == "batch_mosaic"
+        o = step(jnp.pad(q, ((0, 96 - q.shape[0]), (0, 0), (0, 0))), cache, plan)
+        want = ref.paged_attention(q.astype(jnp.float32), _f32(cache), *table, causal=True)
+        assert rel_err(o[: q.shape[0]].astype(jnp.float32), want.o) < TOL[jnp.bfloat16]
+        assert not np.any(np.asarray(o[q.shape[0]:], np.float32))  # padding rows give 0
+    assert len(traces) == 1
+
+
+def test_mixed_plan_covers_every_row_once(rng):
+    """planner.batch.plan_mixed (NumPy only): each long row x query head lies in exactly one
+    query tile starting at an 8-aligned row, each short request x KV head is one packed tile over
+    all its keys, and lse_src points each row and head at its tile's lse slot."""
+    hq, hkv, page, T = 8, 2, 16, 128
+    group = hq // hkv
+    qo = np.array([3, 300, 0, 1, 130, 16, 9])
+    kv = qo + rng.integers(0, 200, qo.shape[0])
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    pages = -(-kv // page)
+    page_base = np.concatenate([[0], np.cumsum(pages)[:-1]]).astype(np.int32)
+    tokens, is_short = batch_planner.short_tokens(qo, group)
+    nnz = int(qo.sum())
+    layout, buf, info = batch_planner.plan_mixed(
+        qo_indptr, kv.astype(np.int32), page_base, np.arange(pages.sum(), dtype=np.int32), is_short,
+        page_size=page, num_qo_heads=hq, num_kv_heads=hkv, num_cells=5, tile_tokens=T, tokens_per_item=tokens,
+        num_tokens=nnz + 5, batch_cap=8, index_cap=int(pages.sum()), causal=True)
+    sec = layout.unpack(buf)
+    items = sec["items"].reshape(-1, layout.ITEM_FIELDS)[:info["num_items"]]
+    assert sec["cell_indptr"][0] == 0 and sec["cell_indptr"][-1] == info["num_items"]
+    covered = np.zeros((layout.num_tokens, hq), int)
+    slot_of = {}
+    for start, tile_tok, n, _, kv_len, _, kv_end, head, slot, packed, *_ in items:
+        if packed:
+            assert n * group <= 64 and kv_end == kv_len
+            for t in range(n):
+                for g in range(group):
+                    covered[start + t, head * group + g] += 1
+                    slot_of[start + t, head * group + g] = slot * T + t * group + g
+        else:
+            assert (start + tile_tok) % 8 == 0
+            for r in range(max(0, -tile_tok), min(T, n - tile_tok)):
+                covered[start + tile_tok + r, head] += 1
+                slot_of[start + tile_tok + r, head] = slot * T + r
+    assert np.all(covered[:nnz] == 1) and not covered[nnz:].any()
+    src = sec["lse_src"]
+    assert np.all(src[nnz:] == -1)
+    for (row, h), want in slot_of.items():
+        packed = src[row] >= layout.packed_slot0 * T
+        assert src[row] + ((h // group) * T + h % group if packed else h * T) == want, (row, h)
+
+
+def test_mixed_impl_rejects_what_it_cannot_run(rng):
+    with pytest.raises(ValueError, match="variant"):
+        ji.BatchAttention(8, 2, 64, 16, impl="mixed", variant=ji.variants.soft_cap())
+    with pytest.raises(ValueError, match="head_dim"):
+        ji.BatchAttention(8, 2, 32, 16, impl="mixed")
+    attn = ji.BatchAttention(8, 2, 64, 16, impl="mixed")
+    q, cache, table, num_pages = _case(rng, np.array([1, 40]), np.array([20, 50]), 16, 8, 2, 64)
+    with pytest.raises(ValueError, match="float32"):
+        attn.plan(*table, num_pages=num_pages, q_data_type="float32")
