@@ -193,24 +193,21 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         part_base = part_size.cumsum()
         num_parts = int(part_base[-1])
         part_base -= part_size
-    else:  # no tile is split: one item per tile
+    else:  # no tile is split: one item per tile (kv_start None: from key 0)
         split, num_parts, num_items = None, 0, num_tiles
-        tile_of, chunk_idx = scheduler.arange(num_tiles), None
-        kv_start = np.zeros(num_tiles, np.int64) if kv_lo is None else kv_lo
-        kv_end = np.minimum(kv_start + chunk, kv_hi)
+        kv_start = kv_lo
+        kv_end = np.minimum(kv_hi, chunk) if kv_lo is None else np.minimum(kv_lo + chunk, kv_hi)
     if num_parts > layout.part_cap or num_items > layout.item_cap:
         raise ValueError("the split needs more partial states or work items than the plan holds; "
                          "use a larger fixed_split_tokens (or no capacities)")
     buf = new_buffer(layout.size)
     k0, q0, t0, c0, m0, d0, e0, s0 = layout.starts  # (sections() order)
     c1 = c0 + layout.num_cells + 1
+    keys = kv_end if kv_start is None else kv_end - kv_start
     if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive
-        costs = kv_end - kv_start
-        costs += item_cost * tpt
-        order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
+        order, _ = scheduler.assign_positive(keys + item_cost * tpt, layout.num_cells, out=buf[c0:c1])
     else:
-        order, _ = scheduler.assign_cells(item_cost * tpt + (kv_end - kv_start), layout.num_cells,
-                                          out=buf[c0:c1])
+        order, _ = scheduler.assign_cells(item_cost * tpt + keys, layout.num_cells, out=buf[c0:c1])
 
     # Reduction map: one group per token of a split tile, its partials contiguous.
     if split is not None:
@@ -251,7 +248,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     per_req = np.zeros((batch + 1, ITEM_FIELDS), np.int32)
     per_req[:, 0:5:2] = per_r[:3].T  # fields 0, 2, 4: first row, qo_len, kv_len
     per_req[:batch, 3] = page_base
-    per_req[:, 10] = -1
+    per_req[:, 7:11:3] = -1  # fields 7 (no partials) and 10 (no mask)
     if mask_offsets is not None:
         per_req[:batch, 10] = mask_offsets
         per_req[batch, 10] = 0
@@ -266,9 +263,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     per_tile[:, 1] = tile_tok
     per_tile[:, 8] = nchunks
     if split is not None:
-        per_tile[:, 7] = np.where(split, part_base, -1)
-    else:
-        per_tile[:, 7] = -1
+        np.copyto(per_tile[:, 7], part_base, where=split)
     # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
     is_tail = tile_tokens < tpt  # (tile_tok + tpt > qo_r)
     if tails:
@@ -288,34 +283,37 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         else:
             per_tile[:, 14] = np.minimum.reduceat(q_pos, first_row)
             per_tile[:, 15] = np.maximum.reduceat(q_pos, first_row)
+    # Each item's row ([items, ITEM_FIELDS]: its tile's, with its keys [5, 6) and chunk 9), then
+    # the rows in cell order.
+    if split is not None:
+        per_item = per_tile.take(tile_of, axis=0)
+        per_item[:, 9] = chunk_idx
+    else:
+        per_item = per_tile
+    if kv_off is not None:  # (tails plans, no tile split)
+        off = kv_off.take(req)
+        if kv_start is not None:
+            kv_start = np.where(kv_start > 0, kv_start + off, 0)  # tails, no window: aligned
+        kv_end = kv_end + off
+    if kv_start is not None:
+        per_item[:, 5] = kv_start
+    per_item[:, 6] = kv_end
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
-    live = items[:num_items]
-    tile_sorted = tile_of.take(order)
-    per_tile.take(tile_sorted, axis=0, out=live, mode="clip")  # (clip: in range; no buffered copy)
-    k_start, k_end = kv_start.take(order), kv_end.take(order)
-    if kv_off is not None:
-        off_sorted = kv_off.take(req.take(tile_sorted))
-        k_start = np.where(k_start > 0, k_start + off_sorted, 0)  # tails, no window: aligned
-        k_end += off_sorted
-    live[:, 5] = k_start
-    live[:, 6] = k_end
-    if chunk_idx is not None:
-        live[:, 9] = chunk_idx.take(order)
+    per_item.take(order, axis=0, out=items[:num_items], mode="clip")  # (clip: in range; no buffered copy)
     buf[t0 + num_items * ITEM_FIELDS:c0] = 0
 
     buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
     merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
     if n_merge and n_merge == split_tiles.shape[0] * tpt:  # full tiles only: [tiles, tpt] groups
-        # In int32 (sums and products wrap as the buffer's cast would): [tiles, tpt] without a
-        # casting pass.
-        tok = scheduler.arange32(tpt + 1)
-        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 7, 8)
-        groups = merge_indptr[:n_merge].reshape(-1, tpt)
-        np.multiply(fields[:, 8:9], tok[1:], out=groups)
-        groups += fields[:, 7:8]
+        # In int32 (sums wrap as the buffer's cast would), without a casting pass. Each token of
+        # a split tile has the tile's nchunks partials, all of them contiguous: their ends are a
+        # cumulative sum.
+        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8)
+        np.add.accumulate(fields[:, 8].repeat(tpt), out=merge_indptr[:n_merge])
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        np.add((fields[:, 0] + fields[:, 1])[:, None], tok[:tpt], out=merge_dest[:n_merge].reshape(-1, tpt))
+        np.add((fields[:, 0] + fields[:, 1])[:, None], scheduler.arange32(tpt),
+               out=merge_dest[:n_merge].reshape(-1, tpt))
     elif n_merge:
         t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(m_tokens) - m_tokens, m_tokens)
         tile_m = np.repeat(split_tiles, m_tokens)

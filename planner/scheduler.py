@@ -80,8 +80,8 @@ def assign_positive(costs, num_cells, out=None):
 
 def longest_first(costs):
     """Item ids by cost, longest first, ties by item id (a stable sort; a radix sort on 16 bits
-    when the costs span fewer than 2**16 values)."""
-    if costs.shape[0] >= 256:
+    when the costs span fewer than 2**16 values, which pays from about 512 items)."""
+    if costs.shape[0] >= 512:
         hi = int(_max(costs))
         if hi - int(_min(costs)) < 1 << 16:
             return np.subtract(hi, costs, dtype=np.int64).astype(np.uint16).argsort(kind="stable")
@@ -103,14 +103,16 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
     keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
     pos = num_cells
     # The keys' spread is at most hi - mid + num_cells - 1 (shifted is sorted, longest first).
-    hi, mid, lo = shifted[[0, num_cells - 1, n - 1]].tolist()
+    hi, mid, lo = int(shifted[0]), int(shifted[num_cells - 1]), int(shifted[n - 1])
     if lo > max(hi - mid + num_cells - 1, hi - lo):
         # Costs within a factor of ~2 (the smallest above both the spread of the cells' keys and
         # that of the costs): every round of num_cells items goes to the cells in key order. (While
         # a round runs, each new key exceeds every old one, and a round leaves the keys' spread
         # within the larger of those two spreads.)
         while pos < n:
-            by_key = keys.argsort()  # (keys are distinct)
+            # (keys are distinct: any sort gives this order; timsort is quicker on the first
+            # round's keys, nearly in descending order)
+            by_key = keys.argsort(kind="stable")
             took = min(num_cells, n - pos)
             if took < num_cells:
                 by_key = by_key[:took]
