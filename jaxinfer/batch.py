@@ -31,6 +31,13 @@ class BatchAttention:
     planner.batch.SHORT_TOKENS, with and without long requests). plan.impl names the kernels.
     causal=False attends every key. variant, sm_scale, layout, num_ctas, config: as the decode
     and prefill wrappers.
+
+    impl="mixed" runs steps with both classes in one persistent Mosaic GPU launch instead
+    (dispatch row "batch_mosaic": Hopper, 16-bit q and K/V, NHD, no variant; plan() told the
+    dtypes): a short request is one packed tile per KV head (its tokens x head group in 64
+    rows), a long one query tiles of one query head. "auto" weighs both paths by dispatch's cost
+    model when plan() gets q_data_type; on the rows measured so far it keeps the two classes
+    (BENCHMARKS.md, session 15).
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
