@@ -282,13 +282,13 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     if num_tiles:
         tok_in = np.arange(int(qo_l.sum())) - np.repeat(np.cumsum(qo_l) - qo_l, qo_l) + np.repeat(q_off, qo_l)
         tile_of = np.repeat(tile_first, qo_l) + tok_in // T  # [long rows]
-        rows = np.repeat(start_l - np.cumsum(qo_l) + qo_l, qo_l) + scheduler.arange(tok_in.shape[0])
+        rows = start_l.repeat(qo_l) + tok_in - np.repeat(q_off, qo_l)
         lse_src[rows] = tile_of * (num_qo_heads * T) + tok_in % T
     if short.shape[0]:
         qo_s = qo_lens.take(short)
         t_in = np.arange(int(qo_s.sum())) - np.repeat(np.cumsum(qo_s) - qo_s, qo_s)
         slot = layout.packed_slot0 + np.repeat(scheduler.arange(short.shape[0]) * num_kv_heads, qo_s)
-        rows = np.repeat(qo_indptr.take(short).astype(np.int64) - np.cumsum(qo_s) + qo_s, qo_s) + scheduler.arange(t_in.shape[0])
+        rows = qo_indptr.take(short).astype(np.int64).repeat(qo_s) + t_in
         lse_src[rows] = slot * T + t_in * group
     info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], nnz=nnz)
     return layout, buf, info

@@ -89,7 +89,10 @@ def test_plan_is_bound_to_wrapper_and_cache(rng):
 
 
 def test_item_columns_agree():
+    from pallas_kernels import prefill_mosaic
     assert batch_planner.ITEM_COLUMNS == decode_kernels.MULTI_ITEM_COLUMNS
+    assert batch_planner.MIXED_ITEM_COLUMNS == prefill_mosaic.MIXED_ITEM_COLUMNS
+    assert batch_planner.MIXED_ITEM_FIELDS == prefill_mosaic.ITEM_FIELDS
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -111,7 +114,8 @@ def test_prefill_wrapper_runs_short_steps_on_the_decode_kernel(rng, causal):
 
 
 def _bf16(q, cache):
-    return q.astype(jnp.bfloat16), ji.PagedKVCache(cache.k_pages.astype(jnp.bfloat16), cache.v_pages.astype(jnp.bfloat16))
+    bf16 = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    return bf16(q), ji.PagedKVCache(bf16(cache.k_pages), bf16(cache.v_pages))
 
 
 def _f32(cache):
