@@ -202,32 +202,54 @@ def mixed_layout(*args):
     return MixedLayout.for_capacities(*args)
 
 
+def mixed_packed_tokens(tokens_per_item, group, max_rows=64):
+    """A mixed plan's packed-tile tokens: the short requests' tokens_per_item, at least
+    ROW_ALIGN - 1 where that many tokens x the group fit a tile (an unaligned long request's
+    first rows then take a packed tile: see plan_mixed)."""
+    return max(tokens_per_item, ROW_ALIGN - 1) if (ROW_ALIGN - 1) * group <= max_rows else tokens_per_item
+
+
 def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size, num_qo_heads, num_kv_heads,
                num_cells, tile_tokens, tokens_per_item, num_tokens, batch_cap, index_cap, causal,
                packed_weight=1, tile_weight=2, item_cost=256):
     """One persistent work list for a mixed step (pallas_kernels.prefill_mosaic, packed_tokens):
     each short request (is_short) is one packed tile per KV head over all its keys; each other
-    request is query tiles of tile_tokens tokens per query head, from the 8-aligned row at or
-    below its first (the kernel stores only the request's rows). KV is never split.
-    Items go to cells longest first (Algorithm 1), costed in keys: packed_weight per key of a
-    packed tile, tile_weight per visible key of a query tile, plus item_cost each.
+    request is query tiles of tile_tokens tokens per query head from an 8-aligned row of q (TMA):
+    its rows before the first such row take a packed tile per KV head when they fit one
+    (mixed_packed_tokens), else its first tile starts at the aligned row below it (the kernel
+    stores only the request's rows). KV is never split. Items go to cells longest first
+    (Algorithm 1), costed in keys: packed_weight per key of a packed tile, tile_weight per
+    visible key of a query tile, plus item_cost each.
 
     Returns (layout, buffer, info). lse_src[n] (row n of q): a query-tile row's lse index for
     query head 0 (head h: + h * T); a packed row's for head 0 of its tile (head h: + (h // G) * T +
     h % G; these are the indices >= packed_slot0 * T); -1 for rows past the step."""
-    batch = kv_lens.shape[0]
     group = num_qo_heads // num_kv_heads
     nnz = int(qo_indptr[-1])
     T = tile_tokens
+    packed_tokens = mixed_packed_tokens(tokens_per_item, group)
     layout = mixed_layout(num_tokens, batch_cap, index_cap, num_cells, num_qo_heads, num_kv_heads, T,
-                          tokens_per_item)
+                          packed_tokens)
     qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)  # [B]
     kv64 = kv_lens.astype(np.int64)
     short = np.flatnonzero(is_short & (qo_lens > 0))  # [S]
     long_ = np.flatnonzero(~is_short & (qo_lens > 0))  # [L]
-
-    # Query tiles of the long requests: tile_tok from the aligned row below each request's first.
     start_l, qo_l, kv_l = qo_indptr.take(long_).astype(np.int64), qo_lens.take(long_), kv64.take(long_)
+    head = -start_l % ROW_ALIGN  # [L] rows before the long request's first aligned row
+    if packed_tokens < ROW_ALIGN - 1:
+        head[:] = 0
+    piece = np.flatnonzero(head)
+    # Packed tiles: the short requests, then the long ones' head pieces (causal: their last row
+    # sees kv - (qo - head) keys).
+    head_p, long_p = head.take(piece), long_.take(piece)
+    p_start = np.concatenate([qo_indptr.take(short), start_l.take(piece)]).astype(np.int64)
+    p_qo = np.concatenate([qo_lens.take(short), head_p])
+    p_kv = np.concatenate([kv64.take(short), kv_l.take(piece) - ((qo_l.take(piece) - head_p) if causal else 0)])
+    p_base = np.concatenate([page_base.take(short), page_base.take(long_p)])
+    start_l += head
+    qo_l -= head
+
+    # Query tiles of the long requests: tile_tok from the aligned row at or below each one's first.
     q_off = start_l % ROW_ALIGN
     ntiles = -(-(qo_l + q_off) // T)  # [L]
     num_tiles = int(ntiles.sum())
@@ -242,7 +264,7 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
 
     # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
     # packed_slot0 + short index * Hkv + KV head).
-    n_q, n_p = num_tiles * num_qo_heads, short.shape[0] * num_kv_heads
+    n_q, n_p = num_tiles * num_qo_heads, p_start.shape[0] * num_kv_heads
     items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int64)
     rq = long_.take(tile_req)
     q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED_ITEM_FIELDS)
@@ -255,18 +277,18 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     q_items[:, :, 7] = np.arange(num_qo_heads)
     q_items[:, :, 8] = scheduler.arange(n_q).reshape(num_tiles, num_qo_heads)
     q_items[:, :, 12] = -1
-    p_items = items[n_q:].reshape(short.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
-    p_items[:, :, 0] = qo_indptr.take(short)[:, None]
-    p_items[:, :, 2] = qo_lens.take(short)[:, None]
-    p_items[:, :, 3] = page_base.take(short)[:, None]
-    p_items[:, :, 4] = kv64.take(short)[:, None]
-    p_items[:, :, 6] = kv64.take(short)[:, None]
+    p_items = items[n_q:].reshape(p_start.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
+    p_items[:, :, 0] = p_start[:, None]
+    p_items[:, :, 2] = p_qo[:, None]
+    p_items[:, :, 3] = p_base[:, None]
+    p_items[:, :, 4] = p_kv[:, None]
+    p_items[:, :, 6] = p_kv[:, None]
     p_items[:, :, 7] = np.arange(num_kv_heads)
     p_items[:, :, 8] = layout.packed_slot0 + scheduler.arange(n_p).reshape(-1, num_kv_heads)
     p_items[:, :, 9] = 1
     p_items[:, :, 12] = -1
     costs = np.concatenate([np.repeat(kv_hi * tile_weight, num_qo_heads),
-                            np.repeat(kv64.take(short) * packed_weight, num_kv_heads)]) + item_cost
+                            np.repeat(p_kv * packed_weight, num_kv_heads)]) + item_cost
     order, cell_indptr = scheduler.assign_positive(costs, layout.num_cells)
 
     buf = new_buffer(layout.size)
@@ -284,11 +306,10 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
         tile_of = np.repeat(tile_first, qo_l) + tok_in // T  # [long rows]
         rows = start_l.repeat(qo_l) + tok_in - np.repeat(q_off, qo_l)
         lse_src[rows] = tile_of * (num_qo_heads * T) + tok_in % T
-    if short.shape[0]:
-        qo_s = qo_lens.take(short)
-        t_in = np.arange(int(qo_s.sum())) - np.repeat(np.cumsum(qo_s) - qo_s, qo_s)
-        slot = layout.packed_slot0 + np.repeat(scheduler.arange(short.shape[0]) * num_kv_heads, qo_s)
-        rows = qo_indptr.take(short).astype(np.int64).repeat(qo_s) + t_in
-        lse_src[rows] = slot * T + t_in * group
-    info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], nnz=nnz)
+    if p_start.shape[0]:
+        t_in = np.arange(int(p_qo.sum())) - np.repeat(np.cumsum(p_qo) - p_qo, p_qo)
+        slot = layout.packed_slot0 + np.repeat(scheduler.arange(p_start.shape[0]) * num_kv_heads, p_qo)
+        lse_src[p_start.repeat(p_qo) + t_in] = slot * T + t_in * group
+    info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], num_pieces=piece.shape[0],
+                nnz=nnz)
     return layout, buf, info

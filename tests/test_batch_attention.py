@@ -164,8 +164,9 @@ def test_mixed_kernel_compiles_once_under_capacities(rng):
 
 def test_mixed_plan_covers_every_row_once(rng):
     """planner.batch.plan_mixed (NumPy only): each long row x query head lies in exactly one
-    query tile starting at an 8-aligned row, each short request x KV head is one packed tile over
-    all its keys, and lse_src points each row and head at its tile's lse slot."""
+    query tile starting at an 8-aligned row or in its request's packed head piece, each short
+    request x KV head is one packed tile over all its keys, and lse_src points each row and head
+    at its tile's lse slot."""
     hq, hkv, page, T = 8, 2, 16, 128
     group = hq // hkv
     qo = np.array([3, 300, 0, 1, 130, 16, 9])
@@ -179,6 +180,7 @@ def test_mixed_plan_covers_every_row_once(rng):
         qo_indptr, kv.astype(np.int32), page_base, np.arange(pages.sum(), dtype=np.int32), is_short,
         page_size=page, num_qo_heads=hq, num_kv_heads=hkv, num_cells=5, tile_tokens=T, tokens_per_item=tokens,
         num_tokens=nnz + 5, batch_cap=8, index_cap=int(pages.sum()), causal=True)
+    assert info["num_pieces"] == 1  # the 300-token request's first 5 rows (to row 8) take a packed tile
     sec = layout.unpack(buf)
     items = sec["items"].reshape(-1, layout.ITEM_FIELDS)[:info["num_items"]]
     assert sec["cell_indptr"][0] == 0 and sec["cell_indptr"][-1] == info["num_items"]
