@@ -31,6 +31,13 @@ query / key transforms (they would need q and K in registers). Hooks see full [6
 of query and key positions and the query head as a scalar. A mask with kv_bounds (a sliding
 window) moves the tile's first KV block to the block holding the first key any of its rows
 sees (item fields 14, 15 bound its query positions); blocks before full_lo are masked.
+
+Mixed launches (packed_tokens > 0; BatchAttention impl="mixed", planner.batch.plan_mixed): one
+persistent grid whose items name their head (MIXED_ITEM_COLUMNS). Besides query tiles, an item
+may be a packed tile: up to packed_tokens tokens of one request x the G query heads of one KV
+head in the first warpgroup's 64 rows (row t * G + g), its q copied and its o stored a token
+at a time through an unswizzled buffer; causal masks map row r to token r // G. Query tiles
+store only their request's rows (64, 8 or 1 at a time), so requests need no aligned start.
 """
 import functools
 import inspect
