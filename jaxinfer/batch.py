@@ -96,8 +96,10 @@ class BatchAttention:
         page_base = kv_indptr[:-1]
         live = qo_lens > 0
         if (dtypes is not None or self.mixed_impl == "mixed") and (is_short & live).any() and (~is_short & live).any():
-            rows = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
-            choice = dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows)
+            rows = self.__dict__.setdefault("_mixed_rows", {})  # candidates by dtypes: made once
+            if dtypes not in rows:
+                rows[dtypes] = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
+            choice = dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows[dtypes])
             if choice.name == "batch_mosaic":
                 config = dispatch.config_for(choice, self.mixed_problem, self.configs)
                 layout, buf, info = batch_planner.plan_mixed(
