@@ -238,6 +238,7 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     head = -start_l % ROW_ALIGN  # [L] rows before the long request's first aligned row
     if packed_tokens < ROW_ALIGN - 1:
         head[:] = 0
+    head[head >= qo_l] = 0  # (a request that short keeps its rows together)
     piece = np.flatnonzero(head)
     # Packed tiles: the short requests, then the long ones' head pieces (causal: their last row
     # sees kv - (qo - head) keys).

@@ -162,14 +162,15 @@ def test_mixed_kernel_compiles_once_under_capacities(rng):
     assert len(traces) == 1
 
 
-def test_mixed_plan_covers_every_row_once(rng):
+@pytest.mark.parametrize("hq, hkv, qo", [(8, 2, [3, 300, 0, 1, 130, 16, 9]), (9, 1, [3, 5, 300, 1, 6])])
+def test_mixed_plan_covers_every_row_once(rng, hq, hkv, qo):
     """planner.batch.plan_mixed (NumPy only): each long row x query head lies in exactly one
     query tile starting at an 8-aligned row or in its request's packed head piece, each short
     request x KV head is one packed tile over all its keys, and lse_src points each row and head
     at its tile's lse slot."""
-    hq, hkv, page, T = 8, 2, 16, 128
+    page, T = 16, 128
     group = hq // hkv
-    qo = np.array([3, 300, 0, 1, 130, 16, 9])
+    qo = np.array(qo)
     kv = qo + rng.integers(0, 200, qo.shape[0])
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     pages = -(-kv // page)
@@ -180,7 +181,9 @@ def test_mixed_plan_covers_every_row_once(rng):
         qo_indptr, kv.astype(np.int32), page_base, np.arange(pages.sum(), dtype=np.int32), is_short,
         page_size=page, num_qo_heads=hq, num_kv_heads=hkv, num_cells=5, tile_tokens=T, tokens_per_item=tokens,
         num_tokens=nnz + 5, batch_cap=8, index_cap=int(pages.sum()), causal=True)
-    assert info["num_pieces"] == 1  # the 300-token request's first 5 rows (to row 8) take a packed tile
+    # One long request's first rows up to an 8-aligned row take a packed tile: group 4, the 300
+    # tokens at row 3; group 9, the 6 tokens at row 309 (the 5 at row 3 keep their rows together).
+    assert info["num_pieces"] == 1
     sec = layout.unpack(buf)
     items = sec["items"].reshape(-1, layout.ITEM_FIELDS)[:info["num_items"]]
     assert sec["cell_indptr"][0] == 0 and sec["cell_indptr"][-1] == info["num_items"]
