@@ -81,7 +81,7 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
     from pallas_kernels import prefill_mosaic
     n, hq, d = q.shape
     group, T = hq // num_kv_heads, layout.tile_tokens
-    o, lse_items, _ = prefill_mosaic.prefill_mosaic(
+    o, lse_items, _ = prefill_mosaic.prefill_mosaic(  # (no tail slots: its o_tail is 8 unused rows)
         q, k_rows, v_rows, kv_indices, sec["items"].reshape(-1, layout.ITEM_FIELDS), sec["cell_indptr"], 8,
         page_size=page_size, num_kv_heads=num_kv_heads, layout="NHD", sm_scale=sm_scale, causal=causal,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
