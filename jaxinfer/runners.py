@@ -74,10 +74,10 @@ def run_short_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
 
 
 def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size, num_kv_heads, sm_scale,
-                       causal, interpret, config, padded):
+                       causal, interpret, config, padded, need_lse):
     """A mixed plan (planner.batch.plan_mixed: query tiles and packed tiles) in one Mosaic GPU
-    launch. padded: q may have rows past the step (capacities), set to o = 0.
-    Returns (o [N, Hq, D], lse [N, Hq])."""
+    launch. padded: q may have rows past the step (capacities), set to o = 0. Returns (o [N, Hq, D],
+    lse [N, Hq] gathered from the kernel's slots, or None without need_lse)."""
     from pallas_kernels import prefill_mosaic
     n, hq, d = q.shape
     group, T = hq // num_kv_heads, layout.tile_tokens
@@ -87,13 +87,14 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, interpret=interpret,
         packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots)
-    # lse [N, Hq] from the slots (planner.batch.plan_mixed's lse_src).
     src = sec["lse_src"]  # [N]
-    heads = jnp.arange(hq, dtype=jnp.int32)
-    packed = (src >= layout.packed_slot0 * T)[:, None]
-    idx = src[:, None] + jnp.where(packed, heads // group * T + heads % group, heads * T)  # [N, Hq]
     live = (src >= 0)[:, None]
-    lse = jnp.where(live, lse_items[0, jnp.maximum(idx, 0)], -jnp.inf)
+    lse = None
+    if need_lse:  # [N, Hq] from the slots (planner.batch.plan_mixed's lse_src)
+        heads = jnp.arange(hq, dtype=jnp.int32)
+        packed = (src >= layout.packed_slot0 * T)[:, None]
+        idx = src[:, None] + jnp.where(packed, heads // group * T + heads % group, heads * T)  # [N, Hq]
+        lse = jnp.where(live, lse_items[0, jnp.maximum(idx, 0)], -jnp.inf)
     if padded:  # rows past the step are nobody's: never written
         o = jnp.where(live[:, :, None], o, jnp.zeros((), o.dtype))
     return o, lse
