@@ -190,7 +190,7 @@ def _random(env, seed, shape, dtype):
 
 
 def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="bfloat16",
-                kv_scale=None, prefix=0, cascade=None, fi=None):
+                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False):
     """Attention over a paged NHD cache, pages in random order.
 
     segs: request lengths (Env.lens; kv counts every token, prefix included); prefix: tokens
@@ -198,7 +198,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
     (BatchDecodeWithPagedKVCache), "prefill" (BatchPrefillWithPagedKVCache, causal) or
     "attention" (ji.BatchAttention where it exists, else the prefill wrapper); cascade: plan()'s
     cascade argument; kv_scale: (k_scale, v_scale) for fp8 pages; fi: FlashInfer's counterpart
-    ("decode", "cascade", "prefill", "attention")."""
+    ("decode", "cascade", "prefill", "attention"); told_dtypes: plan() gets q_data_type (as
+    FlashInfer's plan() does), which lets BatchAttention choose the mixed launch."""
     hq, hkv = env.heads(hq, hkv)
     prefix = env.tokens(prefix)
     qo_lens, kv_lens = env.lens(segs)
@@ -243,7 +244,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
             name = cls.__name__
         key = ("paged", cls.__name__, hq, hkv, head_dim, page, calls, layers, tuple(sorted(run_kw.items())))
         w = env.memo(key + ("wrapper",), lambda: cls(hq, hkv, head_dim, page, **kw))
-        plan_kw = {"num_pages": num_pages} | ({"cascade": cascade} if cascade else {})
+        plan_kw = {"num_pages": num_pages} | ({"cascade": cascade} if cascade else {}) | (
+            {"q_data_type": dtype.name} if told_dtypes else {})
         if wrapper == "decode":
             plan = w.plan(indptr, indices, last, **plan_kw)
         else:
@@ -445,6 +447,10 @@ ROWS = [
         fi="attention"),
     row("mixed 4x512/2048 + 60 decode", build_paged, segs=((4, 512, 2048), (60, 1, (512, 4096))),
         wrapper="attention", fi="attention"),
+    row("mixed 4x512/2048 + 60 decode BatchAttention told bf16", build_paged,
+        segs=((4, 512, 2048), (60, 1, (512, 4096))), wrapper="attention", fi="attention", told_dtypes=True),
+    row("q4 x60 + 4x512/2048 BatchAttention told bf16", build_paged,
+        segs=((60, 4, (512, 4096)), (4, 512, 2048)), wrapper="attention", fi="attention", told_dtypes=True),
     row("mixed 4x512/2048 + 60 decode ragged_paged_attention (decode first)", build_paged,
         segs=((60, 1, (512, 4096)), (4, 512, 2048)), wrapper="rpa", fi="attention"),
     row("mixed 4x512/2048 + 60 decode prefill-wrapper", build_paged,

@@ -36,8 +36,9 @@ class BatchAttention:
     (dispatch row "batch_mosaic": Hopper, 16-bit q and K/V, NHD, no variant; plan() told the
     dtypes): a short request is one packed tile per KV head (its tokens x head group in 64
     rows), a long one query tiles of one query head. "auto" weighs both paths by dispatch's cost
-    model when plan() gets q_data_type; on the rows measured so far it keeps the two classes
-    (BENCHMARKS.md, session 15).
+    model when plan() gets q_data_type: on the steps measured so far (chunks with decode or
+    verify rows) it picks the mixed launch, and the two classes where a short request's context
+    is long (the mixed launch never splits KV; BENCHMARKS.md, session 16).
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",

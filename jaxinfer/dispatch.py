@@ -202,11 +202,23 @@ def _mosaic_unsupported(problem, explicit):
 
 
 # A mixed step in one persistent Mosaic launch (BatchAttention impl "mixed", planner.batch.plan_mixed),
-# measured by its parts (BENCHMARKS.md, session 15; the mixed step 4 x 512 on 1536 + 60 decode):
-MIXED_TILE_FLOPS_PER_US = 3.36e8  # its query tiles alone (the 4 chunks): 62.3 GFLOP in 185.5 µs
-MIXED_BYTES_PER_US = 2.18e6       # its packed tiles alone (the 60 decode rows): 566 MB in ~260 µs
-MIXED_OVERLAP = 0.9               # the whole step (400 µs) against its parts' sum (445)
-SM_BYTES_PER_US = 1.6e4           # one SM's share of MIXED_BYTES_PER_US (132 SMs)
+# measured by its parts in profiler traces (BENCHMARKS.md, session 16; the mixed step 4 x 512 on
+# 1536 + 60 decode):
+MIXED_TILE_FLOPS_PER_US = 4.59e8  # its query tiles alone (the 4 chunks): 62.3 GFLOP in 135.6 µs
+MIXED_BYTES_PER_US = 2.75e6       # its packed tiles alone (the 60 decode rows): 566 MB in 205.5 µs
+MIXED_OVERLAP = 0.97              # the whole launch (330.8 µs) against its parts' sum (341.1)
+SM_BYTES_PER_US = MIXED_BYTES_PER_US / 132  # one SM's share
+# Moving every row of the step once costs its q bytes over HBM_BYTES_PER_US; measured in the same
+# traces (2108 rows, 17.3 MB): the two-class path moves them 5.7 times (the long rows' q gathered,
+# o and lse put back: 34 µs), the mixed launch 3.5 times when the step's rows are not a multiple
+# of 8 (q padded for TMA, o sliced back: 20.9 µs), else never.
+CLASSES_ROW_PASSES = 5.7
+MOSAIC_PAD_PASSES = 3.5
+
+
+def _row_us(problem, qo_lens):
+    """One pass over the step's q rows (µs)."""
+    return KV_ITEMSIZE * problem.num_qo_heads * problem.head_dim * float(qo_lens.sum()) / HBM_BYTES_PER_US
 
 
 def _classes(problem, qo_lens):
@@ -217,13 +229,16 @@ def _classes(problem, qo_lens):
 
 
 def _batch_classes_cost(problem, qo_lens, kv_lens, causal):
-    """Short requests on the decode kernel, then the long ones on the cheaper prefill kernel."""
+    """Short requests on the decode kernel, then the long ones on the cheaper prefill kernel, their
+    rows gathered and put back."""
     short, long_ = _classes(problem, qo_lens)
     cost = _short_cost(problem, qo_lens[short], kv_lens[short], causal) if short.any() else 0.0
     if long_.any():
         prefill = dataclasses.replace(problem, family="prefill")
         cost += min(i.cost_us(prefill, qo_lens[long_], kv_lens[long_], causal)
                     for i in candidates(prefill) if i.cost_us is not _short_cost)
+        if short.any():  # the long rows gathered and put back among the short ones
+            cost += CLASSES_ROW_PASSES * _row_us(problem, qo_lens)
     return cost
 
 
@@ -241,7 +256,8 @@ def _batch_mosaic_cost(problem, qo_lens, kv_lens, causal):
     per_sm = MIXED_TILE_FLOPS_PER_US / _backend.num_sms()
     longest = max(tile_flops * float(kv_lens[long_].max(initial=0)) / per_sm,
                   2.0 * KV_ITEMSIZE * problem.head_dim * float(kv_short.max(initial=0)) / SM_BYTES_PER_US)
-    return LAUNCH_US + max(total, longest)
+    pad = MOSAIC_PAD_PASSES * _row_us(problem, qo_lens) if int(qo_lens.sum()) % 8 else 0.0
+    return LAUNCH_US + max(total, longest) + pad
 
 
 def _batch_mosaic_unsupported(problem, explicit):
