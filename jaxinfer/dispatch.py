@@ -209,11 +209,9 @@ MIXED_BYTES_PER_US = 2.75e6       # its packed tiles alone (the 60 decode rows):
 MIXED_OVERLAP = 0.97              # the whole launch (330.8 µs) against its parts' sum (341.1)
 SM_BYTES_PER_US = MIXED_BYTES_PER_US / 132  # one SM's share
 # Moving every row of the step once costs its q bytes over HBM_BYTES_PER_US; measured in the same
-# traces (2108 rows, 17.3 MB): the two-class path moves them 5.7 times (the long rows' q gathered,
-# o and lse put back: 34 µs), the mixed launch 3.5 times when the step's rows are not a multiple
-# of 8 (q padded for TMA, o sliced back: 20.9 µs), else never.
+# traces (2108 rows, 17.3 MB), the two-class path moves them 5.7 times (the long rows' q gathered,
+# o and lse put back: 34 µs); the mixed launch reads q and writes o in place.
 CLASSES_ROW_PASSES = 5.7
-MOSAIC_PAD_PASSES = 3.5
 
 
 def _row_us(problem, qo_lens):
@@ -256,8 +254,7 @@ def _batch_mosaic_cost(problem, qo_lens, kv_lens, causal):
     per_sm = MIXED_TILE_FLOPS_PER_US / _backend.num_sms()
     longest = max(tile_flops * float(kv_lens[long_].max(initial=0)) / per_sm,
                   2.0 * KV_ITEMSIZE * problem.head_dim * float(kv_short.max(initial=0)) / SM_BYTES_PER_US)
-    pad = MOSAIC_PAD_PASSES * _row_us(problem, qo_lens) if int(qo_lens.sum()) % 8 else 0.0
-    return LAUNCH_US + max(total, longest) + pad
+    return LAUNCH_US + max(total, longest)
 
 
 def _batch_mosaic_unsupported(problem, explicit):

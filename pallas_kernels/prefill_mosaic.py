@@ -237,8 +237,19 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                                         pos_smem2.at[wg], q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
 
+        def load_rows_unpadded():
+            """load_rows through the unswizzled buffer: TMA into a tiled buffer views q's rows in
+            8-row tiles (so q would need padding to a multiple of 8 rows: a copy of q); into an
+            untiled one it reads any row count (rows past q's end read as zeros)."""
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], qp_smem.at[wg],
+                                    q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            q_smem[...] = qp_smem[wg] if interpret else plgpu.load(
+                qp_smem.at[wg], *_LOAD_IDX, layout=plgpu.Layout.WGMMA, optimized=False)
+            plgpu.commit_smem()
+
         if mixed:
-            pl.when(~packed)(load_rows)
+            pl.when(~packed)(load_rows_unpadded)
 
             @pl.when(packed & (wg == 0))
             def _():  # row t * G + g: token t, query head kv_head * G + g (tokens past qo_len: its last)
@@ -598,9 +609,10 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         raise ValueError("prefill_mosaic: a mixed launch takes no variant and no row_stores")
     if mixed and packed_tokens * (num_qo_heads // num_kv_heads) > WG_ROWS:
         raise ValueError(f"prefill_mosaic: packed_tokens={packed_tokens} x the head group is over {WG_ROWS} rows")
-    # TMA views token dimensions in tiles of 8 rows: arrays are padded to a multiple of 8 tokens
-    # (a copy only when they are not one already), o and lse are allocated so and sliced.
-    nnz_pad = _round_up(nnz, 8)
+    # TMA into tiled shared memory views token dimensions in tiles of 8 rows: arrays are padded to
+    # a multiple of 8 tokens (a copy only when they are not one already), o and lse are allocated
+    # so and sliced. A mixed launch moves q and o through untiled buffers: no padding (compiled).
+    nnz_pad = nnz if mixed and not interpret else _round_up(nnz, 8)
     # TMA zero-fills reads past an array's end; the interpreter rejects them.
     tile_tokens = compute_wgs * WG_ROWS
     q_in = _pad_rows(q, nnz_pad + (tile_tokens if interpret else 0))
