@@ -74,7 +74,7 @@ def assign_positive(costs, num_cells, out=None):
     cell_of_item[by_cost] = cell_of_sorted
     order = cell_of_item.argsort(kind="stable")  # by cell, then by item id (radix sort: int16)
     cell_indptr[0] = 0
-    np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells), out=cell_indptr[1:])
+    cell_indptr[1:] = np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells))  # (an int32 out= is slower)
     return order, cell_indptr
 
 
