@@ -84,7 +84,7 @@ def longest_first(costs):
     if costs.shape[0] >= 512:
         hi = int(_max(costs))
         if hi - int(_min(costs)) < 1 << 16:
-            return np.subtract(hi, costs, dtype=np.int64).astype(np.uint16).argsort(kind="stable")
+            return np.subtract(hi, costs, dtype=np.uint16, casting="unsafe").argsort(kind="stable")  # (mod 2**16)
     return np.negative(costs, dtype=np.int64).argsort(kind="stable")
 
 
