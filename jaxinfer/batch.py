@@ -94,7 +94,8 @@ class BatchAttention:
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
         page_base = kv_indptr[:-1]
         live = qo_lens > 0
-        if (dtypes is not None or self.mixed_impl == "mixed") and (is_short & live).any() and (~is_short & live).any():
+        if (dtypes is not None or self.mixed_impl == "mixed") and (
+                0 < np.count_nonzero(is_short & live) < np.count_nonzero(live)):  # short and long rows
             rows = self.__dict__.setdefault("_mixed_rows", {})  # candidates by dtypes: made once
             if dtypes not in rows:
                 rows[dtypes] = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)

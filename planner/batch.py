@@ -148,14 +148,18 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
         merge_dest[:n_merge] = qo_indptr.take(reqs.take(g_req)) + t_in
     prefill_rows = buf[p0:p0 + num_tokens]
-    if bool(is_short.all()):  # every row is short
-        prefill_rows[:] = num_tokens
+    long_reqs = (~is_short).nonzero()[0]
+    if not long_reqs.shape[0]:  # every row is short
         num_long = 0
+    elif int(long_reqs[-1]) - int(long_reqs[0]) + 1 == long_reqs.shape[0]:  # consecutive: one run of rows
+        start = int(qo_indptr[long_reqs[0]])
+        num_long = int(qo_indptr[long_reqs[-1] + 1]) - start
+        np.add(scheduler.arange32(num_long), start, out=prefill_rows[:num_long])
     else:
         long_rows = np.repeat(~is_short, qo_lens).nonzero()[0]
         num_long = long_rows.shape[0]
         prefill_rows[:num_long] = long_rows
-        prefill_rows[num_long:] = num_tokens
+    prefill_rows[num_long:] = num_tokens
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=num_short, num_long_tokens=num_long, nnz=nnz)
     return layout, buf, info
 
