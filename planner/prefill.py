@@ -315,21 +315,19 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
     merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
-    if n_merge and n_merge == split_tiles.shape[0] * tpt:  # full tiles only: [tiles, tpt] groups
-        # In int32 (sums wrap as the buffer's cast would), without a casting pass. Each token of
-        # a split tile has the tile's nchunks partials, all of them contiguous: their ends are a
-        # cumulative sum.
-        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8)
-        np.add.accumulate(fields[:, 8].repeat(tpt), out=merge_indptr[:n_merge])
+    if n_merge:
+        # Each token of a split tile has the tile's nchunks partials, all of them contiguous: the
+        # groups' ends are a cumulative sum. In int32 (sums wrap as the buffer's cast would).
+        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8 = nchunks)
+        full = n_merge == split_tiles.shape[0] * tpt  # whole tiles only: [tiles, tpt] groups
+        np.add.accumulate(fields[:, 8].repeat(tpt if full else m_tokens), out=merge_indptr[:n_merge])
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        np.add((fields[:, 0] + fields[:, 1])[:, None], scheduler.arange32(tpt),
-               out=merge_dest[:n_merge].reshape(-1, tpt))
-    elif n_merge:
-        t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(m_tokens) - m_tokens, m_tokens)
-        tile_m = np.repeat(split_tiles, m_tokens)
-        merge_indptr[:n_merge] = part_base.take(tile_m) + (t_in + 1) * nchunks.take(tile_m)
-        merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        merge_dest[:n_merge] = qo_start.take(req.take(tile_m)) + tile_tok.take(tile_m) + t_in
+        first = fields[:, 0] + fields[:, 1]  # each split tile's first row
+        if full:
+            np.add(first[:, None], scheduler.arange32(tpt), out=merge_dest[:n_merge].reshape(-1, tpt))
+        else:  # tile k's rows: its groups' indices, less its first group's, plus its first row
+            first -= np.add.accumulate(m_tokens) - m_tokens
+            np.add(scheduler.arange32(n_merge), first.repeat(m_tokens), out=merge_dest[:n_merge])
     else:
         merge_indptr[:] = 0
     buf[m0 + 1 + layout.merge_cap:d0] = 0
