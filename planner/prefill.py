@@ -191,7 +191,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     np.maximum(nchunks, 1, out=nchunks)
     if num_tiles and int(_max(nchunks)) > 1:
         split = nchunks > 1
-        part_size = np.where(split, tile_tokens * nchunks, 0)
+        part_size = tile_tokens * nchunks
+        part_size *= split  # (0 for unsplit tiles)
         item_first = nchunks.cumsum()
         num_items = int(item_first[-1])
         item_first -= nchunks
@@ -242,10 +243,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
             delta += pos_off
         # In int32 (no casting pass over nnz entries): sums wrap as the buffer's cast would.
         delta = np.subtract(delta, qo_start[:batch], dtype=np.int32, casting="unsafe")
-        if batch and int(_max(qo_lens)) * batch == nnz:  # equal lengths: [B, qo_len] rows, no repeat
-            np.add(scheduler.arange32(nnz).reshape(batch, -1), delta[:, None], out=q_pos[:nnz].reshape(batch, -1))
-        else:
-            np.add(scheduler.arange32(nnz), delta.repeat(qo_lens), out=q_pos[:nnz])
+        np.add(scheduler.arange32(nnz), delta.repeat(qo_lens), out=q_pos[:nnz])
     else:
         q_pos[:nnz] = q_positions
     buf[q0 + nnz:t0] = 0
@@ -319,15 +317,12 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         # Each token of a split tile has the tile's nchunks partials, all of them contiguous: the
         # groups' ends are a cumulative sum. In int32 (sums wrap as the buffer's cast would).
         fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8 = nchunks)
-        full = n_merge == split_tiles.shape[0] * tpt  # whole tiles only: [tiles, tpt] groups
-        np.add.accumulate(fields[:, 8].repeat(tpt if full else m_tokens), out=merge_indptr[:n_merge])
+        np.add.accumulate(fields[:, 8].repeat(m_tokens), out=merge_indptr[:n_merge])
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        first = fields[:, 0] + fields[:, 1]  # each split tile's first row
-        if full:
-            np.add(first[:, None], scheduler.arange32(tpt), out=merge_dest[:n_merge].reshape(-1, tpt))
-        else:  # tile k's rows: its groups' indices, less its first group's, plus its first row
-            first -= np.add.accumulate(m_tokens) - m_tokens
-            np.add(scheduler.arange32(n_merge), first.repeat(m_tokens), out=merge_dest[:n_merge])
+        # Tile k's rows: its groups' indices, less its first group's, plus its first row (fields 0 + 1).
+        first = fields[:, 0] + fields[:, 1]
+        first -= np.add.accumulate(m_tokens) - m_tokens
+        np.add(scheduler.arange32(n_merge), first.repeat(m_tokens), out=merge_dest[:n_merge])
     else:
         merge_indptr[:] = 0
     buf[m0 + 1 + layout.merge_cap:d0] = 0
