@@ -84,7 +84,7 @@ def longest_first(costs):
     if costs.shape[0] >= 512:
         hi = int(_max(costs))
         if hi - int(_min(costs)) < 1 << 16:
-            return np.subtract(hi, costs, dtype=np.uint16, casting="unsafe").argsort(kind="stable")  # (mod 2**16)
+            return np.subtract(hi, costs, dtype=np.int64).astype(np.uint16).argsort(kind="stable")
     return np.negative(costs, dtype=np.int64).argsort(kind="stable")
 
 
@@ -113,16 +113,15 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
             return
         # Row r of `rounds` holds the keys before round r, sorted in place (a key's low bits name
         # its cell): item num_cells * (r + 1) + k goes to the k-th, whose key plus that item's is
-        # row r + 1's entry k.
+        # row r + 1's entry k. (Every round but the last places num_cells items.)
         num_rounds = -(-(n - pos) // num_cells)
         rounds = np.empty((num_rounds, num_cells), np.int64)
         np.bitwise_or(shifted[:num_cells], arange(num_cells), out=rounds[0])
-        for r in range(num_rounds):
-            row = rounds[r]
-            row.sort()  # (the keys are distinct: any sort gives this order)
-            if r + 1 < num_rounds:
-                np.add(row, shifted[pos:pos + num_cells], out=rounds[r + 1])
-                pos += num_cells
+        items = shifted[num_cells:num_cells * num_rounds].reshape(num_rounds - 1, num_cells)
+        for keys, placed, after in zip(rounds, items, rounds[1:]):
+            keys.sort()  # (the keys are distinct: any sort gives this order)
+            np.add(keys, placed, out=after)
+        rounds[-1].sort()
         cell_of_sorted[num_cells:] = rounds.reshape(-1)[:n - num_cells] & ((1 << bits) - 1)
         return
     keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
