@@ -77,13 +77,12 @@ class BatchAttention:
         runs them (without them a Mosaic plan carries a Triton plan beside it); run() rejects others."""
         dtypes = dispatch.plan_dtypes(q_data_type, kv_data_type)
         num_pages = validate.check_num_pages(num_pages)
-        qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
-        kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
+        qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
+        kv_indptr, kv_indices, _, kv_lens, pages = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         batch, nnz = kv_lens.shape[0], int(qo_indptr[-1])
         if qo_indptr.shape[0] != batch + 1:
             raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests, kv_indptr {batch}")
-        qo_lens = qo_indptr[1:] - qo_indptr[:-1]
         num_tokens = nnz if self.max_num_tokens is None else int(self.max_num_tokens)
         bcap = batch if self.max_batch_size is None else int(self.max_batch_size)
         num_listed = int(kv_indptr[-1])
@@ -96,7 +95,8 @@ class BatchAttention:
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
         page_base = kv_indptr[:-1]
         live = qo_lens > 0
-        if (dtypes is not None or self.mixed_impl == "mixed") and (is_short & live).any() and (~is_short & live).any():
+        if (dtypes is not None or self.mixed_impl == "mixed") and (
+                0 < np.count_nonzero(is_short & live) < np.count_nonzero(live)):  # short and long rows
             rows = self.__dict__.setdefault("_mixed_rows", {})  # candidates by dtypes: made once
             if dtypes not in rows:
                 rows[dtypes] = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
@@ -117,13 +117,12 @@ class BatchAttention:
         long_plan, impls = None, ["decode_triton"] if info["num_short"] else []
         if info["num_long_tokens"]:
             # The long requests' sub-batch: their rows and their pages (already checked above).
-            long_reqs = np.flatnonzero(~is_short)
-            pages = kv_indptr[1:] - kv_indptr[:-1]
+            long_reqs = (~is_short).nonzero()[0]
             sub_pages = pages.take(long_reqs)
             sub_indptr = np.zeros(long_reqs.shape[0] + 1, np.int32)
-            np.cumsum(sub_pages, out=sub_indptr[1:])
+            np.add.accumulate(sub_pages, out=sub_indptr[1:])  # (int32 sums: no casting loop)
             sub_qo = np.zeros(long_reqs.shape[0] + 1, np.int32)
-            np.cumsum(qo_lens.take(long_reqs), out=sub_qo[1:])
+            np.add.accumulate(qo_lens.take(long_reqs), out=sub_qo[1:])
             first, last = int(long_reqs[0]), int(long_reqs[-1])
             if last - first + 1 == long_reqs.shape[0]:  # consecutive requests: their pages are one slice
                 sub_indices = kv_indices[kv_indptr[first]:kv_indptr[last + 1]]

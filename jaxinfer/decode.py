@@ -85,8 +85,8 @@ class BatchDecodeWithPagedKVCache:
                                           num_pages)  # the only check of this page table
         if cascade == "auto":
             kv_indptr, kv_indices, kv_last_page_len = table[:3]
-            levels = auto_cascade_levels(np.arange(kv_indptr.shape[0], dtype=np.int32), kv_indptr, kv_indices,
-                                         kv_last_page_len, self.page_size, causal=False, problem=self.problem)
+            levels = auto_cascade_levels(None, kv_indptr, kv_indices, kv_last_page_len, self.page_size,
+                                         causal=False, problem=self.problem)
             if levels is not None:
                 return self._cascade_wrapper().plan(levels, num_pages=num_pages)
         layout, buf, info = decode_planner.plan_decode_checked(

@@ -145,6 +145,7 @@ def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
     return LAUNCH_US + max(total, longest, _kv_us(problem, kv_lens))
 
 
+_INF = float("inf")
 SHORT_MAX_ROWS = 64               # a short request's tokens x head group fill at most one decode tile
 SHORT_FLOPS_PER_US = 1.5e8        # decode-kernel tiles of 16-64 rows (q4 B64 kv4096: 378 µs, K/V-bound)
 
@@ -152,7 +153,7 @@ SHORT_FLOPS_PER_US = 1.5e8        # decode-kernel tiles of 16-64 rows (q4 B64 kv
 def _short_cost(problem, qo_lens, kv_lens, causal):
     longest = int(np.maximum.reduce(qo_lens, initial=0))
     if longest * problem.group > SHORT_MAX_ROWS:
-        return float("inf")  # a request too long for one decode tile
+        return _INF  # a request too long for one decode tile
     rows = max(16, 1 << max(0, (max(longest, 1) * problem.group - 1).bit_length()))
     flops = 4.0 * rows * problem.head_dim * float(kv_lens.sum()) * problem.num_kv_heads
     return LAUNCH_US + max(flops / SHORT_FLOPS_PER_US, _kv_us(problem, kv_lens))
@@ -349,16 +350,16 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
         return min(rows, key=lambda i: i.name)
     costs = {}
     if len(rows) > 1 or rows[0].cost_us is _short_cost:
-        qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
         for i in rows:
-            if i.cost_us is _short_cost:
+            if i.cost_us is _short_cost:  # (maxima and sums only: any integer dtype, no cast)
                 costs[i.name] = i.cost_us(problem, qo_lens, kv_lens, causal)
-    finite = [i for i in rows if costs.get(i.name, 0.0) < float("inf")]
+    finite = [i for i in rows if costs.get(i.name, 0.0) < _INF]
     if not finite:
         raise ValueError(f"impl={impl!r}: no kernel runs this step's lengths "
                          f"({', '.join(i.name for i in rows)} cannot)")
     if len(finite) == 1:
         return finite[0]
+    qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
     for i in finite:
         if i.name not in costs:
             costs[i.name] = i.cost_us(problem, qo_lens, kv_lens, causal)

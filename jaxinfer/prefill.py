@@ -440,9 +440,12 @@ class BlockSparseAttention(_Prefill):
 
 
 def auto_cascade_levels(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, *, causal, problem):
-    """two_level_cascade's levels when the cost model says sharing pays, else None."""
+    """two_level_cascade's levels when the cost model says sharing pays, else None. qo_indptr None:
+    one query per request (decode; made only past the O(B) test)."""
     if not prefix_planner.may_share(kv_indptr, kv_indices):  # O(B): no request shares a first page
         return None
+    if qo_indptr is None:
+        qo_indptr = np.arange(np.asarray(kv_indptr).shape[0], dtype=np.int32)
     levels, saved = two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
                                       causal=causal)
     if saved == 0:

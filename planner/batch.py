@@ -17,15 +17,22 @@ from planner.packing import PackedLayout, new_buffer
 ITEM_COLUMNS = ("request", "page_base", "tok_start", "tok_end", "part_slot", "part_stride", "q_start",
                 "qo_len")  # = pallas_kernels.decode.MULTI_ITEM_COLUMNS (tests check)
 SHORT_TOKENS = (1, 2, 4, 8, 16)  # tokens_per_item choices (static: one program each)
+_WRITETHROUGH = np.array([0, 0, -1, 1], np.int32)  # columns 2-5 of an unsplit request's item (3: its length)
+_max = np.maximum.reduce
 
 
 def short_tokens(qo_lens, group, max_rows=64):
     """tokens_per_item for this step: the smallest choice holding every request the decode kernel
     takes (qo_len * group <= max_rows); returns (tokens_per_item, is_short bool[B])."""
-    cap = max(t for t in SHORT_TOKENS if t * group <= max_rows or t == 1)
-    is_short = qo_lens <= cap
-    longest = int(qo_lens[is_short].max(initial=1))
+    is_short = qo_lens <= _short_cap(group, max_rows)
+    longest = int(_max(qo_lens, where=is_short, initial=1))
     return next(t for t in SHORT_TOKENS if t >= longest), is_short
+
+
+@lru_cache(maxsize=64)
+def _short_cap(group, max_rows):
+    """The longest query a short request may have: the largest choice whose rows fit a tile."""
+    return max(t for t in SHORT_TOKENS if t * group <= max_rows or t == 1)
 
 
 @dataclass(frozen=True)
@@ -69,22 +76,22 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     batch = kv_lens.shape[0]
     nnz = int(qo_indptr[-1])
     layout = short_layout(num_tokens, batch_cap, index_cap, num_cells, tokens_per_item)
-    qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)  # int64[B]
-    reqs = np.flatnonzero(is_short & (qo_lens > 0))
+    qo_lens = qo_indptr[1:] - qo_indptr[:-1]  # int32[B]
+    reqs = (is_short & (qo_lens > 0)).nonzero()[0]
     lens_r = kv_lens.take(reqs).astype(np.int64)
-    pages = -(-lens_r // page_size)
-    chunk = scheduler.kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
-    nchunks = -(-pages // chunk)
+    pages = (lens_r + (page_size - 1)) // page_size
+    chunk = scheduler.chunk_for_total(np.add.reduce(pages), num_cells, -(-min_split_tokens // page_size))
+    nchunks = (pages + (chunk - 1)) // chunk
     np.maximum(nchunks, 1, out=nchunks)
     num_short = reqs.shape[0]
-    work = np.empty((int(nchunks.sum()), len(ITEM_COLUMNS)), np.int64)  # items in request order
-    if not num_short or int(nchunks.max()) == 1:  # nothing split: one writethrough item per request
+    # Items in request order, in int32 (the buffer's type: values wrap as its cast would).
+    work = np.empty((int(np.add.reduce(nchunks)), len(ITEM_COLUMNS)), np.int32)
+    if not num_short or int(_max(nchunks)) == 1:  # nothing split: one writethrough item per request
         n_items, n_parts, n_merge = num_short, 0, 0
         work[:, 0] = reqs
         work[:, 1] = kv_indptr.take(reqs)
-        work[:, 2] = 0
+        work[:, 2:6] = _WRITETHROUGH  # tok_start 0, part_slot -1, part_stride 1
         work[:, 3] = lens_r
-        work[:, 4:6] = (-1, 1)
         work[:, 6] = qo_indptr.take(reqs)
         work[:, 7] = qo_lens.take(reqs)
         spans = lens_r
@@ -109,7 +116,7 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         work[:, 7] = qo_lens.take(req)
         spans = work[:, 3] - tok_start
         # Merge groups: one per token of a split request, its nchunks partials contiguous.
-        sreq = np.flatnonzero(split)
+        sreq = split.nonzero()[0]
         tokens = qo_lens.take(reqs.take(sreq))
         n_merge = int(tokens.sum())
     if n_items > layout.item_cap or n_parts > layout.part_cap:
@@ -125,14 +132,13 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
 
     buf = new_buffer(layout.size)
     buf[:] = 0
-    (i0, _), (l0, _), (t0, _), (c0, c1), (m0, _), (d0, d1), (p0, p1) = (
-        layout.offsets[name] for name in ("kv_indices", "kv_lens", "items", "cell_indptr", "merge_indptr",
-                                          "merge_dest", "prefill_rows"))
+    i0, l0, t0, c0, m0, d0, p0 = layout.starts
     buf[i0:i0 + kv_indices.shape[0]] = kv_indices
     buf[l0:l0 + batch] = kv_lens
-    buf[t0:t0 + n_items * len(ITEM_COLUMNS)].reshape(n_items, len(ITEM_COLUMNS))[:] = work.take(order, axis=0)
-    buf[c0:c1] = cell_indptr
-    merge_dest = buf[d0:d1]
+    items = buf[t0:t0 + n_items * len(ITEM_COLUMNS)].reshape(n_items, len(ITEM_COLUMNS))
+    work.take(order, axis=0, out=items, mode="clip")  # (clip: in range; no buffered copy)
+    buf[c0:c0 + layout.num_cells + 1] = cell_indptr
+    merge_dest = buf[d0:d0 + layout.merge_cap]
     merge_dest[:] = -1
     if n_merge:
         g_req = np.repeat(sreq, tokens)
@@ -141,15 +147,19 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         merge_indptr[:n_merge] = part_first.take(g_req) + (t_in + 1) * nchunks.take(g_req)
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
         merge_dest[:n_merge] = qo_indptr.take(reqs.take(g_req)) + t_in
-    prefill_rows = buf[p0:p1]
-    if bool(is_short.all()):  # every row is short
-        prefill_rows[:] = num_tokens
+    prefill_rows = buf[p0:p0 + num_tokens]
+    long_reqs = (~is_short).nonzero()[0]
+    if not long_reqs.shape[0]:  # every row is short
         num_long = 0
+    elif int(long_reqs[-1]) - int(long_reqs[0]) + 1 == long_reqs.shape[0]:  # consecutive: one run of rows
+        start = int(qo_indptr[long_reqs[0]])
+        num_long = int(qo_indptr[long_reqs[-1] + 1]) - start
+        np.add(scheduler.arange32(num_long), start, out=prefill_rows[:num_long])
     else:
-        long_rows = np.flatnonzero(np.repeat(~is_short, qo_lens))
+        long_rows = np.repeat(~is_short, qo_lens).nonzero()[0]
         num_long = long_rows.shape[0]
         prefill_rows[:num_long] = long_rows
-        prefill_rows[num_long:] = num_tokens
+    prefill_rows[num_long:] = num_tokens
     info = dict(chunk_pages=chunk, num_items=n_items, num_short=num_short, num_long_tokens=num_long, nnz=nnz)
     return layout, buf, info
 

@@ -15,7 +15,6 @@ from planner.packing import PackedLayout, new_buffer
 _max = np.maximum.reduce
 
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
-_WRITETHROUGH = np.array([0, -1], np.int32)  # (tok_start, part_slot) of an unsplit request's item
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,8 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
         n_items = bcap
         items[:n_items, 0] = order
         items[:n_items, 1] = base.take(order)
-        items[:n_items, 2::2] = _WRITETHROUGH
+        items[:n_items, 2] = 0  # tok_start
+        items[:n_items, 4] = -1  # part_slot: writethrough (two fills: a broadcast row is slower)
         items[:n_items, 3] = lens.take(order)
         buf[c1:d0] = 0  # cell_indptr's gap, merge_indptr (no split request), its gap
         buf[d0:d0 + layout.merge_cap] = -1

@@ -72,6 +72,16 @@ class PrefillLayout(PackedLayout):
 
 
 
+@lru_cache(maxsize=64)
+def _request_fields(rows):
+    """int32[rows, ITEM_FIELDS], read-only: each request's item fields before its values, 0 but
+    fields 7 (no partials), 10 (no mask) and 12 (no tail slot): -1."""
+    fields = np.zeros((rows, ITEM_FIELDS), np.int32)
+    fields[:, [7, 10, 12]] = -1
+    fields.flags.writeable = False
+    return fields
+
+
 @lru_cache(maxsize=256)
 def prefill_layout(*args, **kwargs):
     """PrefillLayout.for_capacities, one instance per capacities (its offsets computed once)."""
@@ -128,7 +138,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     # Per request (and one padding request over rows [nnz, num_tokens)), int64[4, B + 1]: first
     # row (nnz for the padding request), qo_len, kv_len, first tile; gathered per tile at once.
     per_r = np.empty((4, batch + 1), np.int64)
-    qo_start, all_qo, all_kv, tile_first = per_r
+    qo_start, all_qo, all_kv, tile_first = per_r[0], per_r[1], per_r[2], per_r[3]  # (quicker than unpacking)
     qo_start[:] = qo_indptr
     all_qo[:batch] = qo_lens
     all_qo[batch] = num_tokens - nnz
@@ -144,7 +154,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     num_tiles = int(tile_first[-1])
     tile_first -= ntiles  # each request's first tile
     req = scheduler.arange(batch + 1).repeat(ntiles)  # request of each tile
-    start_r, qo_r, kv_r, first_r = per_r.take(req, axis=1)
+    per_t = per_r.take(req, axis=1)
+    start_r, qo_r, kv_r, first_r = per_t[0], per_t[1], per_t[2], per_t[3]
     # Each tile's first token within its request.
     tile_tok = scheduler.arange(num_tiles) - first_r
     tile_tok *= tpt
@@ -173,14 +184,15 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         if max_num_tokens is None:  # shapes follow the inputs anyway: size for this split
             num_splits = max(num_splits, -(-int(span.sum()) // chunk))
     else:
-        chunk = scheduler.kv_chunk_size(span, num_cells, min_split_tokens)
+        chunk = scheduler.chunk_for_total(np.add.reduce(span), num_cells, min_split_tokens)
     layout = prefill_layout(num_tokens, bcap, icap, int(num_cells), rows, group, num_splits, tails=tails)
 
     nchunks = (span + (chunk - 1)) // chunk  # (span >= 0)
     np.maximum(nchunks, 1, out=nchunks)
     if num_tiles and int(_max(nchunks)) > 1:
         split = nchunks > 1
-        part_size = np.where(split, tile_tokens * nchunks, 0)
+        part_size = tile_tokens * nchunks
+        part_size *= split  # (0 for unsplit tiles)
         item_first = nchunks.cumsum()
         num_items = int(item_first[-1])
         item_first -= nchunks
@@ -231,10 +243,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
             delta += pos_off
         # In int32 (no casting pass over nnz entries): sums wrap as the buffer's cast would.
         delta = np.subtract(delta, qo_start[:batch], dtype=np.int32, casting="unsafe")
-        if batch and int(_max(qo_lens)) * batch == nnz:  # equal lengths: [B, qo_len] rows, no repeat
-            np.add(scheduler.arange32(nnz).reshape(batch, -1), delta[:, None], out=q_pos[:nnz].reshape(batch, -1))
-        else:
-            np.add(scheduler.arange32(nnz), delta.repeat(qo_lens), out=q_pos[:nnz])
+        np.add(scheduler.arange32(nnz), delta.repeat(qo_lens), out=q_pos[:nnz])
     else:
         q_pos[:nnz] = q_positions
     buf[q0 + nnz:t0] = 0
@@ -245,10 +254,9 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         kv_off = np.zeros(batch + 1, np.int64)
         kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
     # int32, the buffer's type (values wrap as its cast would): items are gathered without a cast.
-    per_req = np.zeros((batch + 1, ITEM_FIELDS), np.int32)
+    per_req = _request_fields(bcap + 1)[:batch + 1].copy()
     per_req[:, 0:5:2] = per_r[:3].T  # fields 0, 2, 4: first row, qo_len, kv_len
     per_req[:batch, 3] = page_base
-    per_req[:, 7:11:3] = -1  # fields 7 (no partials) and 10 (no mask)
     if mask_offsets is not None:
         per_req[:batch, 10] = mask_offsets
         per_req[batch, 10] = 0
@@ -264,14 +272,14 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     per_tile[:, 8] = nchunks
     if split is not None:
         np.copyto(per_tile[:, 7], part_base, where=split)
-    # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each.
+    # Tiles not wholly the request's rows (partial, or starting before it): a tail slot each
+    # (field 12; -1 for whole tiles).
     is_tail = tile_tokens < tpt  # (tile_tok + tpt > qo_r)
     if tails:
         is_tail |= tile_tok < 0  # (tile_tok >= 0 in other plans)
-    tail_slot = per_tile[:, 12]
-    np.add.accumulate(is_tail, out=tail_slot, dtype=np.int32)
-    np.multiply(tail_slot, is_tail, out=tail_slot)
-    np.subtract(tail_slot, 1, out=tail_slot)  # -1 for whole tiles
+    tail_tiles = is_tail.nonzero()[0]
+    if tail_tiles.shape[0]:
+        per_tile[tail_tiles, 12] = scheduler.arange32(tail_tiles.shape[0])
     # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from
     # its first real row.
     if num_tiles:
@@ -305,21 +313,16 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
     merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
-    if n_merge and n_merge == split_tiles.shape[0] * tpt:  # full tiles only: [tiles, tpt] groups
-        # In int32 (sums wrap as the buffer's cast would), without a casting pass. Each token of
-        # a split tile has the tile's nchunks partials, all of them contiguous: their ends are a
-        # cumulative sum.
-        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8)
-        np.add.accumulate(fields[:, 8].repeat(tpt), out=merge_indptr[:n_merge])
+    if n_merge:
+        # Each token of a split tile has the tile's nchunks partials, all of them contiguous: the
+        # groups' ends are a cumulative sum. In int32 (sums wrap as the buffer's cast would).
+        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8 = nchunks)
+        np.add.accumulate(fields[:, 8].repeat(m_tokens), out=merge_indptr[:n_merge])
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        np.add((fields[:, 0] + fields[:, 1])[:, None], scheduler.arange32(tpt),
-               out=merge_dest[:n_merge].reshape(-1, tpt))
-    elif n_merge:
-        t_in = scheduler.arange(n_merge) - np.repeat(np.cumsum(m_tokens) - m_tokens, m_tokens)
-        tile_m = np.repeat(split_tiles, m_tokens)
-        merge_indptr[:n_merge] = part_base.take(tile_m) + (t_in + 1) * nchunks.take(tile_m)
-        merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        merge_dest[:n_merge] = qo_start.take(req.take(tile_m)) + tile_tok.take(tile_m) + t_in
+        # Tile k's rows: its groups' indices, less its first group's, plus its first row (fields 0 + 1).
+        first = fields[:, 0] + fields[:, 1]
+        first -= np.add.accumulate(m_tokens) - m_tokens
+        np.add(scheduler.arange32(n_merge), first.repeat(m_tokens), out=merge_dest[:n_merge])
     else:
         merge_indptr[:] = 0
     buf[m0 + 1 + layout.merge_cap:d0] = 0
@@ -327,7 +330,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     buf[d0 + layout.merge_cap:e0] = 0
     if tails:  # tail slot s holds tile t's rows: tail row s * tpt + j -> token tile_tok[t] + j
         tail_dest, lse_src = buf[e0:e0 + layout.tail_cap], buf[s0:s0 + num_tokens]
-        t = np.flatnonzero(is_tail)
+        t = tail_tiles
         tok = tile_tok[t][:, None] + np.arange(tpt)[None, :]  # [slots, tpt]
         live_tok = (tok >= 0) & (tok < qo_r[t][:, None])
         dest = np.where(live_tok, qo_start[req[t]][:, None] + tok, num_tokens).reshape(-1)

@@ -12,6 +12,8 @@ import numpy as np
 
 from planner import validate
 
+_any = np.logical_or.reduce
+
 
 class _Node:
     __slots__ = ("edge", "children", "parent", "last_used", "locks")
@@ -140,7 +142,7 @@ def may_share(kv_indptr, kv_indices):
     if indptr.shape[0] < 3 or not indices.shape[0]:
         return False
     first = indices.take(indptr[:-1], mode="clip")  # each request's first page id
-    return bool((first[1:] == first[:-1]).any())
+    return bool(_any(first[1:] == first[:-1]))
 
 
 def shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size, min_shared_pages=1,

@@ -74,7 +74,7 @@ def assign_positive(costs, num_cells, out=None):
     cell_of_item[by_cost] = cell_of_sorted
     order = cell_of_item.argsort(kind="stable")  # by cell, then by item id (radix sort: int16)
     cell_indptr[0] = 0
-    np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells), out=cell_indptr[1:])
+    cell_indptr[1:] = np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells))  # (an int32 out= is slower)
     return order, cell_indptr
 
 
@@ -100,7 +100,6 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
     says how far that holds: that prefix is exactly what the heap does). Rounds stop paying
     when they place few items; a heap of packed keys does the rest."""
     n = shifted.shape[0]
-    keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
     pos = num_cells
     # The keys' spread is at most hi - mid + num_cells - 1 (shifted is sorted, longest first).
     hi, mid, lo = int(shifted[0]), int(shifted[num_cells - 1]), int(shifted[n - 1])
@@ -109,18 +108,23 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
         # that of the costs): every round of num_cells items goes to the cells in key order. (While
         # a round runs, each new key exceeds every old one, and a round leaves the keys' spread
         # within the larger of those two spreads.)
-        while pos < n:
-            # (keys are distinct: any sort gives this order; timsort is quicker on the first
-            # round's keys, nearly in descending order)
-            by_key = keys.argsort(kind="stable")
-            took = min(num_cells, n - pos)
-            if took < num_cells:
-                by_key = by_key[:took]
-            cell_of_sorted[pos:pos + took] = by_key
-            pos += took
-            if pos < n:  # (the last round's keys are not needed)
-                keys[by_key] += shifted[pos - took:pos]
+        if n - pos <= num_cells:  # one round: (timsort is quick on these keys, nearly descending)
+            cell_of_sorted[pos:] = (shifted[:num_cells] | arange(num_cells)).argsort(kind="stable")[:n - pos]
+            return
+        # Row r of `rounds` holds the keys before round r, sorted in place (a key's low bits name
+        # its cell): item num_cells * (r + 1) + k goes to the k-th, whose key plus that item's is
+        # row r + 1's entry k. (Every round but the last places num_cells items.)
+        num_rounds = -(-(n - pos) // num_cells)
+        rounds = np.empty((num_rounds, num_cells), np.int64)
+        np.bitwise_or(shifted[:num_cells], arange(num_cells), out=rounds[0])
+        items = shifted[num_cells:num_cells * num_rounds].reshape(num_rounds - 1, num_cells)
+        for keys, placed, after in zip(rounds, items, rounds[1:]):
+            keys.sort()  # (the keys are distinct: any sort gives this order)
+            np.add(keys, placed, out=after)
+        rounds[-1].sort()
+        cell_of_sorted[num_cells:] = rounds.reshape(-1)[:n - num_cells] & ((1 << bits) - 1)
         return
+    keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
     while n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
         m = min(num_cells, n - pos)
         by_key = keys.argsort()[:m]

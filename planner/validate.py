@@ -67,14 +67,15 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pag
         raise ValueError(f"kv_indices holds page ids outside [0, {num_pages})")
     if not batch:
         return kv_indptr, kv_indices, kv_last_page_len, np.zeros(0, np.int32), pages
-    last_m1 = kv_last_page_len - 1  # in [0, page_size) as uint32 <=> last in [1, page_size]
+    unused = page_size - kv_last_page_len  # in [0, page_size) as uint32 <=> last in [1, page_size]
     if least > 0:  # every request has pages (the common case)
-        bad = _max(last_m1.view(np.uint32)) >= page_size
-        kv_lens = (pages - 1) * page_size + kv_last_page_len
+        bad = _max(unused.view(np.uint32)) >= page_size
+        kv_lens = pages * page_size
+        kv_lens -= unused  # (pages - 1) * page_size + last
     else:
         has_pages = pages > 0
-        bad = _max(np.where(has_pages, last_m1, 0).view(np.uint32)) >= page_size
-        kv_lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
+        bad = _max(np.where(has_pages, unused, 0).view(np.uint32)) >= page_size
+        kv_lens = np.where(has_pages, pages * page_size - unused, 0).astype(np.int32)
     if bad:
         raise ValueError(f"kv_last_page_len must lie in [1, page_size={page_size}] for requests with pages")
     return kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages
