@@ -113,7 +113,7 @@ def test_prefill_plans_match_the_old_planner(seed):
     kv = qo + _lens(rng, batch, int(rng.choice([2, 500, 3000])))
     if seed % 5 == 0:  # decode rows mixed with prefill chunks
         qo[: batch // 2] = 1
-    if seed % 8 == 2:  # equal lengths, whole tiles (the [B, qo_len] and [tiles, tokens] shortcuts)
+    if seed % 8 == 2:  # equal lengths, whole tiles
         qo[:] = 256
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     page = int(rng.choice([1, 16]))
