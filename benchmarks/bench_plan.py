@@ -5,6 +5,7 @@
 Rows (issue 22): decode B 1, 64, 128, 256, 1024 at page 1 and 16, cascade off / "auto" (no
 request shares a page, so "auto" plans a plain decode); paged prefill B 4 x 2048 (causal) and
 B 64 mixed (4 chunks of 512 queries + 60 decode rows); BatchAttention on the same mixed step
+(two classes, and impl="mixed": the one launch "auto" picks there on a Hopper GPU)
 and on 64 requests of 4 query tokens (speculative verify). Page ids are a shuffled subset of a
 cache of num_pages pages (given to plan(), as in serving); every wrapper has fixed capacities;
 prefill and BatchAttention plans are told their dtypes (q_data_type="bfloat16"), so a Hopper GPU
@@ -74,12 +75,12 @@ def prefill_case(rng, qo_lens, kv_lens, name, page=16):
     return name, lambda: pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages, q_data_type="bfloat16")
 
 
-def batch_case(rng, qo_lens, kv_lens, name, page=16):
+def batch_case(rng, qo_lens, kv_lens, name, page=16, impl="auto"):
     indptr, indices, last, num_pages = page_table(rng, kv_lens, page)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     attn = ji.BatchAttention(**HEADS, page_size=page, max_batch_size=len(qo_lens),
                              max_num_tokens=int(qo_indptr[-1]), max_num_pages=int(indptr[-1]),
-                             num_ctas=DECODE_CTAS)
+                             num_ctas=DECODE_CTAS, impl=impl)
     return name, lambda: attn.plan(qo_indptr, indptr, indices, last, num_pages=num_pages, q_data_type="bfloat16")
 
 
@@ -93,6 +94,8 @@ def cases(rng):
     kv = np.r_[rng.integers(512, 4097, 4), rng.integers(1024, 4097, 60)]
     yield prefill_case(rng, qo, kv, "prefill B64 mixed (4 x 512 + 60 x 1) page 16")
     yield batch_case(rng, qo, kv, "BatchAttention B64 mixed (4 x 512 + 60 decode)")
+    # (what "auto" plans on a Hopper GPU: one mixed launch; the CPU's "auto" plans two classes)
+    yield batch_case(rng, qo, kv, "BatchAttention B64 mixed, impl='mixed'", impl="mixed")
     yield batch_case(rng, np.full(64, 4), rng.integers(1024, 4097, 64), "BatchAttention q4 B64")
 
 

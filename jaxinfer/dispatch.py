@@ -12,6 +12,7 @@ KV (Mosaic), the critical path of the longest tile. Its constants are below, eac
 measured row it came from (one H100, jax 0.11.2; benchmarks/regress.py rows).
 """
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import numpy as np
@@ -227,15 +228,22 @@ def _classes(problem, qo_lens):
     return is_short & live, ~is_short & live
 
 
+@functools.lru_cache(maxsize=64)
+def _prefill_rows(problem, hopper):
+    """A batch problem's long requests as a prefill problem, and the prefill rows (other than the
+    short-query one) that can run it; hopper (problem.hopper, which can change) keys the cache."""
+    prefill = dataclasses.replace(problem, family="prefill")
+    return prefill, tuple(i for i in candidates(prefill) if i.cost_us is not _short_cost)
+
+
 def _batch_classes_cost(problem, qo_lens, kv_lens, causal):
     """Short requests on the decode kernel, then the long ones on the cheaper prefill kernel, their
     rows gathered and put back."""
     short, long_ = _classes(problem, qo_lens)
     cost = _short_cost(problem, qo_lens[short], kv_lens[short], causal) if short.any() else 0.0
     if long_.any():
-        prefill = dataclasses.replace(problem, family="prefill")
-        cost += min(i.cost_us(prefill, qo_lens[long_], kv_lens[long_], causal)
-                    for i in candidates(prefill) if i.cost_us is not _short_cost)
+        prefill, rows = _prefill_rows(problem, problem.hopper)
+        cost += min(i.cost_us(prefill, qo_lens[long_], kv_lens[long_], causal) for i in rows)
         if short.any():  # the long rows gathered and put back among the short ones
             cost += CLASSES_ROW_PASSES * _row_us(problem, qo_lens)
     return cost

@@ -124,24 +124,27 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
         rounds[-1].sort()
         cell_of_sorted[num_cells:] = rounds.reshape(-1)[:n - num_cells] & ((1 << bits) - 1)
         return
-    keys = shifted[:num_cells] | arange(num_cells)  # each cell's key, by cell
+    keys = shifted[:num_cells] | arange(num_cells)  # each cell's key (its low bits name the cell)
+    mask = (1 << bits) - 1
+    keys.sort()  # kept sorted: the k-th key is the k-th least-loaded cell
     while n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
         m = min(num_cells, n - pos)
-        by_key = keys.argsort()[:m]
-        old = keys.take(by_key)
+        old = keys[:m]
         new = old + shifted[pos:pos + m]
-        # item pos + k + 1 goes to by_key[k + 1] iff min(new[:k + 1]) > old[k + 1]
-        stop = np.flatnonzero(np.minimum.accumulate(new[:-1]) < old[1:])
-        took = m if stop.shape[0] == 0 else int(stop[0]) + 1
-        keys[by_key[:took]] = new[:took]
-        cell_of_sorted[pos:pos + took] = by_key[:took]
+        # item pos + k + 1 goes to the cell of old[k + 1] iff min(new[:k + 1]) > old[k + 1]
+        later = np.minimum.accumulate(new[:-1]) < old[1:]
+        first = int(later.argmax())
+        took = first + 1 if later[first] else m
+        np.bitwise_and(old[:took], mask, out=cell_of_sorted[pos:pos + took], casting="unsafe")
+        keys[:took] = new[:took]
+        keys.sort()
         pos += took
         if took < ROUND_MIN_ITEMS:
             break
     if pos < n:
         heap = keys.tolist()
         heapq.heapify(heap)
-        replace, mask = heapq.heapreplace, (1 << bits) - 1  # pop the least-loaded cell, push its new load
+        replace = heapq.heapreplace  # pop the least-loaded cell, push its new load
         cells = [replace(heap, heap[0] + s) & mask for s in shifted[pos:].tolist()]
         # (small ints to an array: through bytes, a C loop, when they fit in one)
         cell_of_sorted[pos:] = np.frombuffer(bytes(cells), np.uint8) if num_cells <= 256 else cells
