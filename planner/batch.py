@@ -271,12 +271,12 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     tile_tok = (scheduler.arange(num_tiles) - tile_first.take(tile_req)) * T - q_off.take(tile_req)
     qo_t, kv_t = qo_l.take(tile_req), kv_l.take(tile_req)
     # Keys visible to the tile's last token (causal), else all of them.
-    kv_hi = np.clip(kv_t - qo_t + np.minimum(tile_tok + T, qo_t), 0, kv_t) if causal else kv_t
+    kv_hi = np.minimum(np.maximum(kv_t - qo_t + np.minimum(tile_tok + T, qo_t), 0), kv_t) if causal else kv_t
 
     # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
     # packed_slot0 + short index * Hkv + KV head).
     n_q, n_p = num_tiles * num_qo_heads, p_start.shape[0] * num_kv_heads
-    items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int64)
+    items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int32)
     rq = long_.take(tile_req)
     q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED_ITEM_FIELDS)
     q_items[:, :, 0] = start_l.take(tile_req)[:, None]
@@ -307,16 +307,18 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     (i0, _), (t0, _), (c0, c1), (s0, s1) = (layout.offsets[name] for name in (
         "kv_indices", "items", "cell_indptr", "lse_src"))
     buf[i0:i0 + kv_indices.shape[0]] = kv_indices
-    buf[t0:t0 + items.size].reshape(items.shape)[:] = items.take(order, axis=0)
+    items.take(order, axis=0, out=buf[t0:t0 + items.size].reshape(items.shape), mode="clip")  # (in range)
     buf[c0:c1] = cell_indptr
     # lse_src: per row of q.
     lse_src = buf[s0:s1]
     lse_src[:] = -1
-    if num_tiles:
-        tok_in = np.arange(int(qo_l.sum())) - np.repeat(np.cumsum(qo_l) - qo_l, qo_l) + np.repeat(q_off, qo_l)
-        tile_of = np.repeat(tile_first, qo_l) + tok_in // T  # [long rows]
-        rows = start_l.repeat(qo_l) + tok_in - np.repeat(q_off, qo_l)
-        lse_src[rows] = tile_of * (num_qo_heads * T) + tok_in % T
+    if num_tiles:  # row r, token i of its request's tiles (from the aligned row): tile i // T, row i % T
+        req = np.repeat(scheduler.arange(long_.shape[0]), qo_l)  # [long rows]
+        aligned = start_l - q_off
+        rows = scheduler.arange(req.shape[0]) + (start_l - (np.cumsum(qo_l) - qo_l)).take(req)  # rows of q
+        tok_in = rows - aligned.take(req)
+        lse_src[rows] = rows + (tile_first * (num_qo_heads * T) - aligned).take(req) + (
+            tok_in // T) * ((num_qo_heads - 1) * T)
     if p_start.shape[0]:
         t_in = np.arange(int(p_qo.sum())) - np.repeat(np.cumsum(p_qo) - p_qo, p_qo)
         slot = layout.packed_slot0 + np.repeat(scheduler.arange(p_start.shape[0]) * num_kv_heads, p_qo)
