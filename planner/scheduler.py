@@ -126,21 +126,22 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
         return
     keys = shifted[:num_cells] | arange(num_cells)  # each cell's key (its low bits name the cell)
     mask = (1 << bits) - 1
-    keys.sort()  # kept sorted: the k-th key is the k-th least-loaded cell
-    while n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
-        m = min(num_cells, n - pos)
-        old = keys[:m]
-        new = old + shifted[pos:pos + m]
-        # item pos + k + 1 goes to the cell of old[k + 1] iff min(new[:k + 1]) > old[k + 1]
-        later = np.minimum.accumulate(new[:-1]) < old[1:]
-        first = int(later.argmax())
-        took = first + 1 if later[first] else m
-        np.bitwise_and(old[:took], mask, out=cell_of_sorted[pos:pos + took], casting="unsafe")
-        keys[:took] = new[:took]
-        keys.sort()
-        pos += took
-        if took < ROUND_MIN_ITEMS:
-            break
+    if n - pos >= ROUND_MIN_ITEMS and num_cells >= ROUND_MIN_ITEMS:
+        keys.sort()  # sorted between rounds: the k-th key is the k-th least-loaded cell
+        while True:
+            m = min(num_cells, n - pos)
+            old = keys[:m]
+            new = old + shifted[pos:pos + m]
+            # item pos + k + 1 goes to the cell of old[k + 1] iff min(new[:k + 1]) > old[k + 1]
+            later = np.minimum.accumulate(new[:-1]) < old[1:]
+            first = int(later.argmax())
+            took = first + 1 if later[first] else m
+            np.bitwise_and(old[:took], mask, out=cell_of_sorted[pos:pos + took], casting="unsafe")
+            keys[:took] = new[:took]
+            pos += took
+            if took < ROUND_MIN_ITEMS or n - pos < ROUND_MIN_ITEMS:
+                break
+            keys.sort()
     if pos < n:
         heap = keys.tolist()
         heapq.heapify(heap)
