@@ -162,6 +162,25 @@ def test_mixed_kernel_compiles_once_under_capacities(rng):
     assert len(traces) == 1
 
 
+def test_auto_told_the_dtypes_picks_the_mixed_launch_where_the_model_says(rng, monkeypatch):
+    """On Hopper (patched in), plan(q_data_type=...) lets "auto" weigh the batch family's rows:
+    chunks with decode rows take the mixed launch, a decode row of long context keeps the two
+    classes, and a plan without dtypes always keeps them (the mixed kernel takes 16-bit only)."""
+    from jaxinfer import _backend
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
+    monkeypatch.setattr(_backend, "num_sms", lambda default=132: 132)
+    attn = ji.BatchAttention(32, 8, 128, 16)
+    for qo, kv, told, impl in (([512] * 4 + [1] * 60, [2048] * 4 + [3000] * 60, True, "batch_mosaic"),
+                               ([512, 1], [2048, 131072], True, "decode_triton+prefill_mosaic"),
+                               ([512] * 4 + [1] * 60, [2048] * 4 + [3000] * 60, False,
+                                "decode_triton+prefill_mosaic")):
+        indptr, indices, last, num_pages = page_table(rng, np.array(kv), 16)
+        qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        plan = attn.plan(qo_indptr, indptr, indices, last, num_pages=num_pages,
+                         q_data_type="bfloat16" if told else None)
+        assert plan.impl == impl, (qo[:2], kv[:2], told)
+
+
 @pytest.mark.parametrize("hq, hkv, qo", [(8, 2, [3, 300, 0, 1, 130, 16, 9]), (9, 1, [3, 5, 300, 1, 6])])
 def test_mixed_plan_covers_every_row_once(rng, hq, hkv, qo):
     """planner.batch.plan_mixed (NumPy only): each long row x query head lies in exactly one
