@@ -209,7 +209,6 @@ def _mosaic_unsupported(problem, explicit):
 MIXED_TILE_FLOPS_PER_US = 4.59e8  # its query tiles alone (the 4 chunks): 62.3 GFLOP in 135.6 µs
 MIXED_BYTES_PER_US = 2.75e6       # its packed tiles alone (the 60 decode rows): 566 MB in 205.5 µs
 MIXED_OVERLAP = 0.97              # the whole launch (330.8 µs) against its parts' sum (341.1)
-SM_BYTES_PER_US = MIXED_BYTES_PER_US / 132  # one SM's share
 # Moving every row of the step once costs its q bytes over HBM_BYTES_PER_US; measured in the same
 # traces (2108 rows, 17.3 MB), the two-class path moves them 5.7 times (the long rows' q gathered,
 # o and lse put back: 34 µs); the mixed launch reads q and writes o in place.
@@ -260,9 +259,9 @@ def _batch_mosaic_cost(problem, qo_lens, kv_lens, causal):
     kv_short = kv_lens[short]
     total = MIXED_OVERLAP * (tile_flops * keys * problem.num_qo_heads / MIXED_TILE_FLOPS_PER_US
                              + _kv_us(problem, kv_short, MIXED_BYTES_PER_US))
-    per_sm = MIXED_TILE_FLOPS_PER_US / _backend.num_sms()
-    longest = max(tile_flops * float(kv_lens[long_].max(initial=0)) / per_sm,
-                  2.0 * KV_ITEMSIZE * problem.head_dim * float(kv_short.max(initial=0)) / SM_BYTES_PER_US)
+    sms = _backend.num_sms()  # one SM runs a tile at its share of either rate
+    longest = max(tile_flops * float(kv_lens[long_].max(initial=0)) / (MIXED_TILE_FLOPS_PER_US / sms),
+                  2.0 * KV_ITEMSIZE * problem.head_dim * float(kv_short.max(initial=0)) / (MIXED_BYTES_PER_US / sms))
     return LAUNCH_US + max(total, longest)
 
 
