@@ -204,11 +204,11 @@ def _mosaic_unsupported(problem, explicit):
 
 
 # A mixed step in one persistent Mosaic launch (BatchAttention impl "mixed", planner.batch.plan_mixed),
-# measured by its parts in profiler traces (BENCHMARKS.md, session 16; the mixed step 4 x 512 on
-# 1536 + 60 decode):
+# measured by its parts in profiler traces (BENCHMARKS.md, sessions 16-17; the mixed step 4 x 512
+# on 1536 + 60 decode):
 MIXED_TILE_FLOPS_PER_US = 4.59e8  # its query tiles alone (the 4 chunks): 62.3 GFLOP in 135.6 µs
 MIXED_BYTES_PER_US = 2.75e6       # its packed tiles alone (the 60 decode rows): 566 MB in 205.5 µs
-MIXED_OVERLAP = 0.97              # the whole launch (330.8 µs) against its parts' sum (341.1)
+MIXED_OVERLAP = 0.94              # the whole launch (320.4 µs) against its parts' sum (341.1)
 # Moving every row of the step once costs its q bytes over HBM_BYTES_PER_US; measured in the same
 # traces (2108 rows, 17.3 MB), the two-class path moves them 5.7 times (the long rows' q gathered,
 # o and lse put back: 34 µs); the mixed launch reads q and writes o in place.
