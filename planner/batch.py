@@ -166,7 +166,6 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
 
 MIXED_ITEM_FIELDS = 16          # = pallas_kernels.prefill_mosaic.ITEM_FIELDS
 MIXED_ITEM_COLUMNS = ("head", "lse_slot", "packed")  # fields 7-9 (= prefill_mosaic's)
-ROW_ALIGN = 8                   # query tiles start at 8-aligned rows of q (TMA)
 
 
 @dataclass(frozen=True)
@@ -187,8 +186,7 @@ class MixedLayout(PackedLayout):
     @classmethod
     def for_capacities(cls, num_tokens, batch, index_cap, num_cells, num_qo_heads, num_kv_heads, tile_tokens,
                        tokens_per_item):
-        # A request's tiles start at the aligned row below it: ceil((qo + 7) / T) <= (qo + T + 6) / T.
-        tile_cap = -(-(num_tokens + batch * (tile_tokens + ROW_ALIGN - 2)) // tile_tokens)
+        tile_cap = -(-(num_tokens + batch * (tile_tokens - 1)) // tile_tokens)  # sum of ceil(qo / T)
         return cls(num_tokens, batch, index_cap, num_cells, num_qo_heads, num_kv_heads, tile_tokens,
                    tokens_per_item, tile_cap)
 
@@ -212,24 +210,15 @@ def mixed_layout(*args):
     return MixedLayout.for_capacities(*args)
 
 
-def mixed_packed_tokens(tokens_per_item, group, max_rows=64):
-    """A mixed plan's packed-tile tokens: the short requests' tokens_per_item, at least
-    ROW_ALIGN - 1 where that many tokens x the group fit a tile (an unaligned long request's
-    first rows then take a packed tile: see plan_mixed)."""
-    return max(tokens_per_item, ROW_ALIGN - 1) if (ROW_ALIGN - 1) * group <= max_rows else tokens_per_item
-
-
 def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size, num_qo_heads, num_kv_heads,
                num_cells, tile_tokens, tokens_per_item, num_tokens, batch_cap, index_cap, causal,
                item_cost=256):
     """One persistent work list for a mixed step (pallas_kernels.prefill_mosaic, packed_tokens):
     each short request (is_short) is one packed tile per KV head over all its keys; each other
-    request is query tiles of tile_tokens tokens per query head from an 8-aligned row of q (TMA):
-    its rows before the first such row take a packed tile per KV head when they fit one
-    (mixed_packed_tokens), else its first tile starts at the aligned row below it (the kernel
-    stores only the request's rows). KV is never split. Items go to cells longest first
-    (Algorithm 1), costed in keys: a packed tile's keys or a query tile's visible keys, plus
-    item_cost each. (Equal weights measured best on an H100: 320 µs traced on the mixed row
+    request is query tiles of tile_tokens tokens per query head from its first row (the kernel
+    reads and stores q / o rows at any start). KV is never split. Items go to cells longest
+    first (Algorithm 1), costed in keys: a packed tile's keys or a query tile's visible keys,
+    plus item_cost each. (Equal weights measured best on an H100: 320 µs traced on the mixed row
     against 332 with a query tile's key at twice a packed tile's.)
 
     Returns (layout, buffer, info). lse_src[n] (row n of q): a query-tile row's lse index for
@@ -238,61 +227,45 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     group = num_qo_heads // num_kv_heads
     nnz = int(qo_indptr[-1])
     T = tile_tokens
-    packed_tokens = mixed_packed_tokens(tokens_per_item, group)
     layout = mixed_layout(num_tokens, batch_cap, index_cap, num_cells, num_qo_heads, num_kv_heads, T,
-                          packed_tokens)
+                          tokens_per_item)
     qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)  # [B]
     kv64 = kv_lens.astype(np.int64)
     short = np.flatnonzero(is_short & (qo_lens > 0))  # [S]
     long_ = np.flatnonzero(~is_short & (qo_lens > 0))  # [L]
     start_l, qo_l, kv_l = qo_indptr.take(long_).astype(np.int64), qo_lens.take(long_), kv64.take(long_)
-    head = -start_l % ROW_ALIGN  # [L] rows before the long request's first aligned row
-    if packed_tokens < ROW_ALIGN - 1:
-        head[:] = 0
-    head[head >= qo_l] = 0  # (a request that short keeps its rows together)
-    piece = np.flatnonzero(head)
-    # Packed tiles: the short requests, then the long ones' head pieces (causal: their last row
-    # sees kv - (qo - head) keys).
-    head_p, long_p = head.take(piece), long_.take(piece)
-    p_start = np.concatenate([qo_indptr.take(short), start_l.take(piece)]).astype(np.int64)
-    p_qo = np.concatenate([qo_lens.take(short), head_p])
-    p_kv = np.concatenate([kv64.take(short), kv_l.take(piece) - ((qo_l.take(piece) - head_p) if causal else 0)])
-    p_base = np.concatenate([page_base.take(short), page_base.take(long_p)])
-    start_l += head
-    qo_l -= head
+    p_start, p_qo, p_kv = qo_indptr.take(short).astype(np.int64), qo_lens.take(short), kv64.take(short)
 
-    # Query tiles of the long requests: tile_tok from the aligned row at or below each one's first.
-    q_off = start_l % ROW_ALIGN
-    ntiles = -(-(qo_l + q_off) // T)  # [L]
+    # Query tiles of the long requests, tile_tok from each one's first row.
+    ntiles = -(-qo_l // T)  # [L]
     num_tiles = int(ntiles.sum())
     if num_tiles > layout.tile_cap:
         raise ValueError("the step needs more query tiles than the plan holds")
     tile_req = np.repeat(scheduler.arange(long_.shape[0]), ntiles)  # [tiles]: index into long_
     tile_first = np.cumsum(ntiles) - ntiles
-    tile_tok = (scheduler.arange(num_tiles) - tile_first.take(tile_req)) * T - q_off.take(tile_req)
+    tile_tok = (scheduler.arange(num_tiles) - tile_first.take(tile_req)) * T
     qo_t, kv_t = qo_l.take(tile_req), kv_l.take(tile_req)
     # Keys visible to the tile's last token (causal), else all of them.
-    kv_hi = np.minimum(np.maximum(kv_t - qo_t + np.minimum(tile_tok + T, qo_t), 0), kv_t) if causal else kv_t
+    kv_hi = np.minimum(kv_t - qo_t + np.minimum(tile_tok + T, qo_t), kv_t) if causal else kv_t
 
     # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
     # packed_slot0 + short index * Hkv + KV head).
-    n_q, n_p = num_tiles * num_qo_heads, p_start.shape[0] * num_kv_heads
+    n_q, n_p = num_tiles * num_qo_heads, short.shape[0] * num_kv_heads
     items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int32)
-    rq = long_.take(tile_req)
     q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED_ITEM_FIELDS)
     q_items[:, :, 0] = start_l.take(tile_req)[:, None]
     q_items[:, :, 1] = tile_tok[:, None]
     q_items[:, :, 2] = qo_t[:, None]
-    q_items[:, :, 3] = page_base.take(rq)[:, None]
+    q_items[:, :, 3] = page_base.take(long_.take(tile_req))[:, None]
     q_items[:, :, 4] = kv_t[:, None]
     q_items[:, :, 6] = kv_hi[:, None]
     q_items[:, :, 7] = np.arange(num_qo_heads)
     q_items[:, :, 8] = scheduler.arange(n_q).reshape(num_tiles, num_qo_heads)
     q_items[:, :, 12] = -1
-    p_items = items[n_q:].reshape(p_start.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
+    p_items = items[n_q:].reshape(short.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
     p_items[:, :, 0] = p_start[:, None]
     p_items[:, :, 2] = p_qo[:, None]
-    p_items[:, :, 3] = p_base[:, None]
+    p_items[:, :, 3] = page_base.take(short)[:, None]
     p_items[:, :, 4] = p_kv[:, None]
     p_items[:, :, 6] = p_kv[:, None]
     p_items[:, :, 7] = np.arange(num_kv_heads)
@@ -312,17 +285,14 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     # lse_src: per row of q.
     lse_src = buf[s0:s1]
     lse_src[:] = -1
-    if num_tiles:  # row r, token i of its request's tiles (from the aligned row): tile i // T, row i % T
+    if num_tiles:  # row r, token i of its request's tiles: tile i // T, row i % T
         req = np.repeat(scheduler.arange(long_.shape[0]), qo_l)  # [long rows]
-        aligned = start_l - q_off
-        rows = scheduler.arange(req.shape[0]) + (start_l - (np.cumsum(qo_l) - qo_l)).take(req)  # rows of q
-        tok_in = rows - aligned.take(req)
-        lse_src[rows] = rows + (tile_first * (num_qo_heads * T) - aligned).take(req) + (
+        tok_in = scheduler.arange(req.shape[0]) - (np.cumsum(qo_l) - qo_l).take(req)
+        lse_src[start_l.take(req) + tok_in] = (tile_first * (num_qo_heads * T)).take(req) + tok_in + (
             tok_in // T) * ((num_qo_heads - 1) * T)
-    if p_start.shape[0]:
+    if short.shape[0]:
         t_in = np.arange(int(p_qo.sum())) - np.repeat(np.cumsum(p_qo) - p_qo, p_qo)
-        slot = layout.packed_slot0 + np.repeat(scheduler.arange(p_start.shape[0]) * num_kv_heads, p_qo)
+        slot = layout.packed_slot0 + np.repeat(scheduler.arange(short.shape[0]) * num_kv_heads, p_qo)
         lse_src[p_start.repeat(p_qo) + t_in] = slot * T + t_in * group
-    info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], num_pieces=piece.shape[0],
-                nnz=nnz)
+    info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], nnz=nnz)
     return layout, buf, info
