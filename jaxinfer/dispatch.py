@@ -23,6 +23,7 @@ from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
 from planner import batch as batch_planner
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
+from planner import validate
 
 # --- cost-model constants (per µs) -----------------------------------------------------------
 HBM_BYTES_PER_US = 2.88e6       # decode (64, 4096) bf16: 1.07 GB of K/V in 372.7 µs (decode kernel)
@@ -152,7 +153,7 @@ SHORT_FLOPS_PER_US = 1.5e8        # decode-kernel tiles of 16-64 rows (q4 B64 kv
 
 
 def _short_cost(problem, qo_lens, kv_lens, causal):
-    longest = int(np.maximum.reduce(qo_lens, initial=0))
+    longest = int(validate.largest(qo_lens)) if qo_lens.shape[0] else 0
     if longest * problem.group > SHORT_MAX_ROWS:
         return _INF  # a request too long for one decode tile
     rows = max(16, 1 << max(0, (max(longest, 1) * problem.group - 1).bit_length()))

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner import scheduler
+from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
 
 ITEM_COLUMNS = ("request", "page_base", "tok_start", "tok_end", "part_slot", "part_stride", "q_start",
@@ -86,7 +86,7 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     num_short = reqs.shape[0]
     # Items in request order, in int32 (the buffer's type: values wrap as its cast would).
     work = np.empty((int(np.add.reduce(nchunks)), len(ITEM_COLUMNS)), np.int32)
-    if not num_short or int(_max(nchunks)) == 1:  # nothing split: one writethrough item per request
+    if not num_short or int(validate.largest(nchunks)) == 1:  # nothing split: one writethrough item per request
         n_items, n_parts, n_merge = num_short, 0, 0
         work[:, 0] = reqs
         work[:, 1] = kv_indptr.take(reqs)

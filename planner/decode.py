@@ -12,8 +12,6 @@ import numpy as np
 from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
 
-_max = np.maximum.reduce
-
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
 
 
@@ -103,7 +101,7 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
     ic = _integer_cost(item_cost)
 
-    if not batch or int(_max(pages)) <= chunk:  # no request is split: one item per row, all writethrough
+    if not batch or int(validate.largest(pages)) <= chunk:  # no request is split: one item per row, all writethrough
         costs = np.add(lens, ic, dtype=np.int64) if ic is not None else (item_cost + lens).astype(np.int64)
         order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
         base = kv_indptr[:-1]

@@ -13,8 +13,6 @@ import numpy as np
 from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
 
-_max = np.maximum.reduce
-
 ITEM_FIELDS = 16  # see pallas_kernels/prefill.py
 ROW_ALIGN = 8  # tails plans: TMA copies rows in groups of 8
 TILE_ROWS = (16, 32, 64, 128)
@@ -189,7 +187,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
 
     nchunks = (span + (chunk - 1)) // chunk  # (span >= 0)
     np.maximum(nchunks, 1, out=nchunks)
-    if num_tiles and int(_max(nchunks)) > 1:
+    if num_tiles and int(validate.largest(nchunks)) > 1:
         split = nchunks > 1
         part_size = tile_tokens * nchunks
         part_size *= split  # (0 for unsplit tiles)

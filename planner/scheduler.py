@@ -108,8 +108,9 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
         # that of the costs): every round of num_cells items goes to the cells in key order. (While
         # a round runs, each new key exceeds every old one, and a round leaves the keys' spread
         # within the larger of those two spreads.)
-        if n - pos <= num_cells:  # one round: (timsort is quick on these keys, nearly descending)
-            cell_of_sorted[pos:] = (shifted[:num_cells] | arange(num_cells)).argsort(kind="stable")[:n - pos]
+        if n - pos <= num_cells:  # one round: the cells by load, ties to the lower cell (a stable
+            # sort; timsort is quick on these loads, nearly descending)
+            cell_of_sorted[pos:] = shifted[:num_cells].argsort(kind="stable")[:n - pos]
             return
         # Row r of `rounds` holds the keys before round r, sorted in place (a key's low bits name
         # its cell): item num_cells * (r + 1) + k goes to the k-th, whose key plus that item's is

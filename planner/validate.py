@@ -7,7 +7,17 @@ NumPy calls: plan() runs them once per step.
 """
 import numpy as np
 
-_min, _max = np.minimum.reduce, np.maximum.reduce
+
+def largest(x):
+    """The largest entry of a non-empty array. argmax runs its loop without the set-up of
+    np.maximum.reduce: on the 2-core dev CPU 0.3 against 0.9 µs on a small array, as fast on a
+    large one."""
+    return x[x.argmax()]
+
+
+def smallest(x):
+    """The smallest entry of a non-empty array (as largest)."""
+    return x[x.argmin()]
 
 
 def as_int32(name, x, ndim=1):
@@ -33,7 +43,7 @@ def indptr_lengths(name, indptr):
     if indptr[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(indptr[0])}")
     lens = indptr[1:] - indptr[:-1]
-    least = _min(lens) if lens.shape[0] else None
+    least = smallest(lens) if lens.shape[0] else None
     if least is not None and least < 0:
         raise ValueError(f"{name} must be non-decreasing")
     return indptr, lens, least
@@ -63,18 +73,18 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pag
     if kv_last_page_len.shape[0] != batch:
         raise ValueError(f"kv_last_page_len must have shape [{batch}], got {kv_last_page_len.shape}")
     # One pass: as uint32, negative ids wrap past any page count.
-    if num_pages is not None and num_listed and _max(kv_indices[:num_listed].view(np.uint32)) >= num_pages:
+    if num_pages is not None and num_listed and largest(kv_indices[:num_listed].view(np.uint32)) >= num_pages:
         raise ValueError(f"kv_indices holds page ids outside [0, {num_pages})")
     if not batch:
         return kv_indptr, kv_indices, kv_last_page_len, np.zeros(0, np.int32), pages
     unused = page_size - kv_last_page_len  # in [0, page_size) as uint32 <=> last in [1, page_size]
     if least > 0:  # every request has pages (the common case)
-        bad = _max(unused.view(np.uint32)) >= page_size
+        bad = largest(unused.view(np.uint32)) >= page_size
         kv_lens = pages * page_size
         kv_lens -= unused  # (pages - 1) * page_size + last
     else:
         has_pages = pages > 0
-        bad = _max(np.where(has_pages, unused, 0).view(np.uint32)) >= page_size
+        bad = largest(np.where(has_pages, unused, 0).view(np.uint32)) >= page_size
         kv_lens = np.where(has_pages, pages * page_size - unused, 0).astype(np.int32)
     if bad:
         raise ValueError(f"kv_last_page_len must lie in [1, page_size={page_size}] for requests with pages")
