@@ -274,6 +274,13 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     p_items[:, :, 12] = -1
     costs = np.concatenate([np.repeat(kv_hi, num_qo_heads), np.repeat(p_kv, num_kv_heads)]) + item_cost
     order, cell_indptr = scheduler.assign_positive(costs, layout.num_cells)
+    # A cell runs its items by kind: even cells their query tiles first, odd cells their packed
+    # tiles first, so about half the SMs stream K/V while the others compute (H100, the mixed
+    # row in a chain of 10 calls: 328.6 -> 319.8 µs a launch; every cell tiles first, packed
+    # first or longest first: 328.6, 339.3, 339.2).
+    cell = np.repeat(scheduler.arange(layout.num_cells), np.diff(cell_indptr))  # [items]: by position
+    key = cell * 2 + ((order >= n_q) ^ (cell & 1))
+    order = order.take(key.astype(np.int16 if layout.num_cells < 1 << 14 else np.int64).argsort(kind="stable"))
 
     buf = new_buffer(layout.size)
     buf[:] = 0

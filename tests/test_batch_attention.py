@@ -185,7 +185,8 @@ def test_auto_told_the_dtypes_picks_the_mixed_launch_where_the_model_says(rng, m
 def test_mixed_plan_covers_every_row_once(rng, hq, hkv, qo):
     """planner.batch.plan_mixed (NumPy only): each long row x query head lies in exactly one
     query tile starting at its request's first row (rows 3 and 309 are not 8-aligned), each
-    short request x KV head is one packed tile over all its keys, and lse_src points each row
+    short request x KV head is one packed tile over all its keys, a cell runs its items by kind
+    (even cells query tiles first, odd cells packed tiles first), and lse_src points each row
     and head at its tile's lse slot."""
     page, T = 16, 128
     group = hq // hkv
@@ -203,6 +204,9 @@ def test_mixed_plan_covers_every_row_once(rng, hq, hkv, qo):
     sec = layout.unpack(buf)
     items = sec["items"].reshape(-1, layout.ITEM_FIELDS)[:info["num_items"]]
     assert sec["cell_indptr"][0] == 0 and sec["cell_indptr"][-1] == info["num_items"]
+    for c in range(5):  # even cells run their query tiles first, odd cells their packed tiles
+        kinds = items[sec["cell_indptr"][c]:sec["cell_indptr"][c + 1], 9]
+        assert np.all(np.diff(kinds) >= 0) if c % 2 == 0 else np.all(np.diff(kinds) <= 0), (c, kinds)
     covered = np.zeros((layout.num_tokens, hq), int)
     slot_of = {}
     for start, tile_tok, n, _, kv_len, _, kv_end, head, slot, packed, *_ in items:
