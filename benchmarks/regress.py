@@ -453,6 +453,8 @@ ROWS = [
         segs=((4, 512, 2048), (60, 1, (512, 4096))), wrapper="attention", fi="attention", told_dtypes=True),
     row("q4 x60 + 4x512/2048 BatchAttention told bf16", build_paged,
         segs=((60, 4, (512, 4096)), (4, 512, 2048)), wrapper="attention", fi="attention", told_dtypes=True),
+    row("q4 x60 + 4x512/2048 ragged_paged_attention", build_paged,
+        segs=((60, 4, (512, 4096)), (4, 512, 2048)), wrapper="rpa", fi="attention"),
     row("mixed 4x512/2048 + 60 decode ragged_paged_attention (decode first)", build_paged,
         segs=((60, 1, (512, 4096)), (4, 512, 2048)), wrapper="rpa", fi="attention"),
     row("mixed 4x512/2048 + 60 decode BatchAttention told bf16 (decode first)", build_paged,

@@ -376,26 +376,34 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
 
 def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     """The kernel of ragged_paged_attention's long sequences (q_len past the decode tiles): its
-    lengths live on the device, so no cost model; the Mosaic GPU kernel wherever it can run (with
-    impl "auto": compiled on a Hopper GPU; the problem's limits as _mosaic_unsupported, 16-bit q
-    and K/V of one dtype, no fp8 scales, sm_scale > 0), else the Triton kernel. impl: "auto",
-    "mosaic" (ValueError naming what it lacks) or "triton"."""
-    if impl not in ("auto", "mosaic", "triton"):
-        raise ValueError(f"impl must be 'auto', 'mosaic' or 'triton', got {impl!r}")
-    mosaic = IMPLEMENTATIONS_BY_NAME["prefill_mosaic"]
+    lengths live on the device, so no cost model. "auto": the mixed launch (batch_mosaic: the long
+    sequences' query tiles and the short ones' packed tiles in one persistent Mosaic launch,
+    planned on the device) wherever it can run, else the Mosaic GPU prefill kernel, else Triton.
+    The Mosaic kernels need (with "auto") a Hopper GPU, compiled; the problem's limits as
+    _mosaic_unsupported (the mixed launch: no variant either), 16-bit q and K/V of one dtype, no
+    fp8 scales, sm_scale > 0. impl "mixed" or "mosaic" forces that kernel (ValueError naming what it
+    lacks), "triton" the Triton kernel."""
+    if impl not in ("auto", "mixed", "mosaic", "triton"):
+        raise ValueError(f"impl must be 'auto', 'mixed', 'mosaic' or 'triton', got {impl!r}")
     if impl == "triton":
         return IMPLEMENTATIONS_BY_NAME["prefill_triton"]
-    why = mosaic.unsupported(problem, impl == "mosaic")
-    if why is None:
-        why = mosaic.dtypes_unsupported(q_dtype, kv_dtype)
-    if why is None and scaled:
-        why = "fp8 K/V scales run on Triton only"
-    if why is None and not sm_scale > 0:
-        why = f"sm_scale must be > 0, got {sm_scale}"
-    if why is None:
-        return mosaic
-    if impl == "mosaic":
-        raise ValueError(f"impl='mosaic': {why}")
+
+    def why_not(name):
+        row = IMPLEMENTATIONS_BY_NAME[name]
+        why = row.unsupported(problem, impl != "auto") or row.dtypes_unsupported(q_dtype, kv_dtype)
+        if why is None and scaled:
+            why = "fp8 K/V scales run on Triton only"
+        if why is None and not sm_scale > 0:
+            why = f"sm_scale must be > 0, got {sm_scale}"
+        return why
+
+    for name in {"auto": ("batch_mosaic", "prefill_mosaic"), "mixed": ("batch_mosaic",),
+                 "mosaic": ("prefill_mosaic",)}[impl]:
+        why = why_not(name)
+        if why is None:
+            return IMPLEMENTATIONS_BY_NAME[name]
+        if impl != "auto":
+            raise ValueError(f"impl={impl!r}: {why}")
     return IMPLEMENTATIONS_BY_NAME["prefill_triton"]
 
 

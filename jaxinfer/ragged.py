@@ -7,6 +7,13 @@ fixed-capacity work lists, one per q_len class, and their split-KV merges
 (pallas_kernels/merge.merge_varlen). There is no host round trip, and one compilation serves
 every composition with the same shapes.
 
+On a Hopper GPU with 16-bit q and K/V and no variant (dispatch.ragged_long_impl: "batch_mosaic"),
+the step's base is one persistent Mosaic launch (_mixed_plan: BatchAttention impl="mixed"'s work
+list, planned on the device): the long sequences' query tiles, the short ones' packed tiles when
+the step has long ones (those whose keys fit a cell's mean load), and the padding rows' tiles (o
+= 0). The decode classes below then run the other short sequences (decode-only steps, long
+contexts: split-KV) into its output.
+
 Classes (static, by q_len, each its own launch with its own tile; _classes): q_len <= T_s on the
 decode kernel's multi-token items of T_s tokens, T_s x the GQA group within a 16-row tile
 (decode, speculative verify: BatchAttention's short rows); q_len <= T_l on 64-row decode tiles
@@ -73,6 +80,7 @@ PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as Ba
 MOSAIC_TILE = 2 * 64
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
 ROW_ALIGN = 8          # the Mosaic kernel reads and writes q / o rows in groups of 8 (TMA)
+MIXED_ITEM_COST = 256  # keys: a mixed-launch item's fixed cost (planner.batch.plan_mixed's item_cost)
 
 
 class _Class(NamedTuple):
@@ -100,25 +108,27 @@ def _tokens(group, rows):
     return max(x for x in batch_planner.SHORT_TOKENS if x * group <= rows or x == 1)
 
 
-def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0):
+def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0, mixed=False):
     """The q_len classes, base first: q_len <= T_s on 16-row decode tiles of T_s tokens (decode,
     speculative verify), q_len <= T_l on 64-row decode tiles of T_l tokens (when T_l > T_s), the
     rest on prefill tiles: the Triton kernel's of PREFILL_ROWS rows, or with mosaic_cells > 0 the
     Mosaic kernel's of MOSAIC_TILE tokens over that many cells per query head. Classes no
     sequence of num_tokens can reach are left out. The padding class is the last one, or the
-    Mosaic class (its output placement zeroes every row not its own)."""
+    Mosaic class (its output placement zeroes every row not its own). mixed: the decode classes
+    only, none the base (the mixed launch before them makes the output and runs the rest)."""
     t_short, t_long = _tokens(group, 16), _tokens(group, 64)
     rows = max(PREFILL_ROWS, 1 << (group - 1).bit_length())
     bounds = [(1, t_short, False, t_short)]
     if t_long > t_short:
         bounds.append((t_short + 1, t_long, False, t_long))
-    bounds.append((bounds[-1][1] + 1, num_tokens, True, rows // group))
+    if not mixed:
+        bounds.append((bounds[-1][1] + 1, num_tokens, True, rows // group))
     bounds = [x for x in bounds if x[0] <= num_tokens][::-1]  # the longest class is the base: most rows
     mosaic = mosaic_cells > 0 and bounds[0][2]
     out = []
     for k, (lo, hi, prefill, t) in enumerate(bounds):
-        base = k == 0
-        pad = base if mosaic else k == len(bounds) - 1
+        base = k == 0 and not mixed
+        pad = base if mosaic else k == len(bounds) - 1 and not mixed  # (the mixed launch zeroes padding)
         seqs = max(1, min(num_seqs, num_tokens // lo))
         tokens = max(1, min(num_tokens, seqs * hi))
         if base and mosaic:  # whole tiles per sequence, KV never split: no partials, no merges
@@ -164,14 +174,16 @@ def _owner(counts, n):
     return owner, slot - (ends - counts)[owner], slot < ends[-1]
 
 
-def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, window_left, num_rows):
+def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, window_left, num_rows, taken=None):
     """The device prologue of one class: work items (the decode kernel's MULTI_ITEM_COLUMNS or the
     prefill kernel's ITEM_COLUMNS), cell_indptr, merge groups, and the per-block kv_lens the decode
-    kernel reads. All int32 jnp."""
+    kernel reads. All int32 jnp. taken (bool[S], optional): sequences the mixed launch runs."""
     s = kv_lens.shape[0]
     t_item = cls.tokens_per_item
     q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     mine = (jnp.arange(s) < distribution[2]) & (q_len >= cls.min_q) & (q_len <= cls.max_q)
+    if taken is not None:
+        mine &= ~taken
     q_len = jnp.where(mine, q_len, 0)
     kv_len = jnp.where(mine, kv_lens, 0)
 
@@ -225,6 +237,128 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
     sec = dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr,
                merge_dest=merge_dest.astype(jnp.int32))
     return sec, end.astype(jnp.int32)
+
+
+class _Mixed(NamedTuple):
+    """The mixed launch's static sizes (pallas_kernels.prefill_mosaic, packed_tokens > 0)."""
+    tiles: int          # query-tile capacity (each run for every query head), the padding's too
+    long_min: int       # sequences of q_len >= this take query tiles (those past the decode classes)
+    packed_tokens: int  # a packed tile's tokens: sequences of q_len <= this may be packed
+    tile_tokens: int
+    cells: int
+
+    def slots(self, num_seqs, num_qo_heads, num_kv_heads):
+        """Work-item (and lse-slot) capacity: tiles x Hq, then packed sequences x Hkv."""
+        return self.tiles * num_qo_heads + num_seqs * num_kv_heads
+
+
+def _mixed_sizes(num_tokens, num_seqs, group, tile_tokens, cells):
+    """_Mixed for a step of num_tokens rows over num_seqs sequences: sequences past the decode
+    classes' tokens take query tiles, those of a 16-row decode tile's may be packed."""
+    long_min = _tokens(group, 64) + 1
+    seqs = max(1, min(num_seqs, num_tokens // long_min)) + 1  # (+ the padding rows' tiles)
+    tiles = max(1, (num_tokens + seqs * (tile_tokens - 1)) // tile_tokens)  # sum of ceil(q_len / tile)
+    return _Mixed(tiles, long_min, _tokens(group, 16), tile_tokens, cells)
+
+
+def _order_desc(cost):
+    """The indices of cost [n] largest first (ties: lower index first). Up to DENSE_PREFIX_MAX
+    entries by ranks from one [n, n] comparison and a scatter (XLA's sort kernel costs ~5 µs
+    at any size, 23 µs at 3072 entries on an H100)."""
+    n = cost.shape[0]
+    if n > DENSE_PREFIX_MAX:
+        return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    i = jnp.arange(n, dtype=jnp.int32)
+    before = (cost[None, :] > cost[:, None]) | ((cost[None, :] == cost[:, None]) & (i[None, :] < i[:, None]))
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)  # [n]: entries placed before each
+    return jnp.zeros_like(i).at[rank].set(i, unique_indices=True)
+
+
+def _mixed_plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, causal, num_qo_heads, num_kv_heads, mix,
+                num_rows):
+    """The device prologue of the mixed launch (planner.batch.plan_mixed's work list, planned in
+    XLA): sequences of q_len >= mix.long_min are query tiles of tile_tokens tokens x each query
+    head, from their first row; when the step has such a tile, a sequence of q_len <=
+    mix.packed_tokens whose keys fit a cell's mean load is a packed tile per KV head (its tokens x
+    the head group in 64 rows). The other sequences are left to the decode classes (split-KV).
+    KV is never split. The padding rows (from cu_q_lens[distribution[2]] to num_rows) are query
+    tiles of no key: the launch writes them o = 0.
+
+    Cells: the work units (a tile, or a packed sequence: Hq, resp. Hkv, items of one cost: keys
+    + MIXED_ITEM_COST, as plan_mixed's) sorted largest first, their items dealt to the cells in
+    a snake order (0..C-1, then C-1..0, ...): about longest-first greedy's balance without its
+    loop. Within a cell, even cells run their query tiles first, odd cells their packed tiles
+    (plan_mixed's order), each kind in lse-slot order (tiles by sequence and position, packed
+    tiles by sequence: on the H100's mixed step 10 µs faster than largest first).
+
+    Returns (items int32[N, 16] (prefill_mosaic ITEM_FIELDS with MIXED_ITEM_COLUMNS), cell_indptr
+    int32[cells + 1], taken bool[S] (the sequences this launch runs))."""
+    s, hq, hkv, T, C = kv_lens.shape[0], num_qo_heads, num_kv_heads, mix.tile_tokens, mix.cells
+    q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    valid = (jnp.arange(s) < distribution[2]) & (q_len > 0)
+    q_len, kv = jnp.where(valid, q_len, 0), jnp.where(valid, kv_lens, 0)
+    long_ = q_len >= mix.long_min
+
+    # Query tiles of the long sequences, then of the padding rows (sequence S: no key, no page).
+    pad_start = cu_q_lens[distribution[2]]
+    start_x = jnp.concatenate([cu_q_lens[:s], pad_start[None]])  # [S + 1]
+    q_x = jnp.concatenate([q_len, jnp.maximum(num_rows - pad_start, 0)[None]])
+    kv_x = jnp.concatenate([kv, jnp.zeros((1,), kv.dtype)])
+    tseq, j, t_ok = _owner(jnp.where(jnp.concatenate([long_, jnp.ones((1,), bool)]), -(-q_x // T), 0), mix.tiles)
+    tile_tok = j * T
+    qo_t, kv_t = q_x[tseq], kv_x[tseq]
+    kv_hi = jnp.clip(kv_t - qo_t + jnp.minimum(tile_tok + T, qo_t), 0, kv_t) if causal else kv_t
+    tile_cost = jnp.where(t_ok, kv_hi + MIXED_ITEM_COST, 0)
+    # Packed short sequences: only beside query tiles, and only those no longer than a cell's mean.
+    short = valid & (q_len <= mix.packed_tokens)
+    short_cost = jnp.where(short, kv + MIXED_ITEM_COST, 0)
+    mean = (jnp.sum(tile_cost.astype(jnp.float32)) * hq + jnp.sum(short_cost.astype(jnp.float32)) * hkv) / C
+    packed = short & jnp.any(long_) & (short_cost <= mean)
+
+    # Units (tiles, then sequences), largest first; slot p of the sorted items goes to cell
+    # p % C in even rounds (p // C), C - 1 - p % C in odd ones.
+    cost = jnp.concatenate([tile_cost, jnp.where(packed, short_cost, 0)])  # [U]
+    mult = jnp.concatenate([jnp.where(t_ok, hq, 0), jnp.where(packed, hkv, 0)]).astype(jnp.int32)
+    order = _order_desc(cost)
+    ends = _cumsum(mult[order])  # [U]
+    n = ends[-1]
+    cell = jnp.arange(C, dtype=jnp.int32)
+    rounds, rest = n // C, n % C
+    count = rounds + jnp.where(rounds % 2 == 0, cell < rest, cell >= C - rest).astype(jnp.int32)  # [C]
+    cell_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), _cumsum(count)])
+    cap = mix.slots(s, hq, hkv)
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    c = jnp.clip(jnp.searchsorted(cell_indptr[1:], slot, side="right", method="compare_all"), 0, C - 1)
+    k = slot - cell_indptr[c]
+    ok = slot < n
+    pos = k * C + jnp.where(k % 2 == 0, c, C - 1 - c)  # the slot's place in the sorted items
+    sorted_unit = jnp.minimum(jnp.searchsorted(ends, pos, side="right", method="compare_all"), ends.shape[0] - 1)
+    unit = order[sorted_unit]
+    within = pos - (ends - mult[order])[sorted_unit]  # query head, or KV head
+    is_packed = unit >= mix.tiles
+
+    # Fields of each item (prefill_mosaic.ITEM_FIELDS; MIXED_ITEM_COLUMNS = 7, 8, 9).
+    tile = jnp.minimum(unit, mix.tiles - 1)
+    seq = jnp.where(is_packed, unit - mix.tiles, tseq[tile])  # (S: the padding)
+    zero = jnp.zeros_like(slot)
+    lse_slot = jnp.where(is_packed, mix.tiles * hq + (unit - mix.tiles) * hkv, unit * hq) + within
+    cols = [start_x[seq], jnp.where(is_packed, 0, tile_tok[tile]), q_x[seq], jnp.minimum(seq, s - 1) * pages_per_seq,
+            kv_x[seq], zero, jnp.where(is_packed, kv_x[seq], kv_hi[tile]), within, lse_slot,
+            is_packed.astype(jnp.int32), zero, zero, zero - 1, zero, zero, zero]
+    items = jnp.stack(cols, axis=1).astype(jnp.int32)  # [N, 16]
+
+    # Within each cell (its items the row of a [C, R] table): the preferred kind first (query tiles
+    # on even cells), each kind in lse-slot order, by ranks from a [C, R, R] comparison.
+    r = -(-cap // C)  # a cell's most items: the snake deals each floor(n / C) or one more
+    at = cell_indptr[:-1, None] + jnp.arange(r, dtype=jnp.int32)[None, :]  # [C, R]
+    live = at < cell_indptr[1:, None]
+    at = jnp.minimum(at, cap - 1)
+    later = (is_packed != (c % 2 == 1)).astype(jnp.int32)
+    key = jnp.where(live, later[at] * cap + lse_slot[at], 2 * cap)  # [C, R]
+    rank = jnp.sum(key[:, None, :] < key[:, :, None], axis=2, dtype=jnp.int32)  # (keys are distinct)
+    dest = jnp.where(live, cell_indptr[:-1, None] + rank, cap)
+    items = jnp.zeros_like(items).at[dest.reshape(-1)].set(items[at.reshape(-1)], mode="drop", unique_indices=True)
+    return items, cell_indptr, long_ | packed
 
 
 def _row_seqs(cu_q_lens, distribution, num_tokens):
@@ -362,8 +496,9 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     p - W < k <= p. soft_cap c (float, may be traced): logits s -> c * tanh(s / c) after sm_scale.
     k_scale / v_scale: fp8 caches' dequantization scales (scalars or [Hkv]).
     impl: the kernel of the long sequences (past the decode tiles): "auto" (jaxinfer.dispatch
-    decides: the Mosaic GPU kernel where it can run, compiled on a Hopper GPU with 16-bit q and
-    K/V, else the Triton kernel), "mosaic" (forced; interpret mode too) or "triton".
+    decides: the mixed launch, else the Mosaic GPU prefill kernel where they can run, compiled on
+    a Hopper GPU with 16-bit q and K/V, else the Triton kernel), "mixed" or "mosaic" (forced;
+    interpret mode too) or "triton".
     num_ctas: grid size (default 2 x SMs for the decode and Triton launches, MOSAIC_CTAS_PER_SM
     x SMs for the Mosaic one); backend, config (a DecodeConfig, PrefillConfig and/or
     MosaicPrefillConfig, or a tuple of them): as the wrappers.
@@ -391,14 +526,18 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     long_impl = dispatch.ragged_long_impl(long_problem, impl, queries.dtype, kv_cache.dtype, scales is not None,
                                           sm_scale)
     ctas = num_ctas or 2 * _backend.num_sms()
-    mosaic_cells = 0
+    long_config = dispatch.config_for(long_impl, long_problem, configs)
+    mosaic_cells, mixed = 0, None
     if long_impl.name == "prefill_mosaic":
         mosaic_cells = max(1, (num_ctas or MOSAIC_CTAS_PER_SM * _backend.num_sms()) // hq)
+    elif long_impl.name == "batch_mosaic":
+        mixed = _mixed_sizes(queries.shape[0], kv_lens.shape[0], hq // hkv, long_config.tile_tokens,
+                             num_ctas or _backend.num_sms())
     return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap,
                 scales, causal=causal, sm_scale=sm_scale, num_cells=max(1, ctas // hkv), mosaic_cells=mosaic_cells,
-                interpret=interpret,
+                mixed=mixed, interpret=interpret,
                 decode_config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"], problem, configs),
-                long_config=dispatch.config_for(long_impl, long_problem, configs))
+                long_config=long_config)
 
 
 def _variant(has_window, has_cap):
@@ -407,11 +546,12 @@ def _variant(has_window, has_cap):
     return None if not parts else parts[0] if len(parts) == 1 else variants.compose(*parts)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "mosaic_cells", "interpret",
-                                             "decode_config", "long_config"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "mosaic_cells", "mixed",
+                                             "interpret", "decode_config", "long_config"))
 def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, scales, *,
-         causal, sm_scale, num_cells, mosaic_cells, interpret, decode_config, long_config):
-    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None)."""
+         causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, decode_config, long_config):
+    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None; mixed: the mixed
+    launch's sizes, or None for the class launches alone)."""
     t, hq, d = queries.shape
     hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
     s = kv_lens.shape[0]
@@ -433,8 +573,20 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     # Per class: the work list, its kernel, the merge (into the base class's output).
     kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
     k_rows, v_rows = new_cache.rows()
-    out = None
-    for cls in _classes(t, s, num_cells, hq // hkv, mosaic_cells):
+    out, taken = None, None
+    if mixed is not None:  # the base: the long sequences and the packed short ones in one launch
+        from pallas_kernels import prefill_mosaic
+        items, cell_indptr, taken = _mixed_plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq,
+                                                causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mixed,
+                                                num_rows=t)
+        o, _, _ = prefill_mosaic.prefill_mosaic(  # (no tail slots: its o_tail is 8 unused rows)
+            queries, k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, page_size=page_size,
+            num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale, causal=causal,
+            block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
+            pipeline=long_config.pipeline, tree_max=long_config.tree_max, compute_wgs=long_config.compute_wgs,
+            interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0])
+        out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
+    for cls in _classes(t, s, num_cells, hq // hkv, mosaic_cells, mixed is not None):
         kw = dict(page_size=page_size, num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale,
                   interpret=interpret, variant=variant, params=params or None)
         if cls.mosaic:  # the base: its rows through a sub-buffer and back by a gather + select
@@ -451,7 +603,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
             continue
         sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, cls=cls,
-                                   causal=causal, window_left=params.get("window_left"), num_rows=t)
+                                   causal=causal, window_left=params.get("window_left"), num_rows=t, taken=taken)
         kw.update(num_parts=cls.part_cap, scales=scales)
         if cls.prefill:
             o, lse, o_part, lse_part = prefill_kernels.prefill(

@@ -291,6 +291,26 @@ def test_mosaic_class_compositions_one_compilation(rng, page, causal, window):
     assert len(traces) == 1
 
 
+def test_mixed_launch_matches_reference(rng):
+    """impl="mixed" (the mixed launch, its interpreter): group 2, two cells. The 70- and 140-token
+    sequences are query tiles (140 crosses a tile), q_len 1, 1 and 4 packed tiles, 12 on the 64-row
+    decode class after the launch; unlisted pages NaN, the written cache exact, padding rows
+    zero. Then a decode-only step through the same jitted, donated function: no query tile, so
+    nothing is packed and the decode class runs every sequence."""
+    traces = []
+
+    def step(*a):
+        traces.append(1)
+        return ji.ragged_paged_attention(*a, num_ctas=4, impl="mixed")
+
+    fn = jax.jit(step, donate_argnums=(3,))
+    for q_lens, cached, dist in ((MOSAIC_QO, MOSAIC_CACHED, (2, 2, 7)), ([1, 1, 1], [40, 200, 9], (3, 3, 3))):
+        args, want_cache, table = _mosaic_step(rng, q_lens, cached, dist)
+        out, new_cache = fn(*args)
+        _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16])
+    assert len(traces) == 1
+
+
 def test_mosaic_plan_matches_numpy(rng):
     """The Mosaic class's device prologue against a NumPy derivation, for random compositions
     of one shape under one compilation: 8-aligned sub-buffer starts, 128-token tiles, cells
@@ -337,22 +357,90 @@ def test_mosaic_plan_matches_numpy(rng):
 
 
 def test_long_impl_dispatch(monkeypatch):
-    """dispatch.ragged_long_impl: Mosaic where it can run (compiled on a Hopper GPU: faked here),
-    else Triton; impl="mosaic" names what it lacks."""
+    """dispatch.ragged_long_impl: the mixed launch where it can run (compiled on a Hopper GPU: faked
+    here), else the Mosaic prefill kernel (variants: a sliding window), else Triton; impl="mixed" /
+    "mosaic" name what they lack."""
     from jaxinfer import _backend, dispatch
 
-    def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD"):
-        p = dispatch.Problem("prefill", 4, 2, d, "paged", page, layout, interpret=True)
+    def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD",
+             variant=None):
+        p = dispatch.Problem("prefill", 4, 2, d, "paged", page, layout, variant, interpret=True)
         return dispatch.ragged_long_impl(p, impl, dtype, kv, scaled, 0.125).name
 
     assert pick() == "prefill_triton"  # not on a Hopper GPU
-    assert pick("mosaic") == "prefill_mosaic"
+    assert pick("mosaic") == "prefill_mosaic" and pick("mixed") == "batch_mosaic"
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
-    assert pick() == "prefill_mosaic" and pick(page=8) == "prefill_mosaic" and pick("triton") == "prefill_triton"
+    assert pick() == "batch_mosaic" and pick(page=8) == "batch_mosaic" and pick("triton") == "prefill_triton"
+    window = ragged._variant(True, False)
+    assert pick(variant=window) == "prefill_mosaic" and pick("mosaic", variant=window) == "prefill_mosaic"
+    with pytest.raises(ValueError, match="impl='mixed': variants"):
+        pick("mixed", variant=window)
     for kw in (dict(dtype=jnp.float32, kv=jnp.float32), dict(kv=jnp.float8_e4m3fn, scaled=True),
                dict(layout="HND"), dict(d=32), dict(page=4)):
         assert pick(**kw) == "prefill_triton"
-        with pytest.raises(ValueError, match="impl='mosaic'"):
-            pick("mosaic", **kw)
+        for impl in ("mosaic", "mixed"):
+            with pytest.raises(ValueError, match=f"impl='{impl}'"):
+                pick(impl, **kw)
     with pytest.raises(ValueError, match="impl"):
         pick("short")
+
+
+def test_mixed_plan_matches_numpy(rng):
+    """The mixed launch's device prologue (ragged._mixed_plan) against a NumPy derivation for random
+    compositions of one shape under one compilation (per causal): each long sequence's rows x
+    query heads in exactly one query tile, the padding rows too (tiles of no key), each packed
+    sequence x KV head in one packed tile (only beside query tiles), unique lse slots, cells
+    partitioning the items with their preferred kind first (each kind in slot order), and every
+    cell's load within one item of the mean. (No kernel runs: cheap.)"""
+    s, t, pps, hq, hkv, cells = 10, 700, 8, 4, 2, 5
+    mix = ragged._mixed_sizes(t, s, hq // hkv, 128, cells)
+    assert (mix.long_min, mix.packed_tokens) == (17, 8)
+    traces = []
+    plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged._mixed_plan(*a, **kw))[1],
+                   static_argnames=("pages_per_seq", "causal", "num_qo_heads", "num_kv_heads", "mix", "num_rows"))
+    cost = lambda kv_hi: kv_hi + ragged.MIXED_ITEM_COST
+    for trial in range(6):
+        n = int(rng.integers(1, s + 1))
+        q_lens = rng.choice([0, 1, 3, 8, 9, 17, 128, 129, 300], n) if trial else np.full(n, 1)
+        q_lens[np.cumsum(q_lens) > t] = 0
+        kv = q_lens + rng.integers(0, 3000 if trial % 2 else 200, n)
+        nnz = int(q_lens.sum())
+        cu = np.full(s + 1, nnz, np.int32)
+        cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+        kv_lens = np.zeros(s, np.int32)
+        kv_lens[:n] = kv
+        causal = trial % 3 != 2
+        items, cell_indptr, taken = (np.asarray(x) for x in plan(
+            jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray([0, 0, n], jnp.int32), pages_per_seq=pps,
+            causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mix, num_rows=t))
+        long_ = q_lens >= mix.long_min
+        short = (q_lens > 0) & (q_lens <= mix.packed_tokens)
+
+        def kv_hi(i, j):  # keys tile j of sequence i sees
+            return min(kv[i] - q_lens[i] + min(j + 128, q_lens[i]), kv[i]) if causal else kv[i]
+
+        want_tiles = [(cu[i], j, q_lens[i], i * pps, kv[i], kv_hi(i, j)) for i in np.flatnonzero(long_)
+                      for j in range(0, q_lens[i], 128)]
+        want_tiles += [(nnz, j, t - nnz, (s - 1) * pps, 0, 0) for j in range(0, t - nnz, 128)]  # padding
+        mean = (sum(cost(x[-1]) for x in want_tiles) * hq + sum(cost(kv[i]) for i in np.flatnonzero(short)) * hkv
+                ) / cells
+        packed = short & long_.any() & (cost(kv) <= mean)
+        np.testing.assert_array_equal(taken[:n], long_ | packed)
+        live = int(cell_indptr[-1])
+        got = items[:live]
+        tiles = got[got[:, 9] == 0]
+        assert sorted(map(tuple, tiles[:, [0, 1, 2, 3, 4, 6, 7]].tolist())) == sorted(
+            x + (h,) for x in want_tiles for h in range(hq))
+        want_packed = sorted((cu[i], q_lens[i], i * pps, kv[i], kv[i], h) for i in np.flatnonzero(packed)
+                             for h in range(hkv))
+        assert sorted(map(tuple, got[got[:, 9] == 1][:, [0, 2, 3, 4, 6, 7]].tolist())) == want_packed
+        assert len(set(got[:, 8].tolist())) == live and np.all(got[:, 12] == -1)
+        ind = cell_indptr
+        assert ind[0] == 0 and np.all(np.diff(ind) >= 0)
+        for c in range(cells):
+            kinds = got[ind[c]:ind[c + 1], 9]
+            later = (kinds != c % 2).astype(int)
+            assert np.all(np.diff(later) >= 0)  # the preferred kind first, each kind in lse-slot order
+            assert np.all(np.diff(got[ind[c]:ind[c + 1], 8])[np.diff(later) == 0] > 0)
+            assert cost(got[ind[c]:ind[c + 1], 6]).sum() <= mean + cost(got[:, 6]).max()
+    assert len(traces) == 2  # one per value of causal
