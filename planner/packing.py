@@ -19,7 +19,7 @@ def new_buffer(size):
     if size * 4 < ALIAS_BYTES:
         return np.empty(size, np.int32)
     raw = np.empty(size + SECTION_ALIGN, np.int32)
-    start = (-raw.ctypes.data & 255) >> 2
+    start = (-raw.__array_interface__["data"][0] & 255) >> 2  # (C-level: .ctypes runs Python code)
     return raw[start:start + size]
 
 

@@ -312,15 +312,22 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
     if n_merge:
-        # Each token of a split tile has the tile's nchunks partials, all of them contiguous: the
-        # groups' ends are a cumulative sum. In int32 (sums wrap as the buffer's cast would).
-        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 8 = nchunks)
-        np.add.accumulate(fields[:, 8].repeat(m_tokens), out=merge_indptr[:n_merge])
+        # Each token of a split tile has the tile's nchunks partials, all of them contiguous from
+        # the tile's part_base: group g, token j of tile k, ends at part_base + (j + 1) * nchunks
+        # = g * nchunks + part_base + (1 - k's first group) * nchunks (no cumulative sum over the
+        # groups). In int32: products wrap, and their sums come back to the ends (< part_cap).
+        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 7 = part_base, 8 = nchunks)
+        group_first = np.add.accumulate(m_tokens) - m_tokens  # int64[split tiles]
+        nchunks_s = fields[:, 8]
+        end_base = np.subtract(fields[:, 7], (group_first - 1) * nchunks_s, dtype=np.int32, casting="unsafe")
+        g = scheduler.arange32(n_merge)
+        np.multiply(g, nchunks_s.repeat(m_tokens), out=merge_indptr[:n_merge])
+        merge_indptr[:n_merge] += end_base.repeat(m_tokens)
         merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
         # Tile k's rows: its groups' indices, less its first group's, plus its first row (fields 0 + 1).
         first = fields[:, 0] + fields[:, 1]
-        first -= np.add.accumulate(m_tokens) - m_tokens
-        np.add(scheduler.arange32(n_merge), first.repeat(m_tokens), out=merge_dest[:n_merge])
+        first -= group_first
+        np.add(g, first.repeat(m_tokens), out=merge_dest[:n_merge])
     else:
         merge_indptr[:] = 0
     buf[m0 + 1 + layout.merge_cap:d0] = 0
