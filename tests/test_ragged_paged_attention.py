@@ -291,12 +291,13 @@ def test_mosaic_class_compositions_one_compilation(rng, page, causal, window):
     assert len(traces) == 1
 
 
-def test_mixed_launch_matches_reference(rng):
-    """impl="mixed" (the mixed launch, its interpreter): group 2, two cells. The 70- and 140-token
-    sequences are query tiles (140 crosses a tile), q_len 1, 1 and 4 packed tiles, 12 on the 64-row
-    decode class after the launch; unlisted pages NaN, the written cache exact, padding rows
-    zero. Then a decode-only step through the same jitted, donated function: no query tile, so
-    nothing is packed and the decode class runs every sequence."""
+MIXED_STEP = (MOSAIC_QO, MOSAIC_CACHED, (2, 2, 7))
+DECODE_STEP = ([1, 1, 1], [40, 200, 9], (3, 3, 3))
+
+
+def _mixed_launch_steps(rng, steps):
+    """Steps through one jitted, donated ragged_paged_attention with impl="mixed" (the mixed
+    launch, its interpreter; group 2, two cells), each checked; returns the number of traces."""
     traces = []
 
     def step(*a):
@@ -304,11 +305,25 @@ def test_mixed_launch_matches_reference(rng):
         return ji.ragged_paged_attention(*a, num_ctas=4, impl="mixed")
 
     fn = jax.jit(step, donate_argnums=(3,))
-    for q_lens, cached, dist in ((MOSAIC_QO, MOSAIC_CACHED, (2, 2, 7)), ([1, 1, 1], [40, 200, 9], (3, 3, 3))):
+    for q_lens, cached, dist in steps:
         args, want_cache, table = _mosaic_step(rng, q_lens, cached, dist)
         out, new_cache = fn(*args)
         _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16])
-    assert len(traces) == 1
+    return len(traces)
+
+
+def test_mixed_launch_matches_reference(rng):
+    """The 70- and 140-token sequences are query tiles (140 crosses a tile), q_len 1, 1 and 4
+    packed tiles, 12 on the 64-row decode class after the launch, the padding rows tiles of no
+    key; unlisted pages NaN, the written cache exact, padding rows zero."""
+    _mixed_launch_steps(rng, [MIXED_STEP])
+
+
+@pytest.mark.slow
+def test_mixed_launch_decode_only_one_compilation(rng):
+    """A decode-only step after the mixed one, through the same program: no query tile, so nothing
+    is packed and the decode class runs every sequence (the launch only zeroes the padding)."""
+    assert _mixed_launch_steps(rng, [MIXED_STEP, DECODE_STEP]) == 1
 
 
 def test_mosaic_plan_matches_numpy(rng):
