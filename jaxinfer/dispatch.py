@@ -214,6 +214,7 @@ MIXED_OVERLAP = 0.94              # the whole launch (320.4 µs) against its par
 # traces (2108 rows, 17.3 MB), the two-class path moves them 5.7 times (the long rows' q gathered,
 # o and lse put back: 34 µs); the mixed launch reads q and writes o in place.
 CLASSES_ROW_PASSES = 5.7
+PACKED_TILE_ROWS = 64  # a packed tile's rows: tokens x the head group (prefill_mosaic.WG_ROWS)
 
 
 def _row_us(problem, qo_lens):
@@ -269,6 +270,8 @@ def _batch_mosaic_cost(problem, qo_lens, kv_lens, causal):
 def _batch_mosaic_unsupported(problem, explicit):
     if problem.variant is not None:
         return "variants run on the two-class path"
+    if problem.group > PACKED_TILE_ROWS:
+        return f"a packed tile holds {PACKED_TILE_ROWS} rows, fewer than the head group ({problem.group})"
     if problem.kv_format != "paged":
         return "reads paged caches only"
     return _mosaic_unsupported(problem, explicit)

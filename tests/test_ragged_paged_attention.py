@@ -378,8 +378,8 @@ def test_long_impl_dispatch(monkeypatch):
     from jaxinfer import _backend, dispatch
 
     def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD",
-             variant=None):
-        p = dispatch.Problem("prefill", 4, 2, d, "paged", page, layout, variant, interpret=True)
+             variant=None, heads=(4, 2)):
+        p = dispatch.Problem("prefill", *heads, d, "paged", page, layout, variant, interpret=True)
         return dispatch.ragged_long_impl(p, impl, dtype, kv, scaled, 0.125).name
 
     assert pick() == "prefill_triton"  # not on a Hopper GPU
@@ -390,6 +390,9 @@ def test_long_impl_dispatch(monkeypatch):
     assert pick(variant=window) == "prefill_mosaic" and pick("mosaic", variant=window) == "prefill_mosaic"
     with pytest.raises(ValueError, match="impl='mixed': variants"):
         pick("mixed", variant=window)
+    assert pick(heads=(128, 2)) == "batch_mosaic" and pick(heads=(128, 1)) == "prefill_mosaic"  # group <= 64
+    with pytest.raises(ValueError, match="impl='mixed': a packed tile holds 64 rows"):
+        pick("mixed", heads=(128, 1))
     for kw in (dict(dtype=jnp.float32, kv=jnp.float32), dict(kv=jnp.float8_e4m3fn, scaled=True),
                dict(layout="HND"), dict(d=32), dict(page=4)):
         assert pick(**kw) == "prefill_triton"
