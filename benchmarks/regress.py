@@ -190,7 +190,7 @@ def _random(env, seed, shape, dtype):
 
 
 def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="bfloat16",
-                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False):
+                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False, pad_rows=0):
     """Attention over a paged NHD cache, pages in random order.
 
     segs: request lengths (Env.lens; kv counts every token, prefix included); prefix: tokens
@@ -199,7 +199,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
     "attention" (ji.BatchAttention where it exists, else the prefill wrapper); cascade: plan()'s
     cascade argument; kv_scale: (k_scale, v_scale) for fp8 pages; fi: FlashInfer's counterpart
     ("decode", "cascade", "prefill", "attention"); told_dtypes: plan() gets q_data_type (as
-    FlashInfer's plan() does), which lets BatchAttention choose the mixed launch."""
+    FlashInfer's plan() does), which lets BatchAttention choose the mixed launch. pad_rows (rpa
+    only): padding rows after the step's tokens, as an engine's token buckets leave (checked 0)."""
     hq, hkv = env.heads(hq, hkv)
     prefix = env.tokens(prefix)
     qo_lens, kv_lens = env.lens(segs)
@@ -225,11 +226,11 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
     shape = (num_pages, page, hkv, head_dim)
     caches = [ji.PagedKVCache(_random(env, 10 + 2 * i, shape, dtype), _random(env, 11 + 2 * i, shape, dtype))
               for i in range(layers)]
-    qs = _random(env, 9, (calls, tokens, hq, head_dim), jnp.bfloat16)  # [calls, T, Hq, D]
+    qs = _random(env, 9, (calls, tokens + pad_rows, hq, head_dim), jnp.bfloat16)  # [calls, T, Hq, D]
 
     run_kw = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
     if wrapper == "rpa":
-        run, cache_of = _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page)
+        run, cache_of = _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page, pad_rows)
         name, plan, sm_scale = "ragged_paged_attention", None, 1.0 / math.sqrt(head_dim)
     else:
         kw = env.wrapper_kw()
@@ -264,6 +265,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
 
     def check(i, o):
         o, got, want = _host(o), [], []
+        if np.any(o[tokens:] != 0):  # padding rows give 0
+            return math.inf
         for b in sample:
             n = min(int(qo_lens[b]), CHECK_ROWS)
             start = int(qo_indptr[b + 1]) - n
@@ -298,7 +301,7 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
     return Case(run=run, calls=calls, check=check, flops=flops, info=info, flashinfer=flashinfer)
 
 
-def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page):
+def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page, pad_rows=0):
     """(run, cache_of) of ji.ragged_paged_attention over the caches, call i on cache i % layers:
     each call writes its tokens' K/V as the cache already holds them (common.rpa_inputs), so
     every output is checked against the cache as built; one jitted program of all calls, the
@@ -308,7 +311,8 @@ def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page):
         raise ValueError("rpa rows list their decode segments (q_len 1) first")
     layers = len(caches)
     inputs = [rpa_inputs(c, qo_lens, kv_lens, indptr, indices, page) for c in caches]
-    new_kv, meta = [x[:2] for x in inputs], inputs[0][2]  # per layer (keys, values) [T, Hkv, D]
+    new_kv = [tuple(jnp.pad(x, ((0, pad_rows), (0, 0), (0, 0))) for x in inp[:2]) for inp in inputs]  # [T, Hkv, D]
+    meta = inputs[0][2]
     kw = env.wrapper_kw()
 
     def calls(qs, new_kv, caches, meta):
@@ -377,6 +381,8 @@ def build_ragged(env, batch, seq, hq, hkv, head_dim=128, variant=None, window=10
 
     def check(i, o):
         o, got, want = _host(o), [], []
+        if np.any(o[tokens:] != 0):  # padding rows give 0
+            return math.inf
         n = min(seq, CHECK_ROWS)
         for b in sorted({0, batch - 1}):
             start = (b + 1) * seq - n
@@ -457,6 +463,8 @@ ROWS = [
         segs=((60, 4, (512, 4096)), (4, 512, 2048)), wrapper="rpa", fi="attention"),
     row("mixed 4x512/2048 + 60 decode ragged_paged_attention (decode first)", build_paged,
         segs=((60, 1, (512, 4096)), (4, 512, 2048)), wrapper="rpa", fi="attention"),
+    row("mixed 4x512/2048 + 60 decode ragged_paged_attention (decode first, 2560 rows)", build_paged,
+        segs=((60, 1, (512, 4096)), (4, 512, 2048)), wrapper="rpa", pad_rows=452),
     row("mixed 4x512/2048 + 60 decode BatchAttention told bf16 (decode first)", build_paged,
         segs=((60, 1, (512, 4096)), (4, 512, 2048)), wrapper="attention", fi="attention", told_dtypes=True),
     row("mixed 4x512/2048 + 60 decode prefill-wrapper", build_paged,
