@@ -55,27 +55,38 @@ def assign_positive(costs, num_cells, out=None):
     """assign_cells for integer costs known to be positive (no check)."""
     n = costs.shape[0]
     cell_indptr = np.empty(num_cells + 1, np.int32) if out is None else out
-    by_cost = longest_first(costs)
-    if n <= num_cells:  # one item per cell, cells in cost order: listing by cell is by_cost
+    if n <= num_cells:  # one item per cell, cells in cost order: listing by cell is by cost
         np.minimum(arange(num_cells + 1), n, out=cell_indptr)
-        return by_cost, cell_indptr
+        return longest_first(costs), cell_indptr
+    cell_of_item = cells_of(costs, num_cells)
+    order = cell_of_item.argsort(kind="stable")  # by cell, then by item id (radix sort: int16)
+    cell_indptr[0] = 0
+    cell_indptr[1:] = np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells))  # (an int32 out= is slower)
+    return order, cell_indptr
+
+
+def cells_of(costs, num_cells):
+    """Each item's cell as assign_positive assigns it (positive integer costs): int16[n] when
+    num_cells <= 2**15, else int64[n]."""
+    n = costs.shape[0]
+    by_cost = longest_first(costs)
+    cell_of_item = np.empty(n, np.int16 if num_cells <= 1 << 15 else np.int64)
+    if n <= num_cells:  # one item per cell, in cost order
+        cell_of_item[by_cost] = arange(n)
+        return cell_of_item
     # The first num_cells items go to the empty cells in index order; the rest to the least-loaded.
     # A cell's key packs (load, cell) into one int, load << bits | cell: ints compare faster
     # than tuples and order the same way, ties going to the lower cell; keys are distinct.
     bits = max(num_cells - 1, 1).bit_length()
     shifted = np.left_shift(costs.take(by_cost), bits, dtype=np.int64)
-    cell_of_sorted = np.empty(n, np.int16 if num_cells <= 1 << 15 else np.int64)
+    cell_of_sorted = np.empty_like(cell_of_item)
     if shifted[0] == shifted[n - 1]:  # equal costs: the cells take turns (ties go to the lower cell)
         np.remainder(arange(n), num_cells, out=cell_of_sorted, casting="unsafe")
     else:
         cell_of_sorted[:num_cells] = arange(num_cells)
         _greedy(shifted, num_cells, bits, cell_of_sorted)
-    cell_of_item = np.empty_like(cell_of_sorted)
     cell_of_item[by_cost] = cell_of_sorted
-    order = cell_of_item.argsort(kind="stable")  # by cell, then by item id (radix sort: int16)
-    cell_indptr[0] = 0
-    cell_indptr[1:] = np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells))  # (an int32 out= is slower)
-    return order, cell_indptr
+    return cell_of_item
 
 
 def longest_first(costs):
@@ -131,14 +142,15 @@ def _greedy(shifted, num_cells, bits, cell_of_sorted):
         keys.sort()  # sorted between rounds: the k-th key is the k-th least-loaded cell
         while True:
             m = min(num_cells, n - pos)
-            old = keys[:m]
-            new = old + shifted[pos:pos + m]
-            # item pos + k + 1 goes to the cell of old[k + 1] iff min(new[:k + 1]) > old[k + 1]
-            later = np.minimum.accumulate(new[:-1]) < old[1:]
-            first = int(later.argmax())
-            took = first + 1 if later[first] else m
-            np.bitwise_and(old[:took], mask, out=cell_of_sorted[pos:pos + took], casting="unsafe")
-            keys[:took] = new[:took]
+            if int(shifted[pos + m - 1]) > int(keys[m - 1]) - int(keys[0]):
+                took = m  # the round's least cost exceeds the keys' spread: every new key > every old
+            else:  # item pos + k + 1 goes to the cell of old[k + 1] iff min(new[:k + 1]) > old[k + 1]
+                old = keys[:m]
+                later = np.minimum.accumulate(old[:-1] + shifted[pos:pos + m - 1]) < old[1:]
+                first = int(later.argmax())
+                took = first + 1 if later[first] else m
+            np.bitwise_and(keys[:took], mask, out=cell_of_sorted[pos:pos + took], casting="unsafe")
+            keys[:took] += shifted[pos:pos + took]
             pos += took
             if took < ROUND_MIN_ITEMS or n - pos < ROUND_MIN_ITEMS:
                 break

@@ -232,3 +232,42 @@ def test_batch_attention_short_plans_match_the_old_planner(seed):
             batch_planner.plan_short(*args, **kw)
         return
     _same(batch_planner.plan_short(*args, **kw), ref)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_assign_cells_matches_the_old_heap_on_costs_in_runs(seed):
+    """Costs repeated in runs (a mixed plan's items: one per head of a tile or short request):
+    rounds of the greedy that place every cell at once."""
+    rng = np.random.default_rng(700 + seed)
+    n, cells, run = int(rng.integers(0, 2000)), int(rng.choice([48, 132, 264])), int(rng.choice([1, 8, 32]))
+    lo = int(rng.choice([1, 300, 2000]))
+    costs = np.repeat(rng.integers(lo, lo + int(rng.choice([lo, 4 * lo, 3000])), n // run + 1), run)[:n]
+    order, indptr = scheduler.assign_cells(costs, cells)
+    ref_order, ref_indptr = old.assign_cells(costs, cells)
+    np.testing.assert_array_equal(order, ref_order)
+    np.testing.assert_array_equal(indptr, ref_indptr)
+    cell_of_item = np.repeat(np.arange(cells), np.diff(ref_indptr))[np.argsort(ref_order)]
+    np.testing.assert_array_equal(scheduler.cells_of(costs, cells), cell_of_item)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_mixed_plans_match_the_old_planner(seed):
+    from planner import batch as batch_planner
+    rng = np.random.default_rng(4000 + seed)
+    batch = int(rng.choice([2, 5, 17, 64]))
+    qo = rng.choice([0, 1, 1, 2, 4, 9, 40, 300, 512, 1000], batch)
+    if seed % 3 == 0:  # chunks first, then decode rows: the long rows one run
+        qo[:] = 1
+        qo[: max(1, batch // 8)] = int(rng.choice([128, 512, 700]))
+    kv = qo + _lens(rng, batch, int(rng.choice([30, 600, 4000])))
+    page = int(rng.choice([8, 16]))
+    indptr, indices, _, _ = page_table(rng, kv, page)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    hq, hkv = int(rng.choice([8, 32])), int(rng.choice([1, 8]))
+    tokens, is_short = batch_planner.short_tokens(qo, hq // hkv)
+    nnz, extra = int(qo_indptr[-1]), int(rng.integers(0, 9)) * (seed % 2 == 0)
+    kw = dict(page_size=page, num_qo_heads=hq, num_kv_heads=hkv, num_cells=int(rng.choice([1, 33, 132])),
+              tile_tokens=int(rng.choice([64, 128, 192])), tokens_per_item=tokens, num_tokens=nnz + extra,
+              batch_cap=batch + extra, index_cap=int(indptr[-1]) + extra + 1, causal=bool(seed % 4))
+    args = (qo_indptr, kv.astype(np.int32), indptr[:-1], indices[: indptr[-1]], is_short)
+    _same(batch_planner.plan_mixed(*args, **kw), old.plan_mixed(*args, **kw))
