@@ -66,6 +66,10 @@ class BatchAttention:
         self.mixed_problem = dataclasses.replace(self.problem, family="batch")
         self.mixed_impl = {"auto": "auto", "mixed": "mixed"}.get(impl, "classes")
         dispatch.check(self.mixed_problem, self.mixed_impl)
+        # The mixed launch's static facts: a persistent grid of one cell per SM, its query tile height.
+        self.mixed_cells = _backend.num_sms()
+        self.mixed_tile_tokens = dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["batch_mosaic"],
+                                                     self.mixed_problem, self.configs).tile_tokens
         self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
                                   layout, (max_batch_size, max_num_tokens, max_num_pages))
 
@@ -102,11 +106,10 @@ class BatchAttention:
                 rows[dtypes] = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
             choice = dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows[dtypes])
             if choice.name == "batch_mosaic":
-                config = dispatch.config_for(choice, self.mixed_problem, self.configs)
                 layout, buf, info = batch_planner.plan_mixed(
                     qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short, page_size=self.page_size,
-                    num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, num_cells=_backend.num_sms(),
-                    tile_tokens=config.tile_tokens, tokens_per_item=tokens, num_tokens=num_tokens,
+                    num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, num_cells=self.mixed_cells,
+                    tile_tokens=self.mixed_tile_tokens, tokens_per_item=tokens, num_tokens=num_tokens,
                     batch_cap=bcap, index_cap=icap, causal=self.causal)
                 return BatchPlan(transfer.plan_sections(buf, layout), layout,
                                  self._spec(num_pages, choice.name, dtypes), None, True, self.causal, info=info)

@@ -231,8 +231,9 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
                           tokens_per_item)
     qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)  # [B]
     kv64 = kv_lens.astype(np.int64)
-    short = np.flatnonzero(is_short & (qo_lens > 0))  # [S]
-    long_ = np.flatnonzero(~is_short & (qo_lens > 0))  # [L]
+    live = qo_lens > 0
+    short = np.flatnonzero(is_short & live)  # [S]
+    long_ = np.flatnonzero(live > is_short)  # [L] (live and not short)
     start_l, qo_l, kv_l = qo_indptr.take(long_).astype(np.int64), qo_lens.take(long_), kv64.take(long_)
     p_start, p_qo, p_kv = qo_indptr.take(short).astype(np.int64), qo_lens.take(short), kv64.take(short)
 
@@ -242,37 +243,36 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     if num_tiles > layout.tile_cap:
         raise ValueError("the step needs more query tiles than the plan holds")
     tile_req = np.repeat(scheduler.arange(long_.shape[0]), ntiles)  # [tiles]: index into long_
-    tile_first = np.cumsum(ntiles) - ntiles
+    tile_first = ntiles.cumsum() - ntiles
     tile_tok = (scheduler.arange(num_tiles) - tile_first.take(tile_req)) * T
     qo_t, kv_t = qo_l.take(tile_req), kv_l.take(tile_req)
     # Keys visible to the tile's last token (causal), else all of them.
     kv_hi = np.minimum(kv_t - qo_t + np.minimum(tile_tok + T, qo_t), kv_t) if causal else kv_t
 
     # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
-    # packed_slot0 + short index * Hkv + KV head).
+    # packed_slot0 + short index * Hkv + KV head): each tile's fields, repeated per head.
     n_q, n_p = num_tiles * num_qo_heads, short.shape[0] * num_kv_heads
-    items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int32)
-    q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED_ITEM_FIELDS)
-    q_items[:, :, 0] = start_l.take(tile_req)[:, None]
-    q_items[:, :, 1] = tile_tok[:, None]
-    q_items[:, :, 2] = qo_t[:, None]
-    q_items[:, :, 3] = page_base.take(long_.take(tile_req))[:, None]
-    q_items[:, :, 4] = kv_t[:, None]
-    q_items[:, :, 6] = kv_hi[:, None]
-    q_items[:, :, 7] = np.arange(num_qo_heads)
-    q_items[:, :, 8] = scheduler.arange(n_q).reshape(num_tiles, num_qo_heads)
-    q_items[:, :, 12] = -1
-    p_items = items[n_q:].reshape(short.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
-    p_items[:, :, 0] = p_start[:, None]
-    p_items[:, :, 2] = p_qo[:, None]
-    p_items[:, :, 3] = page_base.take(short)[:, None]
-    p_items[:, :, 4] = p_kv[:, None]
-    p_items[:, :, 6] = p_kv[:, None]
-    p_items[:, :, 7] = np.arange(num_kv_heads)
-    p_items[:, :, 8] = layout.packed_slot0 + scheduler.arange(n_p).reshape(-1, num_kv_heads)
-    p_items[:, :, 9] = 1
-    p_items[:, :, 12] = -1
-    costs = np.concatenate([np.repeat(kv_hi, num_qo_heads), np.repeat(p_kv, num_kv_heads)]) + item_cost
+    tiles = np.zeros((num_tiles + short.shape[0], MIXED_ITEM_FIELDS), np.int32)
+    q_tiles, p_tiles = tiles[:num_tiles], tiles[num_tiles:]
+    q_tiles[:, 0] = start_l.take(tile_req)
+    q_tiles[:, 1] = tile_tok
+    q_tiles[:, 2] = qo_t
+    q_tiles[:, 3] = page_base.take(long_.take(tile_req))
+    q_tiles[:, 4] = kv_t
+    q_tiles[:, 6] = kv_hi
+    p_tiles[:, 0] = p_start
+    p_tiles[:, 2] = p_qo
+    p_tiles[:, 3] = page_base.take(short)
+    p_tiles[:, 4] = p_kv
+    p_tiles[:, 6] = p_kv
+    p_tiles[:, 9] = 1
+    tiles[:, 12] = -1
+    items = tiles.repeat(np.repeat([num_qo_heads, num_kv_heads], [num_tiles, short.shape[0]]), axis=0)
+    items[:n_q, 7].reshape(num_tiles, num_qo_heads)[:] = scheduler.arange(num_qo_heads)
+    items[n_q:, 7].reshape(-1, num_kv_heads)[:] = scheduler.arange(num_kv_heads)
+    items[:, 8] = scheduler.arange(n_q + n_p)
+    items[n_q:, 8] += layout.packed_slot0 - n_q
+    costs = np.add(items[:, 6], item_cost, dtype=np.int64)  # keys (field 6) + item_cost
     cell = scheduler.cells_of(costs, layout.num_cells)  # [items]
     # A cell runs its items by kind: even cells their query tiles first, odd cells their packed
     # tiles first, so about half the SMs stream K/V while the others compute (H100, the mixed
