@@ -80,6 +80,7 @@ PREFILL_ROWS = 128     # prefill tile rows (query tokens x the GQA group), as Ba
 MOSAIC_TILE = 2 * 64
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
 ROW_ALIGN = 8          # the Mosaic kernel reads and writes q / o rows in groups of 8 (TMA)
+MERGE_PROGRAMS = 128   # the merge's grid over groups (each program loops over groups: an empty merge is cheap)
 MIXED_ITEM_COST = 256  # keys: a mixed-launch item's fixed cost (planner.batch.plan_mixed's item_cost)
 
 
@@ -174,30 +175,42 @@ def _owner(counts, n):
     return owner, slot - (ends - counts)[owner], slot < ends[-1]
 
 
-def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, window_left, num_rows, taken=None):
-    """The device prologue of one class: work items (the decode kernel's MULTI_ITEM_COLUMNS or the
-    prefill kernel's ITEM_COLUMNS), cell_indptr, merge groups, and the per-block kv_lens the decode
-    kernel reads. All int32 jnp. taken (bool[S], optional): sequences the mixed launch runs."""
-    s = kv_lens.shape[0]
-    t_item = cls.tokens_per_item
-    q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
-    mine = (jnp.arange(s) < distribution[2]) & (q_len >= cls.min_q) & (q_len <= cls.max_q)
-    if taken is not None:
-        mine &= ~taken
-    q_len = jnp.where(mine, q_len, 0)
-    kv_len = jnp.where(mine, kv_lens, 0)
+def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, causal, window_left, num_rows, taken=None):
+    """The device prologue of a group of classes that share one partial buffer and one merge (the
+    decode classes, or the Triton prefill class alone): work items (the decode kernel's
+    MULTI_ITEM_COLUMNS or the prefill kernel's ITEM_COLUMNS), class by class, one cell_indptr per
+    class (into the shared item list), the merge groups, and the per-block kv_lens the decode
+    kernel reads. All int32 jnp. taken (bool[S], optional): sequences the mixed launch runs.
 
-    # Query blocks of up to t_item tokens.
-    seq, j, blk_ok = _owner(-(-q_len // t_item), cls.blocks)  # [NB]
+    Returns (dict(items [IC, cols], cell_indptr (one int32[cells + 1] per class), merge_indptr
+    [G + 1], merge_dest [G], merge_live (0-d: groups past it write nothing)), block ends [NB])."""
+    s = kv_lens.shape[0]
+    cells = classes[0].cells
+    q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    live = jnp.arange(s) < distribution[2]
+    if taken is not None:
+        live &= ~taken
+
+    # Query blocks of up to t tokens (the class's), class by class: block b of "virtual sequence"
+    # k * S + i is sequence i's in class k.
+    t_of = jnp.array([c.tokens_per_item for c in classes], jnp.int32)  # [K]
+    nblk = jnp.concatenate([jnp.where(live & (q_len >= c.min_q) & (q_len <= c.max_q), -(-q_len // c.tokens_per_item), 0)
+                            for c in classes])  # [K * S]
+    vseq, j, blk_ok = _owner(nblk, sum(c.blocks for c in classes))  # [NB]
+    seq, k_blk = vseq % s, vseq // s
+    t_item = t_of[k_blk]
     t0 = j * t_item
-    qo = jnp.where(blk_ok, jnp.minimum(q_len[seq] - t0, t_item), 0)
-    first_pos = kv_len[seq] - q_len[seq] + t0
-    end = first_pos + qo if causal else kv_len[seq]  # the block's keys end here (its kernel kv_len)
+    q_b, kv_b = q_len[seq], kv_lens[seq]
+    qo = jnp.where(blk_ok, jnp.minimum(q_b - t0, t_item), 0)
+    first_pos = kv_b - q_b + t0
+    end = first_pos + qo if causal else kv_b  # the block's keys end here (its kernel kv_len)
     lo = jnp.zeros_like(end)
     if window_left is not None:  # keys left of the first token's window are never seen
         lo = jnp.where(window_left < 0, 0, jnp.maximum(first_pos - window_left, 0)) // CHUNK_UNIT * CHUNK_UNIT
     units = jnp.where(blk_ok, -(-(end - lo) // CHUNK_UNIT), 0)
-    max_chunk = jnp.maximum(-(-jnp.sum(units) // (CHUNKS_PER_CELL * cls.cells)), MIN_CHUNK_UNITS)  # units
+    one_hot = k_blk[:, None] == jnp.arange(len(classes))[None, :]  # [NB, K]
+    class_units = jnp.sum(jnp.where(one_hot, units[:, None], 0), axis=0)  # [K]
+    max_chunk = jnp.maximum(-(-class_units // (CHUNKS_PER_CELL * cells)), MIN_CHUNK_UNITS)[k_blk]  # units
     n_chunks = jnp.where(blk_ok, jnp.maximum(-(-units // max_chunk), 1), 0)
     chunk = -(-units // jnp.maximum(n_chunks, 1)) * CHUNK_UNIT  # [NB] keys per item: the block cut evenly
     split = n_chunks > 1  # blocks writing partials
@@ -205,13 +218,13 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
     part_first = _excl_cumsum(parts)
 
     # Items: block b's n_chunks KV chunks.
-    blk, c, item_ok = _owner(n_chunks, cls.items)  # [IC]
+    blk, c, item_ok = _owner(n_chunks, sum(c.items for c in classes))  # [IC]
     tok_start = lo[blk] + c * chunk[blk]
     tok_end = jnp.minimum(tok_start + chunk[blk], end[blk])
     sb = seq[blk]
-    if cls.prefill:  # pallas_kernels.prefill.ITEM_COLUMNS (no mask, no tails)
+    if classes[0].prefill:  # pallas_kernels.prefill.ITEM_COLUMNS (no mask, no tails)
         zero = jnp.zeros_like(blk)
-        cols = [cu_q_lens[sb], t0[blk], q_len[sb], sb * pages_per_seq, kv_len[sb], tok_start, tok_end,
+        cols = [cu_q_lens[sb], t0[blk], q_len[sb], sb * pages_per_seq, kv_lens[sb], tok_start, tok_end,
                 jnp.where(split[blk], part_first[blk], -1), n_chunks[blk], c, zero - 1, zero, zero - 1, zero,
                 first_pos[blk], first_pos[blk] + jnp.maximum(qo[blk], 1) - 1]
     else:  # pallas_kernels.decode.MULTI_ITEM_COLUMNS
@@ -219,23 +232,30 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, cls, causal, windo
                 n_chunks[blk], cu_q_lens[sb] + t0[blk], qo[blk]]
     items = jnp.stack(cols, axis=1).astype(jnp.int32)
 
-    # Cells: contiguous runs of about total / cells cost each.
-    cost = jnp.where(item_ok, TILE_COST * t_item + tok_end - tok_start, 0).astype(jnp.float32)
-    start = _excl_cumsum(cost)
-    cell_of = jnp.where(item_ok, jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * cls.cells), cls.cells)
-    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(cls.cells + 1, dtype=jnp.float32), side="left",
-                                   method="compare_all").astype(jnp.int32)
+    # Cells of each class: contiguous runs of its items of about its total / cells cost each.
+    k_item = k_blk[blk]
+    cost = jnp.where(item_ok, TILE_COST * t_item[blk] + tok_end - tok_start, 0).astype(jnp.float32)
+    class_cost = jnp.sum(jnp.where(k_item[:, None] == jnp.arange(len(classes))[None, :], cost[:, None], 0), axis=0)
+    start = _excl_cumsum(cost) - (jnp.cumsum(class_cost) - class_cost)[k_item]  # within the class
+    cell_of = jnp.floor(start / jnp.maximum(class_cost[k_item], 1.0) * cells) + k_item * cells
+    cell_of = jnp.where(item_ok, cell_of, len(classes) * cells)
+    bounds = jnp.searchsorted(cell_of, jnp.arange(len(classes) * cells + 1, dtype=jnp.float32), side="left",
+                              method="compare_all").astype(jnp.int32)
+    cell_indptr = tuple(bounds[k * cells:(k + 1) * cells + 1] for k in range(len(classes)))
 
     # Merge groups: one per query token of a partial-writing block, its n_chunks partials contiguous.
-    mb, tin, m_ok = _owner(jnp.where(split, qo, 0), cls.merges)
+    tokens = jnp.where(split, qo, 0)
+    mb, tin, m_ok = _owner(tokens, sum(c.merges for c in classes))
     merge_end = jnp.where(m_ok, part_first[mb] + (tin + 1) * n_chunks[mb], jnp.sum(parts))
     merge_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), merge_end.astype(jnp.int32)])
     merge_dest = jnp.where(m_ok, cu_q_lens[seq[mb]] + t0[mb] + tin, -1)
-    if cls.pad:  # the groups after those: no partials (o = 0), one per padding row
-        pad_row = cu_q_lens[distribution[2]] + jnp.arange(cls.merges) - jnp.sum(jnp.where(split, qo, 0))
+    merge_live = jnp.sum(tokens)
+    if any(c.pad for c in classes):  # the groups after those: no partials (o = 0), one per padding row
+        pad_row = cu_q_lens[distribution[2]] + jnp.arange(merge_dest.shape[0]) - merge_live
         merge_dest = jnp.where(m_ok, merge_dest, jnp.where(pad_row < num_rows, pad_row, -1))
+        merge_live += jnp.maximum(num_rows - cu_q_lens[distribution[2]], 0)
     sec = dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr,
-               merge_dest=merge_dest.astype(jnp.int32))
+               merge_dest=merge_dest.astype(jnp.int32), merge_live=merge_live.astype(jnp.int32))
     return sec, end.astype(jnp.int32)
 
 
@@ -322,13 +342,19 @@ def _mixed_plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, causal, num_
     order = _order_desc(cost)
     ends = _cumsum(mult[order])  # [U]
     n = ends[-1]
-    cell = jnp.arange(C, dtype=jnp.int32)
+    # Each cell gets `rounds` items, and one more: cells 0..rest-1 after an even number of rounds,
+    # C-rest..C-1 after an odd one (closed forms: no prefix sum, no search).
     rounds, rest = n // C, n % C
-    count = rounds + jnp.where(rounds % 2 == 0, cell < rest, cell >= C - rest).astype(jnp.int32)  # [C]
-    cell_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), _cumsum(count)])
+    even = rounds % 2 == 0
+    edge = jnp.arange(C + 1, dtype=jnp.int32)
+    cell_indptr = edge * rounds + jnp.where(even, jnp.minimum(edge, rest), jnp.maximum(edge - (C - rest), 0))
     cap = mix.slots(s, hq, hkv)
     slot = jnp.arange(cap, dtype=jnp.int32)
-    c = jnp.clip(jnp.searchsorted(cell_indptr[1:], slot, side="right", method="compare_all"), 0, C - 1)
+    first_n, first_size = jnp.where(even, rest, C - rest), jnp.where(even, rounds + 1, rounds)  # the first cells
+    split_slot = first_n * first_size
+    c = jnp.where(slot < split_slot, slot // jnp.maximum(first_size, 1),
+                  first_n + (slot - split_slot) // jnp.maximum(2 * rounds + 1 - first_size, 1))
+    c = jnp.minimum(c, C - 1)
     k = slot - cell_indptr[c]
     ok = slot < n
     pos = k * C + jnp.where(k % 2 == 0, c, C - 1 - c)  # the slot's place in the sorted items
@@ -586,40 +612,50 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             pipeline=long_config.pipeline, tree_max=long_config.tree_max, compute_wgs=long_config.compute_wgs,
             interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0])
         out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
-    for cls in _classes(t, s, num_cells, hq // hkv, mosaic_cells, mixed is not None):
-        kw = dict(page_size=page_size, num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale,
-                  interpret=interpret, variant=variant, params=params or None)
-        if cls.mosaic:  # the base: its rows through a sub-buffer and back by a gather + select
-            from pallas_kernels import prefill_mosaic
-            items, cell_indptr, src, pos = _mosaic_plan(
-                kv_lens, cu_q_lens, distribution, row_seq, row_live, pages_per_seq=pages_per_seq, cls=cls,
-                causal=causal, window_left=params.get("window_left"))
-            o_sub, _, _ = prefill_mosaic.prefill_mosaic(
-                queries[src], k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, causal=causal,
-                block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
-                q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, **kw)
-            mine = pos >= 0
-            o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
-            out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
-            continue
-        sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, cls=cls,
+    classes = _classes(t, s, num_cells, hq // hkv, mosaic_cells, mixed is not None)
+    kw = dict(page_size=page_size, num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale,
+              interpret=interpret, variant=variant, params=params or None)
+    if classes[0].mosaic:  # the base: its rows through a sub-buffer and back by a gather + select
+        from pallas_kernels import prefill_mosaic
+        items, cell_indptr, src, pos = _mosaic_plan(
+            kv_lens, cu_q_lens, distribution, row_seq, row_live, pages_per_seq=pages_per_seq, cls=classes[0],
+            causal=causal, window_left=params.get("window_left"))
+        o_sub, _, _ = prefill_mosaic.prefill_mosaic(
+            queries[src], k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, causal=causal,
+            block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
+            q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, **kw)
+        mine = pos >= 0
+        o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
+        out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
+        classes = classes[1:]
+    # The Triton prefill class (the base when present) alone, then the decode classes together:
+    # one plan, their partial states in one buffer, one merge.
+    groups = [(c,) for c in classes if c.prefill] + [tuple(c for c in classes if not c.prefill)]
+    kw.update(scales=scales)
+    for group in filter(None, groups):
+        sec, block_kv_lens = _plan(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq, classes=group,
                                    causal=causal, window_left=params.get("window_left"), num_rows=t, taken=taken)
-        kw.update(num_parts=cls.part_cap, scales=scales)
-        if cls.prefill:
-            o, lse, o_part, lse_part = prefill_kernels.prefill(
-                queries, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], causal=causal,
-                rows=cls.rows, impl="triton", config=long_config, q_pos=q_pos if variant is not None else None,
-                **kw)
-        else:  # a class after the base writes its unsplit blocks into the base's output
-            flat_out = None if cls.base else (out[0].reshape(t * hq, d), out[1].reshape(t * hq))
-            o, lse, o_part, lse_part = decode_kernels.paged_decode(
-                queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
-                columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
-                causal=causal and cls.max_q > 1, config=decode_config, out=flat_out, **kw)
-        out = (o.reshape(t, hq, d), lse.reshape(t, hq))
+        part_cap = sum(c.part_cap for c in group)
+        parts = None
+        for cls, cell_indptr in zip(group, sec["cell_indptr"]):
+            if cls.prefill:
+                o, lse, *parts = prefill_kernels.prefill(
+                    queries, k_rows, v_rows, kv_indices, sec["items"], cell_indptr, causal=causal,
+                    rows=cls.rows, impl="triton", config=long_config, num_parts=part_cap,
+                    q_pos=q_pos if variant is not None else None, **kw)
+            else:  # a class after the base writes its unsplit blocks into the base's output, its
+                # split ones into the group's partial buffer
+                flat_out = None if cls.base else (out[0].reshape(t * hq, d), out[1].reshape(t * hq))
+                o, lse, *parts = decode_kernels.paged_decode(
+                    queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], cell_indptr,
+                    columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
+                    causal=causal and cls.max_q > 1, config=decode_config, out=flat_out, num_parts=part_cap,
+                    parts=parts, **kw)
+            out = (o.reshape(t, hq, d), lse.reshape(t, hq))
         out = merge_kernels.merge_varlen(
-            o_part.reshape(cls.part_cap, hq, d), lse_part.reshape(cls.part_cap, hq), sec["merge_indptr"],
-            sec["merge_dest"], out=out, interpret=interpret)
+            parts[0].reshape(part_cap, hq, d), parts[1].reshape(part_cap, hq), sec["merge_indptr"],
+            sec["merge_dest"], out=out, interpret=interpret, num_programs=MERGE_PROGRAMS,
+            num_live=sec["merge_live"])
     # window and soft cap leave (o, lse) final (variants.finish is the identity on them). The
     # returned cache is tied to the output, so every kernel reading the written cache runs before
     # any later in-place write to it: without the tie XLA copied the whole K cache before the next

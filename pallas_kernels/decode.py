@@ -47,14 +47,13 @@ MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
                    *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant,
-                   param_tree, heads_fastest, has_out, has_append, append_in_q, q_stride, **attend_kw):
+                   param_tree, heads_fastest, has_out, has_parts, has_append, append_in_q, q_stride, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
-    # refs: [params..., (k_new, v_new), (o, lse aliased)] inputs, then the outputs
+    # refs: [params..., (k_new, v_new), (o, lse aliased), (o_part, lse_part aliased)] inputs, then the outputs
     # o, lse, o_part, lse_part, (k_rows, v_rows aliased).
     outs, refs = (refs[-6:], refs[:-6]) if has_append else ((*refs[-4:], None, None), refs[:-4])
     o_ref, lse_ref, o_part_ref, lse_part_ref, k_out_ref, v_out_ref = outs
-    if has_out:
-        refs = refs[:-2]
+    refs = refs[:len(refs) - 2 * (has_out + has_parts)]
     if has_append and not append_in_q:
         (k_new_ref, v_new_ref), param_refs = refs[-2:], refs[:-2]
     else:  # (append_in_q: the new K/V rows are q_ref's rows past the query heads)
@@ -181,7 +180,7 @@ def tile_rows(group, tokens_per_item=1):
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, interpret, columns=ITEM_COLUMNS,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
-                 config=DecodeConfig(), out=None, append=None):
+                 config=DecodeConfig(), out=None, parts=None, append=None):
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
@@ -192,6 +191,9 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     variant / params: an attention variant and its parameter pytree (see _attention).
     out (optional): (o [N*Hq, D], lse [N*Hq]) updated in place (aliased): rows no item writes
     keep their values (BatchAttention: the prefill kernel's rows).
+    parts (optional): (o_part [num_parts*Hq, D] f32, lse_part [num_parts*Hq]) updated in place
+    (aliased): the partial states of another launch sharing one merge (ragged_paged_attention's
+    decode classes); slots no item writes keep their values.
     append (optional): (k_new, v_new) [N, Hkv, D] in the cache's dtype (= q's), one token per
     request (ITEM_COLUMNS), no variant or scales: request b's row is written at position
     kv_lens[b] - 1 of the cache (k_rows / v_rows aliased in and out) and attended to (see the
@@ -222,7 +224,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
-        has_out=out is not None, has_append=append is not None, append_in_q=append_in_q, q_stride=q_stride)
+        has_out=out is not None, has_parts=parts is not None, has_append=append is not None, append_in_q=append_in_q, q_stride=q_stride)
     args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), k_rows, v_rows,
             *(scales or ()), *leaves]
     out_shape = [
@@ -236,8 +238,9 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         args += [] if append_in_q else [x.reshape(n * num_kv_heads, d) for x in append]
         out_shape += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
         aliases = {5: 4, 6: 5}
-    if out is not None:
-        aliases.update({len(args): 0, len(args) + 1: 1})
+    extra = [*(out or ()), *(parts or ())]  # aliased in place: o, lse, then o_part, lse_part
+    for i, slot in enumerate((0, 1) * (out is not None) + (2, 3) * (parts is not None)):
+        aliases[len(args) + i] = slot
     call = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_cells) if heads_fastest else (num_cells, num_kv_heads),
@@ -248,4 +251,4 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         name="jaxinfer_paged_decode",
     )
     with _common.kernel_math(fast=not interpret):
-        return call(*args, *(() if out is None else out))
+        return call(*args, *extra)

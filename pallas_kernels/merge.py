@@ -69,47 +69,59 @@ def merge_pair(o_a, lse_a, o_b, lse_b, mask, *, interpret, impl="triton"):
     return fn(o_a, lse_a, o_b, lse_b, mask, interpret=interpret)
 
 
-def _varlen_kernel(indptr_ref, dest_ref, op_ref, lp_ref, *refs, hb, parts_per_step):
+def _varlen_kernel(indptr_ref, dest_ref, live_ref, op_ref, lp_ref, *refs, hb, parts_per_step, num_programs):
     o_ref, lse_ref = refs[-2:]  # refs may start with aliased copies of the outputs
-    n, j = pl.program_id(0), pl.program_id(1)
+    p, j = pl.program_id(0), pl.program_id(1)
     d = op_ref.shape[-1]
-    first, last = indptr_ref[n], indptr_ref[n + 1]
     heads = j * hb + jnp.arange(hb)
     cols = jnp.arange(d)
 
-    def body(step, carry):
-        acc, m, s = carry
-        parts = first + step * parts_per_step + jnp.arange(parts_per_step)  # [PB]
-        ok = parts < last
-        lse_i = plgpu.load(lp_ref.at[parts[:, None], heads[None, :]], mask=ok[:, None],
-                           other=-jnp.inf)  # [PB, Hb]
-        o_i = plgpu.load(op_ref.at[parts[:, None, None], heads[None, :, None], cols[None, None, :]],
-                         mask=ok[:, None, None], other=0)  # [PB, Hb, D]
-        m_new = jnp.maximum(m, jnp.max(lse_i, axis=0))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        scale_old = jnp.exp(m - m_safe)
-        w = jnp.exp(lse_i - m_safe[None, :])  # [PB, Hb]
-        contrib = jnp.where(w[:, :, None] > 0, w[:, :, None] * o_i.astype(jnp.float32), 0.0)
-        return (acc * scale_old[:, None] + jnp.sum(contrib, axis=0), m_new,
-                s * scale_old + jnp.sum(w, axis=0))
+    def merge_group(n):
+        first, last = indptr_ref[n], indptr_ref[n + 1]
 
-    acc, m, s = jax.lax.fori_loop(0, pl.cdiv(last - first, parts_per_step), body, _empty(hb, d))
-    o, lse = _finish(acc, m, s)
-    row = dest_ref[n]
+        def body(step, carry):
+            acc, m, s = carry
+            parts = first + step * parts_per_step + jnp.arange(parts_per_step)  # [PB]
+            ok = parts < last
+            lse_i = plgpu.load(lp_ref.at[parts[:, None], heads[None, :]], mask=ok[:, None],
+                               other=-jnp.inf)  # [PB, Hb]
+            o_i = plgpu.load(op_ref.at[parts[:, None, None], heads[None, :, None], cols[None, None, :]],
+                             mask=ok[:, None, None], other=0)  # [PB, Hb, D]
+            m_new = jnp.maximum(m, jnp.max(lse_i, axis=0))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            scale_old = jnp.exp(m - m_safe)
+            w = jnp.exp(lse_i - m_safe[None, :])  # [PB, Hb]
+            contrib = jnp.where(w[:, :, None] > 0, w[:, :, None] * o_i.astype(jnp.float32), 0.0)
+            return (acc * scale_old[:, None] + jnp.sum(contrib, axis=0), m_new,
+                    s * scale_old + jnp.sum(w, axis=0))
 
-    @pl.when(row >= 0)
-    def _():
-        o_ref[row, pl.ds(j * hb, hb), :] = o.astype(o_ref.dtype)
-        lse_ref[row, pl.ds(j * hb, hb)] = lse
+        acc, m, s = jax.lax.fori_loop(0, pl.cdiv(last - first, parts_per_step), body, _empty(hb, d))
+        o, lse = _finish(acc, m, s)
+        row = dest_ref[n]
+
+        @pl.when(row >= 0)
+        def _():
+            o_ref[row, pl.ds(j * hb, hb), :] = o.astype(o_ref.dtype)
+            lse_ref[row, pl.ds(j * hb, hb)] = lse
+
+    if num_programs is None:  # one program per group
+        merge_group(p)
+    else:  # groups p, p + P, ... below the live count
+        live = jnp.minimum(live_ref[0], indptr_ref.shape[0] - 1)
+        jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(live - p, 0), num_programs),
+                          lambda i, _: merge_group(p + i * num_programs), None)
 
 
-def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, *, interpret, num_warps=4,
-                         parts_per_step=8):
+def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, num_programs, num_live, *, interpret,
+                         num_warps=4, parts_per_step=8):
     num_groups = indptr.shape[0] - 1
     _, h, d = o_parts.shape
     hb = _common.head_block(h, cap=4)
-    kernel = functools.partial(_varlen_kernel, hb=hb, parts_per_step=parts_per_step)
-    args = (indptr, dest, o_parts, lse_parts)
+    if num_programs is not None:
+        num_programs = max(1, min(num_programs, num_groups))
+    kernel = functools.partial(_varlen_kernel, hb=hb, parts_per_step=parts_per_step, num_programs=num_programs)
+    live = jnp.full((1,), num_groups, jnp.int32) if num_live is None else jnp.reshape(num_live, (1,)).astype(jnp.int32)
+    args = (indptr, dest, live, o_parts, lse_parts)
     aliases = {}
     if out is None:
         out_shape = (jax.ShapeDtypeStruct((num_groups, h, d), o_parts.dtype),
@@ -118,10 +130,10 @@ def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, *, interpret, nu
         out_shape = (jax.ShapeDtypeStruct(out[0].shape, out[0].dtype),
                      jax.ShapeDtypeStruct(out[1].shape, jnp.float32))
         args += tuple(out)
-        aliases = {4: 0, 5: 1}
+        aliases = {5: 0, 6: 1}
     return pl.pallas_call(
         kernel,
-        grid=(num_groups, h // hb),
+        grid=(num_groups if num_programs is None else num_programs, h // hb),
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=_common.compiler_params(num_warps, 1),
@@ -130,16 +142,21 @@ def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, *, interpret, nu
     )(*args)
 
 
-def merge_varlen(o_parts, lse_parts, indptr, dest=None, out=None, *, interpret, impl="triton"):
+def merge_varlen(o_parts, lse_parts, indptr, dest=None, out=None, *, interpret, impl="triton",
+                 num_programs=None, num_live=None):
     """Merges groups of partial states: group n is rows indptr[n]:indptr[n+1] of
     o_parts [P, H, D] / lse_parts [P, H], merged in row order (deterministic).
 
     Without `out`, returns new (o [G, H, D], lse [G, H]). With out = (o, lse)
     (donated, updated in place), group n is written to row dest[n] of out and
     groups with dest < 0 are skipped; rows no group names keep their values.
+    num_programs (static, optional): a grid of that many programs (per head block), each
+    looping over its groups, instead of one per group; num_live (int32 scalar, may be traced;
+    with num_programs): only groups below it are merged. A mostly empty merge then costs a few
+    hundred programs, not one per group of its capacity.
     """
     num_groups = indptr.shape[0] - 1
     if dest is None:
         dest = jnp.arange(num_groups, dtype=jnp.int32)
     fn = _common.dispatch({"triton": _merge_varlen_triton}, impl, "merge_varlen")
-    return fn(o_parts, lse_parts, indptr, dest, out, interpret=interpret)
+    return fn(o_parts, lse_parts, indptr, dest, out, num_programs, num_live, interpret=interpret)

@@ -100,6 +100,26 @@ def test_varlen_merge_groups_and_empty_groups(rng):
         ji.merge_state_varlen(states, np.array([0, 3], np.int64))
 
 
+def test_varlen_merge_looping_programs_writes_what_one_per_group_writes(rng):
+    """merge_varlen with num_programs (each program loops over groups p, p + P, ...) and num_live
+    (groups from it on write nothing): the same rows as one program per group, other rows kept."""
+    from pallas_kernels import merge as merge_kernels
+    states = _random_state(rng, (12,), h=8, empty_frac=0.2)
+    indptr = jnp.asarray([0, 3, 3, 4, 9, 12, 12, 12], jnp.int32)  # 7 groups, two empty
+    dest = jnp.asarray([5, 0, 2, -1, 7, 3, 6], jnp.int32)
+    poison = (jnp.full((8, 8, 16), 7.0, jnp.float32), jnp.full((8, 8), 7.0, jnp.float32))
+    want = merge_kernels.merge_varlen(states.o, states.lse, indptr, dest, out=poison, interpret=True)
+    got = merge_kernels.merge_varlen(states.o, states.lse, indptr, dest, out=poison, interpret=True,
+                                     num_programs=3, num_live=jnp.int32(7))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.all(np.asarray(want[0])[[1, 4]] == 7.0)  # rows no group names, and dest -1
+    live5 = merge_kernels.merge_varlen(states.o, states.lse, indptr, dest, out=poison, interpret=True,
+                                       num_programs=2, num_live=jnp.int32(5))
+    np.testing.assert_array_equal(np.asarray(live5[0])[[5, 0, 2, 7]], np.asarray(want[0])[[5, 0, 2, 7]])
+    assert np.all(np.asarray(live5[0])[[3, 6]] == 7.0)  # groups 5 and 6 are past num_live
+
+
 @settings(max_examples=8, deadline=None)
 @given(st.integers(2, 30), st.integers(1, 4), st.data())
 def test_property_random_ragged_splits(kv_len, n_parts, data):
