@@ -182,8 +182,9 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, causal, w
     class (into the shared item list), the merge groups, and the per-block kv_lens the decode
     kernel reads. All int32 jnp. taken (bool[S], optional): sequences the mixed launch runs.
 
-    Returns (dict(items [IC, cols], cell_indptr (one int32[cells + 1] per class), merge_indptr
-    [G + 1], merge_dest [G], merge_live (0-d: groups past it write nothing)), block ends [NB])."""
+    Returns (dict(items [IC, cols], cell_indptr [K * cells + 1], merge_indptr
+    [G + 1], merge_dest [G], merge_live (0-d: groups past it write nothing)), block ends [NB]).
+    Class k's cells are cell_indptr[k * cells:(k + 1) * cells + 1]."""
     s = kv_lens.shape[0]
     cells = classes[0].cells
     q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
@@ -239,9 +240,8 @@ def _plan(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, causal, w
     start = _excl_cumsum(cost) - (jnp.cumsum(class_cost) - class_cost)[k_item]  # within the class
     cell_of = jnp.floor(start / jnp.maximum(class_cost[k_item], 1.0) * cells) + k_item * cells
     cell_of = jnp.where(item_ok, cell_of, len(classes) * cells)
-    bounds = jnp.searchsorted(cell_of, jnp.arange(len(classes) * cells + 1, dtype=jnp.float32), side="left",
-                              method="compare_all").astype(jnp.int32)
-    cell_indptr = tuple(bounds[k * cells:(k + 1) * cells + 1] for k in range(len(classes)))
+    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(len(classes) * cells + 1, dtype=jnp.float32), side="left",
+                                   method="compare_all").astype(jnp.int32)
 
     # Merge groups: one per query token of a partial-writing block, its n_chunks partials contiguous.
     tokens = jnp.where(split, qo, 0)
@@ -637,18 +637,18 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
                                    causal=causal, window_left=params.get("window_left"), num_rows=t, taken=taken)
         part_cap = sum(c.part_cap for c in group)
         parts = None
-        for cls, cell_indptr in zip(group, sec["cell_indptr"]):
-            if cls.prefill:
+        for k, cls in enumerate(group):
+            if cls.prefill:  # (alone in its group)
                 o, lse, *parts = prefill_kernels.prefill(
-                    queries, k_rows, v_rows, kv_indices, sec["items"], cell_indptr, causal=causal,
+                    queries, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], causal=causal,
                     rows=cls.rows, impl="triton", config=long_config, num_parts=part_cap,
                     q_pos=q_pos if variant is not None else None, **kw)
             else:  # a class after the base writes its unsplit blocks into the base's output, its
                 # split ones into the group's partial buffer
                 flat_out = None if cls.base else (out[0].reshape(t * hq, d), out[1].reshape(t * hq))
                 o, lse, *parts = decode_kernels.paged_decode(
-                    queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], cell_indptr,
-                    columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
+                    queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
+                    cells=(k * cls.cells, cls.cells), columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
                     causal=causal and cls.max_q > 1, config=decode_config, out=flat_out, num_parts=part_cap,
                     parts=parts, **kw)
             out = (o.reshape(t, hq, d), lse.reshape(t, hq))

@@ -46,7 +46,7 @@ MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
 
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
-                   *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant,
+                   *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant, cell_offset,
                    param_tree, heads_fastest, has_out, has_parts, has_append, append_in_q, q_stride, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     # refs: [params..., (k_new, v_new), (o, lse aliased), (o_part, lse_part aliased)] inputs, then the outputs
@@ -123,7 +123,7 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
 
         return carry
 
-    first, end = (_common.uniform(cell_indptr_ref[cell + i]) for i in (0, 1))
+    first, end = (_common.uniform(cell_indptr_ref[cell_offset + cell + i]) for i in (0, 1))
     lax.fori_loop(first, end, item, 0)
 
 
@@ -180,14 +180,16 @@ def tile_rows(group, tokens_per_item=1):
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, interpret, columns=ITEM_COLUMNS,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
-                 config=DecodeConfig(), out=None, parts=None, append=None):
+                 config=DecodeConfig(), out=None, parts=None, append=None, cells=None):
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
     [num_pages*page_size*Hkv, D] (q's dtype, or fp8); kv_indices int32[*]; kv_lens int32[B]
     (live lengths); items int32[W, len(columns)], columns naming its fields (ITEM_COLUMNS, or
     MULTI_ITEM_COLUMNS for items of up to tokens_per_item query tokens of one request, causal
-    bottom-right unless causal=False); cell_indptr int32[num_cells + 1]; scales: (k_scale, v_scale) f32[Hkv] or None;
+    bottom-right unless causal=False); cell_indptr int32[num_cells + 1], or with cells=(offset,
+    num_cells) (static) the launch's cells are cell_indptr[offset:offset + num_cells + 1] of a longer
+    one (several launches over one work list, no slice copied); scales: (k_scale, v_scale) f32[Hkv] or None;
     variant / params: an attention variant and its parameter pytree (see _attention).
     out (optional): (o [N*Hq, D], lse [N*Hq]) updated in place (aliased): rows no item writes
     keep their values (BatchAttention: the prefill kernel's rows).
@@ -214,13 +216,13 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         raise ValueError("append needs one-token items, no variant, no K/V scales and K/V in q's dtype")
     heads_fastest = config.heads_fastest
     group = num_qo_heads // num_kv_heads
-    num_cells = cell_indptr.shape[0] - 1
+    cell_offset, num_cells = (0, cell_indptr.shape[0] - 1) if cells is None else cells
     block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, config.num_stages)
     kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, config.fp8_pairs)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
-        rows=tile_rows(group, tokens_per_item), columns=tuple(columns), causal=causal,
+        rows=tile_rows(group, tokens_per_item), columns=tuple(columns), causal=causal, cell_offset=cell_offset,
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,

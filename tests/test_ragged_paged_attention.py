@@ -83,7 +83,7 @@ def _plan_stats(args, causal=True):
     for cls in ragged._classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
         sec, _ = _plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], classes=(cls,),
                        causal=causal, window_left=None, num_rows=q.shape[0])
-        items = np.asarray(sec["items"])[: int(sec["cell_indptr"][0][-1])]
+        items = np.asarray(sec["items"])[: int(sec["cell_indptr"][-1])]
         # a block's first query row, its number of KV chunks
         first, n_chunks = (items[:, 0] + items[:, 1], items[:, 8]) if cls.prefill else (items[:, 6], items[:, 5])
         stats.append(((cls.min_q, cls.max_q), "prefill" if cls.prefill else "decode", len(set(first)),
