@@ -20,9 +20,12 @@ decode kernel's multi-token items of T_s tokens, T_s x the GQA group within a 16
 (when T_l > T_s); longer sequences on prefill tiles, of the kernel jaxinfer.dispatch picks
 (dispatch.ragged_long_impl). A class with no sequence costs a launch over an empty work list.
 The long class is the base, launched first; every other class's kernel writes its unsplit
-blocks into the base's output in place (the decode kernel's out=), and its merge its split
-blocks (merge_varlen's out=). So the classes' outputs combine without a pass over the whole
-output beyond the base's own.
+blocks into the base's output in place (the decode kernel's out=). The decode classes share one
+device plan (_plan over the group: their items class by class, each class's cells a slice of
+one cell_indptr), one buffer of partial states (the second launch writes into the first's:
+paged_decode's parts=), and one merge into the base's output (merge_varlen's out=; its
+programs loop over the groups below the plan's live count, so an empty merge is cheap). So the
+classes' outputs combine without a pass over the whole output beyond the base's own.
 - Mosaic (Hopper, 16-bit q and K/V; _mosaic_plan): the class's rows are gathered into a
   sub-buffer where each sequence starts at an 8-aligned row (TMA copies rows in groups of 8),
   cut into tiles of 128 tokens of one query head that never split KV. The grid is (Hq, cells),
