@@ -795,6 +795,98 @@ class Fuzzer:
         np.testing.assert_array_equal(np.asarray(pos), want_p)
         return corr, "matched"
 
+    # -- ragged_paged_attention: a whole step (KV write + attention), metadata on the device --------
+    RPA_SEQS, RPA_PAGES = MAXB, MAXPG // MAXB  # sequences, pages per sequence (S x pages = the cache's)
+
+    def rpa(self, rng):
+        """One step of 4 sequences over MAXT rows: a decode prefix, then q_len 0..12, padding rows
+        after the valid ones. Valid steps: the written cache slots exact, every other slot (NaN in
+        pages no valid sequence uses) unchanged, o equal to the reference, padding rows 0."""
+        corrs = ("none", "all_padding", "kv_lens_int64", "page_oob", "page_neg", "cu_nonmono", "cu_start",
+                 "cu_past_rows", "dist_order", "dist_shape", "decode_not_1", "kv_under_q", "kv_past_pages",
+                 "keys_shape", "page_indices_len", "window0", "not_cache", "q_ndim")
+        corr = self.pick(rng, corrs, 2)
+        s, pps = self.RPA_SEQS, self.RPA_PAGES
+        n_valid = 0 if corr == "all_padding" else int(rng.integers(1, s + 1))
+        n_decode = int(rng.integers(0, n_valid + 1))
+        q_len = np.concatenate([np.ones(n_decode, np.int64), rng.integers(0, 13, s - n_decode)])
+        q_len[n_valid:] = rng.integers(0, 3, s - n_valid)  # (past distribution[2]: padding rows)
+        while q_len.sum() > MAXT:
+            q_len[np.argmax(q_len)] -= 1
+        kv = np.minimum(q_len + rng.integers(0, 14, s), pps * P)
+        cu = i32(np.concatenate([[0], np.cumsum(q_len)]))
+        cu[n_valid + 1:] = cu[n_valid]  # sequences past the valid ones hold no rows
+        used = -(-kv // P)
+        page_indices = i32(rng.integers(0, NP, (s, pps)))  # unused entries: any page, NaN or not
+        ids = rng.permutation(NP)
+        for i in range(n_valid):  # distinct pages for the valid sequences' tokens (they are written)
+            page_indices[i, :used[i]], ids = ids[:used[i]], ids[used[i]:]
+        listed = np.concatenate([page_indices[i, :used[i]] for i in range(n_valid)] + [np.zeros(0, np.int32)])
+        cache, (ck, cv) = poisoned_cache(rng, listed)
+        q, k, v = randn(rng, (MAXT, HQ, D)), randn(rng, (MAXT, HKV, D)), randn(rng, (MAXT, HKV, D))
+        args = dict(queries=jnp.asarray(q), keys=jnp.asarray(k), values=jnp.asarray(v), kv_cache=cache,
+                    kv_lens=jnp.asarray(i32(kv)), page_indices=jnp.asarray(page_indices.reshape(-1)),
+                    cu_q_lens=jnp.asarray(cu), distribution=jnp.asarray(i32([n_decode, n_decode, n_valid])))
+        call = lambda **kw: ji.ragged_paged_attention(**(args | kw), num_ctas=4)
+        live = [i for i in range(n_valid) if q_len[i] > 0]
+        bad = {"kv_lens_int64": (lambda: call(kv_lens=np.asarray(kv, np.int64)), "kv_lens"),
+               "dist_order": (lambda: call(distribution=jnp.asarray(i32([1, 0, n_valid]))), "distribution"),
+               "dist_shape": (lambda: call(distribution=jnp.asarray(i32([0, n_valid]))), "distribution"),
+               "keys_shape": (lambda: call(keys=jnp.asarray(k[:-1])), "keys"),
+               "page_indices_len": (lambda: call(page_indices=jnp.asarray(page_indices.reshape(-1)[:-1])),
+                                    "page_indices"),
+               "window0": (lambda: call(sliding_window=0), "sliding_window"),
+               "not_cache": (lambda: call(kv_cache=(cache.k_pages, cache.v_pages)), "kv_cache"),
+               "q_ndim": (lambda: call(queries=jnp.asarray(q[:, 0])), "queries")}
+        if corr in bad:
+            thunk, name = bad[corr]
+            return corr, rejected(thunk, (name,))
+        if corr in ("page_oob", "page_neg", "kv_under_q", "kv_past_pages", "cu_nonmono", "cu_past_rows",
+                    "decode_not_1") and not live:
+            return corr, "inapplicable"
+        r = live[rng.integers(len(live))] if live else 0
+        if corr in ("page_oob", "page_neg"):
+            p2 = page_indices.copy()
+            p2[r, rng.integers(used[r])] = NP + rng.integers(0, 3) if corr == "page_oob" else -rng.integers(1, 4)
+            return corr, rejected(lambda: call(page_indices=jnp.asarray(p2.reshape(-1))), ("page_indices",))
+        if corr in ("kv_under_q", "kv_past_pages"):
+            kv2 = kv.copy()
+            kv2[r] = q_len[r] - 1 if corr == "kv_under_q" else pps * P + rng.integers(1, 4)
+            return corr, rejected(lambda: call(kv_lens=jnp.asarray(i32(kv2))), ("kv_lens",))
+        if corr in ("cu_nonmono", "cu_start", "cu_past_rows"):
+            cu2 = cu.copy()
+            if corr == "cu_start":
+                cu2[0] = 1
+            elif corr == "cu_nonmono":
+                cu2[r + 1] = cu2[r] - 1
+            else:
+                cu2[n_valid] = MAXT + 1
+            return corr, rejected(lambda: call(cu_q_lens=jnp.asarray(cu2)), ("cu_q_lens",))
+        if corr == "decode_not_1":  # distribution[0] claims a sequence whose q_len is not 1
+            if q_len[r] == 1:
+                return corr, "inapplicable"
+            return corr, rejected(lambda: call(distribution=jnp.asarray(i32([r + 1, r + 1, n_valid]))),
+                                  ("q_len 1",))
+        out, new_cache = call()
+        want_k, want_v = ck.copy(), cv.copy()
+        for i in range(n_valid):  # the new rows land at positions kv - q_len .. kv - 1
+            for j in range(q_len[i]):
+                pos = kv[i] - q_len[i] + j
+                page = page_indices[i, pos // P]
+                want_k[page, pos % P], want_v[page, pos % P] = k[cu[i] + j], v[cu[i] + j]
+        np.testing.assert_array_equal(np.asarray(new_cache.k_pages), want_k)  # (NaN == NaN here)
+        np.testing.assert_array_equal(np.asarray(new_cache.v_pages), want_v)
+        rows = int(cu[n_valid])
+        np.testing.assert_array_equal(np.asarray(out)[rows:], 0.0)  # padding rows
+        if rows:
+            pages = [page_indices[i, :used[i]] for i in range(n_valid)]
+            keys = np.concatenate([want_k[p].reshape(-1, HKV, D)[:kv[i]] for i, p in enumerate(pages)])
+            values = np.concatenate([want_v[p].reshape(-1, HKV, D)[:kv[i]] for i, p in enumerate(pages)])
+            kv_indptr = i32(np.concatenate([[0], np.cumsum(kv[:n_valid])]))
+            want_o, _ = ref_ragged(q[:rows], keys, values, cu[:n_valid + 1], kv_indptr, causal=True)
+            close(np.asarray(out)[:rows], want_o)
+        return corr, "matched"
+
 
 def _permute_table(indptr, indices, last, perm):
     """The page table with its requests reordered by perm (indptr, indices, last, kv_lens)."""
@@ -827,6 +919,7 @@ ENTRY_POINTS = {
     "merge_state_varlen": lambda f, rng: f.merge(rng, "merge_state_varlen"),
     "append_paged_kv_cache": lambda f, rng: f.append(rng),
     "get_batch_indices_positions": lambda f, rng: f.batch_indices(rng),
+    "ragged_paged_attention": lambda f, rng: f.rpa(rng),
 }
 
 
