@@ -585,6 +585,12 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
     s = kv_lens.shape[0]
     pages_per_seq = page_indices.shape[0] // s
+    # Traced metadata are not checked; clipped, they still keep every read inside the arrays: no
+    # page id past a sequence's row of page_indices (pages_per_seq x page_size keys at most), no q
+    # row past T. (Concrete metadata were checked: for them the clips change nothing.)
+    kv_lens = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
+    cu_q_lens = jnp.clip(cu_q_lens, 0, t)
+    distribution = jnp.clip(distribution, 0, s)
     variant = _variant(window is not None, cap is not None)
     params = {}
     if window is not None:  # keys p - W < k <= p: window_left W - 1

@@ -221,6 +221,26 @@ def test_jit_donated_one_compilation(rng):
     assert len(traces) == 1
 
 
+def test_traced_kv_len_past_the_pages_stays_in_its_row(rng):
+    """Under jit the metadata are not checked. A kv_len past its sequence's pages is clipped to
+    them, so the step reads and writes only that sequence's row of page_indices (and the cache):
+    every other sequence's output and pages are as in the valid step. (Interpret mode clamps
+    out-of-bounds loads by itself, so on the CPU this checks the isolation, not the bound.)"""
+    args, want_cache, table = _step(rng, [1, 3, 5], [40, 9, 20], page=8, dist=(1, 1, 3), seq_cap=3, tok_cap=12,
+                                    pages_per_seq=8)
+    q, k, v, cache, kv_lens, pi, cu, dist = args
+    fn = jax.jit(lambda *a: ji.ragged_paged_attention(*a, num_ctas=NUM_CTAS))
+    out, new_cache = fn(q, k, v, cache, kv_lens.at[1].set(8 * 8 + 50), pi, cu, dist)
+    want = _reference(q[:9], want_cache, table, causal=True)
+    for rows in (slice(0, 1), slice(4, 9)):  # sequences 0 and 2
+        assert rel_err(out[rows], want[rows]) < TOL[jnp.float32]
+    np.testing.assert_array_equal(out[9:], 0.0)
+    others = np.concatenate([np.asarray(pi[:8]), np.asarray(pi[16:])])
+    others = others[others < cache.num_pages]
+    for got, w in ((new_cache.k_pages, want_cache.k_pages), (new_cache.v_pages, want_cache.v_pages)):
+        np.testing.assert_array_equal(np.asarray(got)[others], np.asarray(w)[others])
+
+
 def test_bad_inputs_raise(rng):
     args, _, _ = _step(rng, [1, 3], [5, 2], page=8, dist=(1, 1, 2), seq_cap=2, tok_cap=4, pages_per_seq=2)
     q, k, v, cache, kv_lens, pi, cu, dist = args
