@@ -657,9 +657,9 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
                 flat_out = None if cls.base else (out[0].reshape(t * hq, d), out[1].reshape(t * hq))
                 o, lse, *parts = decode_kernels.paged_decode(
                     queries, k_rows, v_rows, kv_indices, block_kv_lens, sec["items"], sec["cell_indptr"],
-                    cells=(k * cls.cells, cls.cells), columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=cls.tokens_per_item,
-                    causal=causal and cls.max_q > 1, config=decode_config, out=flat_out, num_parts=part_cap,
-                    parts=parts, **kw)
+                    cells=(k * cls.cells, cls.cells), columns=decode_kernels.MULTI_ITEM_COLUMNS,
+                    tokens_per_item=cls.tokens_per_item, causal=causal and cls.max_q > 1, config=decode_config,
+                    out=flat_out, num_parts=part_cap, parts=parts, **kw)
             out = (o.reshape(t, hq, d), lse.reshape(t, hq))
         out = merge_kernels.merge_varlen(
             parts[0].reshape(part_cap, hq, d), parts[1].reshape(part_cap, hq), sec["merge_indptr"],

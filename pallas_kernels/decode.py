@@ -226,7 +226,8 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
-        has_out=out is not None, has_parts=parts is not None, has_append=append is not None, append_in_q=append_in_q, q_stride=q_stride)
+        has_out=out is not None, has_parts=parts is not None, has_append=append is not None,
+        append_in_q=append_in_q, q_stride=q_stride)
     args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), k_rows, v_rows,
             *(scales or ()), *leaves]
     out_shape = [
