@@ -117,10 +117,12 @@ def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, num_programs, nu
     num_groups = indptr.shape[0] - 1
     _, h, d = o_parts.shape
     hb = _common.head_block(h, cap=4)
+    if num_live is not None and num_programs is None:
+        raise ValueError("merge_varlen: num_live needs num_programs (one program per group merges them all)")
     if num_programs is not None:
         num_programs = max(1, min(num_programs, num_groups))
     kernel = functools.partial(_varlen_kernel, hb=hb, parts_per_step=parts_per_step, num_programs=num_programs)
-    live = jnp.full((1,), num_groups, jnp.int32) if num_live is None else jnp.reshape(num_live, (1,)).astype(jnp.int32)
+    live = jnp.reshape(num_groups if num_live is None else num_live, (1,)).astype(jnp.int32)
     args = (indptr, dest, live, o_parts, lse_parts)
     aliases = {}
     if out is None:

@@ -118,6 +118,9 @@ def test_varlen_merge_looping_programs_writes_what_one_per_group_writes(rng):
                                        num_programs=2, num_live=jnp.int32(5))
     np.testing.assert_array_equal(np.asarray(live5[0])[[5, 0, 2, 7]], np.asarray(want[0])[[5, 0, 2, 7]])
     assert np.all(np.asarray(live5[0])[[3, 6]] == 7.0)  # groups 5 and 6 are past num_live
+    with pytest.raises(ValueError, match="num_live"):
+        merge_kernels.merge_varlen(states.o, states.lse, indptr, dest, out=poison, interpret=True,
+                                   num_live=jnp.int32(5))
 
 
 @settings(max_examples=8, deadline=None)
