@@ -7,6 +7,8 @@ On the device machine (the repo root is the cwd; jax 0.11.2 with CUDA; one H100)
     PYTHONPATH=. python3 benchmarks/regress.py --update --commit <sha>     # rewrite the baseline
     PYTHONPATH=. python3 benchmarks/regress.py --rows 'cascade|q4'         # a subset (regex)
 
+Two trees (a change and its base) on one machine, alternating: benchmarks/ab.py.
+
 The device copy has no .git: give --commit (`git rev-parse HEAD` here) with --update, then
 copy $OUT's baseline back (--update --baseline $OUT/h100.json writes it there). --update with
 --rows rewrites only those rows, each with its own commit and date; the header keeps the run

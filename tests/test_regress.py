@@ -64,3 +64,21 @@ def test_smoke_two_rows(tmp_path):
 def test_refuses(args):
     out = _run(["benchmarks/regress.py", *args], timeout=60)
     assert out.returncode == 2, out.stderr
+
+
+def test_ab_smoke_one_row(tmp_path):
+    """benchmarks/ab.py end to end: one round of each tree (both this repo here), one row, its table."""
+    path = tmp_path / "ab.json"
+    out = _run(["benchmarks/ab.py", "--base", ROOT, "--rows", r"^decode B16 kv1024$", "--rounds", "1", "--smoke",
+                "--json", str(path)], timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = json.loads(path.read_text())
+    assert [len(runs["base"]), len(runs["new"])] == [1, 1]
+    assert all(run["decode B16 kv1024"]["median_us"] > 0 for run in runs["base"] + runs["new"])
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("decode B16 kv1024") and last.split()[-1] != "-", last
+
+
+def test_ab_refuses_a_tree_without_regress(tmp_path):
+    out = _run(["benchmarks/ab.py", "--base", str(tmp_path), "--rows", "x"], timeout=60)
+    assert out.returncode == 2 and "holds no benchmarks/regress.py" in out.stderr, out.stderr
