@@ -10,8 +10,10 @@ machines.
     python3 benchmarks/ab.py --base .carry/base --rows 'ragged_paged_attention|told bf16' --rounds 2
 
 Each run is `python3 TREE/benchmarks/regress.py --rows ROWS --baseline NONE --json ...` with
-PYTHONPATH=TREE, so each tree times its own kernels, planner and rows. --smoke passes through
-(interpret mode, tiny shapes: a CPU check of the script). --json writes every run's results.
+PYTHONPATH=TREE, so each tree times its own kernels, planner and rows. --base-env / --new-env
+NAME=VALUE (repeatable) set variables for one side's runs (an XLA flag, an experiment's switch);
+--base may then be this repo too. --smoke passes through (interpret mode, tiny shapes: a CPU
+check of the script). --json writes every run's results.
 """
 import argparse
 import json
@@ -25,13 +27,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_tree(tree, rows, smoke, timeout_s):
-    """One regress.py run of the tree: {row name: result dict}, or raises with its output."""
+def run_tree(tree, rows, smoke, timeout_s, env_vars=()):
+    """One regress.py run of the tree (env_vars: NAME=VALUE strings): {row name: result dict},
+    or raises with its output."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
         cmd = [sys.executable, os.path.join(tree, "benchmarks", "regress.py"), "--rows", rows,
                "--baseline", os.path.join(tmp, "none.json"), "--json", out] + ["--smoke"] * smoke
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), **dict(v.split("=", 1) for v in env_vars))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         if not os.path.exists(out):
             raise RuntimeError(f"{tree}: regress.py exited {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -64,7 +67,14 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="regress.py --smoke (CPU, interpret mode)")
     ap.add_argument("--timeout", type=float, default=280.0, help="seconds per regress.py run")
     ap.add_argument("--json", help="write {base: [runs], new: [runs]} here")
+    for side in ("base", "new"):
+        ap.add_argument(f"--{side}-env", action="append", default=[], metavar="NAME=VALUE",
+                        help=f"an environment variable for the {side} tree's runs (repeatable)")
     args = ap.parse_args(argv)
+    envs = {"base": args.base_env, "new": args.new_env}
+    for v in envs["base"] + envs["new"]:
+        if "=" not in v:
+            ap.error(f"environment settings are NAME=VALUE, got {v!r}")
     trees = {"base": args.base, "new": args.new}
     for side, tree in trees.items():
         if not os.path.exists(os.path.join(tree, "benchmarks", "regress.py")):
@@ -73,7 +83,7 @@ def main(argv=None):
     start = time.perf_counter()
     for r in range(args.rounds):
         for side in ("base", "new") if r % 2 == 0 else ("new", "base"):
-            res = run_tree(trees[side], args.rows, args.smoke, args.timeout)
+            res = run_tree(trees[side], args.rows, args.smoke, args.timeout, envs[side])
             runs[side].append(res)
             names += [n for n in res if n not in names]
             print(f"[round {r + 1} {side} {time.perf_counter() - start:6.1f}s] "

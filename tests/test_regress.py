@@ -70,7 +70,7 @@ def test_ab_smoke_one_row(tmp_path):
     """benchmarks/ab.py end to end: one round of each tree (both this repo here), one row, its table."""
     path = tmp_path / "ab.json"
     out = _run(["benchmarks/ab.py", "--base", ROOT, "--rows", r"^decode B16 kv1024$", "--rounds", "1", "--smoke",
-                "--json", str(path)], timeout=300)
+                "--json", str(path), "--new-env", "JAXINFER_BACKEND=interpret"], timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     runs = json.loads(path.read_text())
     assert [len(runs["base"]), len(runs["new"])] == [1, 1]
@@ -79,6 +79,16 @@ def test_ab_smoke_one_row(tmp_path):
     assert last.startswith("decode B16 kv1024") and last.split()[-1] != "-", last
 
 
-def test_ab_refuses_a_tree_without_regress(tmp_path):
+def test_ab_refuses_bad_arguments(tmp_path):
     out = _run(["benchmarks/ab.py", "--base", str(tmp_path), "--rows", "x"], timeout=60)
     assert out.returncode == 2 and "holds no benchmarks/regress.py" in out.stderr, out.stderr
+    out = _run(["benchmarks/ab.py", "--base", ROOT, "--rows", "x", "--new-env", "NOVALUE"], timeout=60)
+    assert out.returncode == 2 and "NAME=VALUE" in out.stderr, out.stderr
+
+
+def test_ab_side_env_reaches_its_runs():
+    """--new-env reaches the new tree's regress.py run (here an XLA flag XLA rejects: that run
+    fails, and ab.py says so with its output)."""
+    out = _run(["benchmarks/ab.py", "--base", ROOT, "--rows", r"^decode B16 kv1024$", "--rounds", "1", "--smoke",
+                "--new-env", "XLA_FLAGS=--xla_no_such_flag"], timeout=300)
+    assert out.returncode != 0 and "regress.py exited" in out.stderr and "xla_no_such_flag" in out.stderr, out.stderr
