@@ -37,7 +37,8 @@ def run_tree(tree, rows, smoke, timeout_s, env_vars=()):
         env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), **dict(v.split("=", 1) for v in env_vars))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         if not os.path.exists(out):
-            raise RuntimeError(f"{tree}: regress.py exited {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+            raise RuntimeError(f"{tree}: regress.py exited {proc.returncode}\n{tail}")
         with open(out) as f:
             return {r["name"]: r for r in json.load(f)["results"]}
 
@@ -60,7 +61,8 @@ def table(names, runs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the base tree (holds jaxinfer, pallas_kernels, planner, benchmarks)")
+    ap.add_argument("--base", required=True,
+                    help="the base tree (holds jaxinfer, pallas_kernels, planner, benchmarks)")
     ap.add_argument("--new", default=ROOT, help="the new tree (default: this repo)")
     ap.add_argument("--rows", required=True, help="regress.py --rows: a regular expression over row names")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each tree (default: %(default)s)")
