@@ -149,8 +149,10 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     pos_off = None if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
     if pos_off is not None:
         per_req[:batch, 11] = pos_off
-    if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i;
-        pos0 = per_req[:batch, 14]  # field 14 holds its row 0's position (row - first row) for now
+    if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i.
+        # Field 14 holds, until the tiles' position bounds, pos_off + kv_len - qo_len - first row
+        # (int32: wraps as the buffer's cast would): row r of request b sits at r plus it.
+        pos0 = per_req[:batch, 14]
         np.subtract(per_req[:batch, 4], qo_lens, out=pos0)
         if pos_off is not None:
             pos0 += pos_off
@@ -227,7 +229,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     buf[k0:k0 + n_idx] = kv_indices
     buf[k0 + n_idx:q0] = 0
     q_pos = buf[q0:q0 + num_tokens]  # int32[num_tokens]: positions, 0 past nnz
-    if q_positions is None:  # (in int32, no casting pass over nnz entries: sums wrap as the buffer's cast would)
+    if q_positions is None:  # row r of request b: r + field 14 (int32: no casting pass over nnz entries)
         np.add(scheduler.arange32(nnz), per_req[:batch, 14].repeat(qo_lens), out=q_pos[:nnz])
     else:
         q_pos[:nnz] = q_positions
@@ -249,7 +251,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     # its last row.
     if num_tiles:
         first_row = start_r + (np.maximum(tile_tok, 0) if tails else tile_tok)
-        if q_positions is None:  # a request's positions rise by one a row from its row 0's (field 14)
+        if q_positions is None:  # field 14 (see per_req) plus the rows
             np.add(per_tile[:, 14], tile_tokens - 1, out=per_tile[:, 15])
             per_tile[:, 15] += start_r + tile_tok if tails else first_row
             per_tile[:, 14] += first_row
