@@ -278,10 +278,8 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         per_item[:, 5] = kv_start
     per_item[:, 6] = kv_end
     keys = kv_end if kv_start is None else kv_end - kv_start
-    if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive, within chunk of each other
-        base = item_cost * tpt  # (keys in [0, chunk])
-        order, _ = scheduler.assign_positive(keys + base, layout.num_cells, out=buf[c0:c1],
-                                             top=base + chunk if chunk < 1 << 16 else None)
+    if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive
+        order, _ = scheduler.assign_positive(keys + item_cost * tpt, layout.num_cells, out=buf[c0:c1])
     else:
         order, _ = scheduler.assign_cells(item_cost * tpt + keys, layout.num_cells, out=buf[c0:c1])
     if tails and contiguous_kv:  # (no tile split) keys loaded before the request's first (masked)

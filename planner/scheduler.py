@@ -51,25 +51,25 @@ def assign_cells(costs, num_cells, out=None):
     return assign_positive(costs, num_cells, out)
 
 
-def assign_positive(costs, num_cells, out=None, top=None):
-    """assign_cells for integer costs known to be positive (no check); top: as longest_first's."""
+def assign_positive(costs, num_cells, out=None):
+    """assign_cells for integer costs known to be positive (no check)."""
     n = costs.shape[0]
     cell_indptr = np.empty(num_cells + 1, np.int32) if out is None else out
     if n <= num_cells:  # one item per cell, cells in cost order: listing by cell is by cost
         np.minimum(arange(num_cells + 1), n, out=cell_indptr)
-        return longest_first(costs, top), cell_indptr
-    cell_of_item = cells_of(costs, num_cells, top)
+        return longest_first(costs), cell_indptr
+    cell_of_item = cells_of(costs, num_cells)
     order = cell_of_item.argsort(kind="stable")  # by cell, then by item id (radix sort: int16)
     cell_indptr[0] = 0
     cell_indptr[1:] = np.add.accumulate(np.bincount(cell_of_item, minlength=num_cells))  # (an int32 out= is slower)
     return order, cell_indptr
 
 
-def cells_of(costs, num_cells, top=None):
-    """Each item's cell as assign_positive assigns it (positive integer costs; top: as
-    longest_first's): int16[n] when num_cells <= 2**15, else int64[n]."""
+def cells_of(costs, num_cells):
+    """Each item's cell as assign_positive assigns it (positive integer costs): int16[n] when
+    num_cells <= 2**15, else int64[n]."""
     n = costs.shape[0]
-    by_cost = longest_first(costs, top)
+    by_cost = longest_first(costs)
     cell_of_item = np.empty(n, np.int16 if num_cells <= 1 << 15 else np.int64)
     if n <= num_cells:  # one item per cell, in cost order
         cell_of_item[by_cost] = arange(n)
@@ -86,16 +86,13 @@ def cells_of(costs, num_cells, top=None):
     return cell_of_item
 
 
-def longest_first(costs, top=None):
+def longest_first(costs):
     """Item ids by cost, longest first, ties by item id (a stable sort; a radix sort on 16 bits
-    when the costs span fewer than 2**16 values, which pays from about 512 items, or from any
-    count given top: a bound on the costs less than 2**16 above every cost)."""
-    if top is None and costs.shape[0] >= 512:
+    when the costs span fewer than 2**16 values, which pays from about 512 items)."""
+    if costs.shape[0] >= 512:
         hi = int(_max(costs))
         if hi - int(_min(costs)) < 1 << 16:
-            top = hi
-    if top is not None:  # top - costs in [0, 2**16): a wrapping uint16 subtraction gives it
-        return np.subtract(np.int64(top), costs, dtype=np.uint16, casting="unsafe").argsort(kind="stable")
+            return np.subtract(hi, costs, dtype=np.int64).astype(np.uint16).argsort(kind="stable")
     return np.negative(costs, dtype=np.int64).argsort(kind="stable")
 
 
