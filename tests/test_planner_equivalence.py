@@ -56,6 +56,35 @@ def test_decode_plans_match_the_old_planner(seed):
     _same(decode_planner.plan_decode(indptr, indices, last, **kw), old.plan_decode(indptr, indices, last, **kw))
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_decode_page_id_checks_match_the_old_planner(seed):
+    """Page ids are checked on the plan's own copy (after the copy, not on the caller's array): the
+    same ValueError as the old planner's check of the caller's table, through plan_decode and
+    the wrapper (cascade off and "auto"), page sizes 1 and 16, empty requests, capacities or not."""
+    import jaxinfer as ji
+    rng = np.random.default_rng(2000 + seed)
+    batch, page = int(rng.choice([1, 5, 64])), int(rng.choice([1, 16]))
+    indptr, indices, last, num_pages = page_table(rng, _lens(rng, batch, 3000), page)
+    caps = dict(max_batch_size=batch + 3, max_num_pages=int(indptr[-1]) + 20) if seed % 2 else {}
+    if indices.size and seed % 4 != 3:  # (else a valid table: the plans must match)
+        indices[rng.integers(0, indices.size)] = int(rng.choice([num_pages, num_pages + 7, -1, -(1 << 31)]))
+    kw = dict(page_size=page, num_cells=8, num_pages=num_pages, **caps)
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, page, num_ctas=16, **caps)
+    try:
+        ref = old.plan_decode(indptr, indices, last, **kw)
+    except ValueError as e:
+        assert "kv_indices holds page ids outside" in str(e)
+        with pytest.raises(ValueError, match=f"kv_indices holds page ids outside \\[0, {num_pages}\\)"):
+            decode_planner.plan_decode(indptr, indices, last, **kw)
+        for cascade in (None, "auto"):
+            with pytest.raises(ValueError, match=f"kv_indices holds page ids outside \\[0, {num_pages}\\)"):
+                dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade)
+        return
+    _same(decode_planner.plan_decode(indptr, indices, last, **kw), ref)
+    for cascade in (None, "auto"):
+        _same_parts(dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade), ref[1])
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_assign_cells_matches_the_old_heap(seed):
     rng = np.random.default_rng(seed)
@@ -201,6 +230,23 @@ def test_wrapper_plans_own_their_large_buffers(rng):
     for (indptr, indices, last, num_pages), plan in zip(tables, plans):
         ref = decode_planner.plan_decode(indptr, indices, last, page_size=1, num_cells=dec.num_cells,
                                          num_pages=num_pages, max_batch_size=4, max_num_pages=cap)[1]
+        _same_parts(plan, ref)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_plans_ignore_later_writes_to_the_callers_table(rng, page):
+    """The plan holds its own copy of the page table (its ids checked on that copy): writing the
+    caller's arrays after plan(), bad page ids included, changes neither the plan nor its check."""
+    import jaxinfer as ji
+    indptr, indices, last, num_pages = page_table(rng, rng.integers(1, 3000, 16), page)
+    ref = decode_planner.plan_decode(indptr, indices, last, page_size=page, num_cells=8,
+                                     num_pages=num_pages)[1]
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, page, num_ctas=16)
+    plans = [dec.plan(indptr, indices, last, num_pages=num_pages, cascade=c) for c in (None, "auto")]
+    indices[:] = -1
+    last[:] = page + 1
+    indptr[1:] = 0
+    for plan in plans:
         _same_parts(plan, ref)
 
 
