@@ -81,7 +81,8 @@ class BatchDecodeWithPagedKVCache:
         num_pages = validate.check_num_pages(num_pages)
         if cascade == "auto" and horizon != 1:
             raise ValueError("cascade='auto' plans a single step (horizon=1)")
-        # The only check of this page table (page ids: on the plan's copy, unless cascade="auto" reads them first).
+        # The only check of this page table; its page ids are checked on the plan's copy, unless
+        # cascade="auto" reads them first.
         table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size,
                                           num_pages if cascade == "auto" else None)
         if cascade == "auto":
