@@ -165,14 +165,13 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     np.add.accumulate(ntiles, out=tile_first)
     num_tiles = int(tile_first[-1])
     tile_first -= ntiles  # each request's first tile
-    req = scheduler.arange(batch + 1).repeat(ntiles)  # request of each tile
-    per_tile = per_req.take(req, axis=0)  # [tiles, ITEM_FIELDS]
+    per_tile = per_req.repeat(ntiles, axis=0)  # [tiles, ITEM_FIELDS]: its request's fields
     start_r, tile_tok, qo_r, kv_r = per_tile[:, 0], per_tile[:, 1], per_tile[:, 2], per_tile[:, 4]
     # Each tile's first token within its request (field 1).
     np.subtract(scheduler.arange32(num_tiles), tile_tok, out=tile_tok)
     tile_tok *= tpt
     if tails:
-        tile_tok -= q_off.take(req)
+        tile_tok -= q_off.repeat(ntiles)
     rest = qo_r - tile_tok  # the request's rows from the tile's first on
     tile_tokens = np.minimum(rest, tpt)  # real tokens in each tile
     if causal:  # keys visible to the tile's last token: kv - (qo - its row - 1), at least 0
@@ -285,7 +284,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if tails and contiguous_kv:  # (no tile split) keys loaded before the request's first (masked)
         kv_off = np.zeros(batch + 1, np.int64)
         kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
-        off = kv_off.take(req)
+        off = kv_off.repeat(ntiles)
         per_tile[:, 3] -= off
         per_tile[:, 4] += off
         per_tile[:, 11] -= off
@@ -322,7 +321,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         t = tail_tiles
         tok = tile_tok[t][:, None] + np.arange(tpt)[None, :]  # [slots, tpt]
         live_tok = (tok >= 0) & (tok < qo_r[t][:, None])
-        dest = np.where(live_tok, qo_start[req[t]][:, None] + tok, num_tokens).reshape(-1)
+        dest = np.where(live_tok, start_r[t][:, None] + tok, num_tokens).reshape(-1)
         tail_dest[:dest.size] = dest
         tail_dest[dest.size:] = num_tokens
         buf[d0 + layout.merge_cap:e0] = 0
