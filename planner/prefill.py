@@ -150,13 +150,12 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     if pos_off is not None:
         per_req[:batch, 11] = pos_off
     if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i.
-        # Field 14 holds, until the tiles' position bounds, pos_off + kv_len - qo_len - first row
-        # (int32: wraps as the buffer's cast would): row r of request b sits at r plus it.
-        pos0 = per_req[:batch, 14]
-        np.subtract(per_req[:batch, 4], qo_lens, out=pos0)
+        # Field 14 holds, until the tiles' position bounds, pos_off + kv_len - the request's end row
+        # (= first row + qo_len; int32: wraps as the buffer's cast would): row r of request b sits
+        # at r plus it.
+        pos0 = np.subtract(per_req[:batch, 4], qo_indptr[1:], out=per_req[:batch, 14])
         if pos_off is not None:
             pos0 += pos_off
-        pos0 -= qo_indptr[:-1]
     if tails:  # rows below each request's first row, back to an aligned row
         q_off = qo_start % ROW_ALIGN
         ntiles = np.where(all_qo > 0, -(-(all_qo + q_off) // tpt), 0)
@@ -200,8 +199,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
 
     # Per tile, after a row of zeros: work items (chunks), merge groups (a split tile's tokens),
     # partial states (groups x chunks). One cumulative sum gives each tile's first of each, and the totals.
-    counts = np.empty((num_tiles + 1, 3), np.int64)
-    counts[0] = 0
+    counts = np.zeros((num_tiles + 1, 3), np.int64)
     nchunks = counts[1:, 0]
     np.floor_divide(span + (chunk - 1), chunk, out=nchunks)  # (span >= 0)
     np.maximum(nchunks, 1, out=nchunks)
