@@ -81,8 +81,10 @@ class BatchDecodeWithPagedKVCache:
         num_pages = validate.check_num_pages(num_pages)
         if cascade == "auto" and horizon != 1:
             raise ValueError("cascade='auto' plans a single step (horizon=1)")
+        # The only check of this page table; its page ids are checked on the plan's copy, unless
+        # cascade="auto" reads them first.
         table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size,
-                                          num_pages)  # the only check of this page table
+                                          num_pages if cascade == "auto" else None)
         if cascade == "auto":
             kv_indptr, kv_indices, kv_last_page_len = table[:3]
             levels = auto_cascade_levels(None, kv_indptr, kv_indices, kv_last_page_len, self.page_size,
@@ -90,7 +92,8 @@ class BatchDecodeWithPagedKVCache:
             if levels is not None:
                 return self._cascade_wrapper().plan(levels, num_pages=num_pages)
         layout, buf, info = decode_planner.plan_decode_checked(
-            table, page_size=self.page_size, num_cells=self.num_cells, max_batch_size=self.max_batch_size,
+            table, page_size=self.page_size, num_cells=self.num_cells,
+            num_pages=None if cascade == "auto" else num_pages, max_batch_size=self.max_batch_size,
             max_num_pages=self.max_num_pages, fixed_split_pages=self.fixed_split_pages)
         info["kv_lens"] = table[3]  # run(kv_lens=) checks against it
         # The spec depends on num_pages alone (one decode kernel, chosen without lengths): cached.

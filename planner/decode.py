@@ -59,17 +59,19 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
-    return plan_decode_checked(table, page_size=page_size, num_cells=num_cells,
+    table = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    return plan_decode_checked(table, page_size=page_size, num_cells=num_cells, num_pages=num_pages,
                                max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                                fixed_split_pages=fixed_split_pages, min_split_tokens=min_split_tokens,
                                item_cost=item_cost)
 
 
-def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max_num_pages=None,
+def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_size=None, max_num_pages=None,
                         fixed_split_pages=None, min_split_tokens=256, item_cost=32.0):
     """plan_decode over a page table that validate.check_page_table already returned (`table`):
-    callers that look at the table first (cascade="auto") validate it once."""
+    callers that look at the table first (cascade="auto") validate it once. num_pages: the plan's
+    own copy of the page ids is checked against it (validate.check_page_ids: one pass over memory
+    just written, none over the caller's); None when check_page_table checked them."""
     if fixed_split_pages is not None and fixed_split_pages < 1:
         raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
     if not item_cost >= 1:  # every item, empty ones too, then has a positive cost
@@ -94,6 +96,8 @@ def plan_decode_checked(table, *, page_size, num_cells, max_batch_size=None, max
     i0, l0, t0, c0, m0, d0 = layout.starts
     c1 = c0 + layout.num_cells + 1
     buf[i0:i0 + num_listed] = kv_indices[:num_listed]
+    if num_pages is not None:
+        validate.check_page_ids(buf[i0:i0 + num_listed], num_pages)
     buf[i0 + num_listed:l0] = 0
     buf[l0:l0 + batch] = kv_lens
     buf[l0 + batch:t0] = 0

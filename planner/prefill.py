@@ -133,42 +133,54 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     rows = choose_tile_rows(qo_lens, group, nnz) if rows is None else int(rows)
     tpt = max(1, rows // group)
 
-    # Per request (and one padding request over rows [nnz, num_tokens)), int64[4, B + 1]: first
-    # row (nnz for the padding request), qo_len, kv_len, first tile; gathered per tile at once.
-    per_r = np.empty((4, batch + 1), np.int64)
-    qo_start, all_qo, all_kv, tile_first = per_r[0], per_r[1], per_r[2], per_r[3]  # (quicker than unpacking)
-    qo_start[:] = qo_indptr
+    # Per request (and one padding request over rows [nnz, num_tokens)): its item fields, int32 as
+    # the buffer (values wrap as its cast would; items are gathered without a cast), gathered per
+    # tile. Field 1 (the tile's first token) holds each request's first tile until then.
+    per_req = _request_fields(bcap + 1)[:batch + 1].copy()  # [B + 1, ITEM_FIELDS]
+    qo_start, tile_first, all_qo = per_req[:, 0], per_req[:, 1], per_req[:, 2]
+    qo_start[:] = qo_indptr  # first row (nnz for the padding request)
     all_qo[:batch] = qo_lens
     all_qo[batch] = num_tokens - nnz
-    all_kv[:batch] = kv_lens
-    all_kv[batch] = 0
+    per_req[:batch, 3] = page_base
+    per_req[:batch, 4] = kv_lens  # (the padding request: 0)
+    if mask_offsets is not None:
+        per_req[:batch, 10] = mask_offsets
+        per_req[batch, 10] = 0
+    pos_off = None if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
+    if pos_off is not None:
+        per_req[:batch, 11] = pos_off
+    if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i.
+        # Field 14 holds, until the tiles' position bounds, pos_off + kv_len - the request's end row
+        # (= first row + qo_len; int32: wraps as the buffer's cast would): row r of request b sits
+        # at r plus it.
+        pos0 = np.subtract(per_req[:batch, 4], qo_indptr[1:], out=per_req[:batch, 14])
+        if pos_off is not None:
+            pos0 += pos_off
     if tails:  # rows below each request's first row, back to an aligned row
         q_off = qo_start % ROW_ALIGN
         ntiles = np.where(all_qo > 0, -(-(all_qo + q_off) // tpt), 0)
     else:
-        q_off = None
         ntiles = (all_qo + (tpt - 1)) // tpt  # (0 for an empty request)
     np.add.accumulate(ntiles, out=tile_first)
     num_tiles = int(tile_first[-1])
     tile_first -= ntiles  # each request's first tile
-    req = scheduler.arange(batch + 1).repeat(ntiles)  # request of each tile
-    per_t = per_r.take(req, axis=1)
-    start_r, qo_r, kv_r, first_r = per_t[0], per_t[1], per_t[2], per_t[3]
-    # Each tile's first token within its request.
-    tile_tok = scheduler.arange(num_tiles) - first_r
+    per_tile = per_req.repeat(ntiles, axis=0)  # [tiles, ITEM_FIELDS]: its request's fields
+    start_r, tile_tok, qo_r, kv_r = per_tile[:, 0], per_tile[:, 1], per_tile[:, 2], per_tile[:, 4]
+    # Each tile's first token within its request (field 1).
+    np.subtract(scheduler.arange32(num_tiles), tile_tok, out=tile_tok)
     tile_tok *= tpt
     if tails:
-        tile_tok -= q_off.take(req)
+        tile_tok -= q_off.repeat(ntiles)
     rest = qo_r - tile_tok  # the request's rows from the tile's first on
     tile_tokens = np.minimum(rest, tpt)  # real tokens in each tile
     if causal:  # keys visible to the tile's last token: kv - (qo - its row - 1), at least 0
-        kv_hi = kv_r - rest
+        kv_hi = np.subtract(kv_r, rest, dtype=np.int64)
         kv_hi += tile_tokens
         np.maximum(kv_hi, 0, out=kv_hi)
     else:
-        kv_hi = kv_r
+        kv_hi = kv_r.astype(np.int64)
     if window_left is not None and window_left >= 0:  # keys left of the first row's window
-        kv_lo = np.clip(tile_tok + (kv_r - qo_r) - int(window_left), 0, kv_hi)
+        kv_lo = np.clip(np.subtract(kv_r, qo_r, dtype=np.int64) + tile_tok - int(window_left), 0, kv_hi)
         span = kv_hi - kv_lo
     else:
         kv_lo, span = None, kv_hi
@@ -185,88 +197,42 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         chunk = scheduler.chunk_for_total(np.add.reduce(span), num_cells, min_split_tokens)
     layout = prefill_layout(num_tokens, bcap, icap, int(num_cells), rows, group, num_splits, tails=tails)
 
-    nchunks = (span + (chunk - 1)) // chunk  # (span >= 0)
+    # Per tile, after a row of zeros: work items (chunks), merge groups (a split tile's tokens),
+    # partial states (groups x chunks). One cumulative sum gives each tile's first of each, and the totals.
+    counts = np.zeros((num_tiles + 1, 3), np.int64)
+    nchunks = counts[1:, 0]
+    np.floor_divide(span + (chunk - 1), chunk, out=nchunks)  # (span >= 0)
     np.maximum(nchunks, 1, out=nchunks)
     if num_tiles and int(validate.largest(nchunks)) > 1:
         split = nchunks > 1
-        part_size = tile_tokens * nchunks
-        part_size *= split  # (0 for unsplit tiles)
-        item_first = nchunks.cumsum()
-        num_items = int(item_first[-1])
-        item_first -= nchunks
-        tile_of = scheduler.arange(num_tiles).repeat(nchunks)
-        chunk_idx = scheduler.arange(num_items) - item_first.take(tile_of)
-        kv_start = chunk_idx * chunk
-        if kv_lo is not None:
-            kv_start += kv_lo.take(tile_of)
-        kv_end = np.minimum(kv_start + chunk, kv_hi.take(tile_of))
-        part_base = part_size.cumsum()
-        num_parts = int(part_base[-1])
-        part_base -= part_size
-    else:  # no tile is split: one item per tile (kv_start None: from key 0)
-        split, num_parts, num_items = None, 0, num_tiles
-        kv_start = kv_lo
-        kv_end = np.minimum(kv_hi, chunk) if kv_lo is None else np.minimum(kv_lo + chunk, kv_hi)
+        groups = np.multiply(tile_tokens, split, out=counts[1:, 1])
+        np.multiply(groups, nchunks, out=counts[1:, 2])
+        firsts = np.add.accumulate(counts)  # (across the rows: quicker than along each column)
+        item_first, group_first, part_base = firsts[:-1, 0], firsts[:-1, 1], firsts[:-1, 2]
+        num_items, n_merge, num_parts = firsts[-1].tolist()
+    else:  # no tile is split: one item per tile
+        split, num_parts, num_items, n_merge = None, 0, num_tiles, 0
     if num_parts > layout.part_cap or num_items > layout.item_cap:
         raise ValueError("the split needs more partial states or work items than the plan holds; "
                          "use a larger fixed_split_tokens (or no capacities)")
+    if n_merge > layout.merge_cap:
+        raise ValueError("the split needs more merge groups than the plan holds")
     buf = new_buffer(layout.size)
     k0, q0, t0, c0, m0, d0, e0, s0 = layout.starts  # (sections() order)
     c1 = c0 + layout.num_cells + 1
-    keys = kv_end if kv_start is None else kv_end - kv_start
-    if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive
-        order, _ = scheduler.assign_positive(keys + item_cost * tpt, layout.num_cells, out=buf[c0:c1])
-    else:
-        order, _ = scheduler.assign_cells(item_cost * tpt + keys, layout.num_cells, out=buf[c0:c1])
-
-    # Reduction map: one group per token of a split tile, its partials contiguous.
-    if split is not None:
-        split_tiles = split.nonzero()[0]
-        m_tokens = tile_tokens.take(split_tiles)
-        n_merge = int(np.add.reduce(m_tokens))
-    else:
-        n_merge = 0
-    if n_merge > layout.merge_cap:
-        raise ValueError("the split needs more merge groups than the plan holds")
 
     # The packed buffer: every entry written once (sections, their padding, the gaps).
     n_idx = kv_indices.shape[0]
     buf[k0:k0 + n_idx] = kv_indices
     buf[k0 + n_idx:q0] = 0
     q_pos = buf[q0:q0 + num_tokens]  # int32[num_tokens]: positions, 0 past nnz
-    pos_off = None if kv_pos_offset is None else np.asarray(kv_pos_offset, np.int64)
-    if q_positions is None:  # bottom-right: request b's token i sits at pos_off + kv_len - qo_len + i
-        delta = all_kv[:batch] - all_qo[:batch]
-        if pos_off is not None:
-            delta += pos_off
-        # In int32 (no casting pass over nnz entries): sums wrap as the buffer's cast would.
-        delta = np.subtract(delta, qo_start[:batch], dtype=np.int32, casting="unsafe")
-        np.add(scheduler.arange32(nnz), delta.repeat(qo_lens), out=q_pos[:nnz])
+    if q_positions is None:  # row r of request b: r + field 14 (int32: no casting pass over nnz entries)
+        np.add(scheduler.arange32(nnz), per_req[:batch, 14].repeat(qo_lens), out=q_pos[:nnz])
     else:
         q_pos[:nnz] = q_positions
     buf[q0 + nnz:t0] = 0
 
-    # Items, in cell order: per-request fields, gathered per tile, gathered per item.
-    kv_off = None  # keys loaded before the request's first (masked): tails plans of contiguous K/V
-    if tails and contiguous_kv:
-        kv_off = np.zeros(batch + 1, np.int64)
-        kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
-    # int32, the buffer's type (values wrap as its cast would): items are gathered without a cast.
-    per_req = _request_fields(bcap + 1)[:batch + 1].copy()
-    per_req[:, 0:5:2] = per_r[:3].T  # fields 0, 2, 4: first row, qo_len, kv_len
-    per_req[:batch, 3] = page_base
-    if mask_offsets is not None:
-        per_req[:batch, 10] = mask_offsets
-        per_req[batch, 10] = 0
-    if pos_off is not None:
-        per_req[:batch, 11] = pos_off
-    if kv_off is not None:
-        per_req[:, 3] -= kv_off
-        per_req[:, 4] += kv_off
-        per_req[:, 11] -= kv_off
-        per_req[:, 13] = kv_off
-    per_tile = per_req.take(req, axis=0)  # [tiles, ITEM_FIELDS]
-    per_tile[:, 1] = tile_tok
+    # Items, in cell order: the tiles' fields, gathered per item.
     per_tile[:, 8] = nchunks
     if split is not None:
         np.copyto(per_tile[:, 7], part_base, where=split)
@@ -278,69 +244,85 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
     tail_tiles = is_tail.nonzero()[0]
     if tail_tiles.shape[0]:
         per_tile[tail_tiles, 12] = scheduler.arange32(tail_tiles.shape[0])
-    # Each tile's query-position range: tiles cover rows [0, num_tokens) in order, each from
-    # its first real row.
+    # Each tile's query-position range (fields 14, 15): the positions of its first real row and
+    # its last row.
     if num_tiles:
         first_row = start_r + (np.maximum(tile_tok, 0) if tails else tile_tok)
-        if q_positions is None:  # positions rise within each request (and tile): first and last row
-            q_pos.take(first_row, out=per_tile[:, 14], mode="clip")  # (rows in range)
-            q_pos.take(first_row[1:] - 1, out=per_tile[:-1, 15], mode="clip")
-            per_tile[-1, 15] = q_pos[num_tokens - 1]
+        if q_positions is None:  # field 14 (see per_req) plus the rows
+            np.add(per_tile[:, 14], tile_tokens - 1, out=per_tile[:, 15])
+            per_tile[:, 15] += start_r + tile_tok if tails else first_row
+            per_tile[:, 14] += first_row
+            if num_tokens > nnz:  # the padding request's rows sit at 0
+                per_tile[tile_first[batch]:, 14:16] = 0
         else:
             per_tile[:, 14] = np.minimum.reduceat(q_pos, first_row)
             per_tile[:, 15] = np.maximum.reduceat(q_pos, first_row)
-    # Each item's row ([items, ITEM_FIELDS]: its tile's, with its keys [5, 6) and chunk 9), then
-    # the rows in cell order.
+    # Each item's row: its tile's, with its keys [kv_start, kv_end) (fields 5, 6; kv_start 0 unless
+    # split or windowed) and its chunk (9).
     if split is not None:
-        per_item = per_tile.take(tile_of, axis=0)
+        tile_of = scheduler.arange(num_tiles).repeat(nchunks)
+        chunk_idx = scheduler.arange(num_items) - item_first.take(tile_of)
+        kv_start = chunk_idx * chunk
+        if kv_lo is not None:
+            kv_start += kv_lo.take(tile_of)
+        kv_end = np.minimum(kv_start + chunk, kv_hi.take(tile_of))
+        per_item = per_tile.take(tile_of, axis=0)  # [items, ITEM_FIELDS]
         per_item[:, 9] = chunk_idx
     else:
-        per_item = per_tile
-    if kv_off is not None:  # (tails plans, no tile split)
-        off = kv_off.take(req)
-        if kv_start is not None:
-            kv_start = np.where(kv_start > 0, kv_start + off, 0)  # tails, no window: aligned
-        kv_end = kv_end + off
+        per_item, kv_start = per_tile, kv_lo
+        kv_end = np.minimum(kv_hi, chunk) if kv_lo is None else np.minimum(kv_lo + chunk, kv_hi)
     if kv_start is not None:
         per_item[:, 5] = kv_start
     per_item[:, 6] = kv_end
+    keys = kv_end if kv_start is None else kv_end - kv_start
+    if type(item_cost) is int and item_cost >= 1:  # integer costs, all positive
+        order, _ = scheduler.assign_positive(keys + item_cost * tpt, layout.num_cells, out=buf[c0:c1])
+    else:
+        order, _ = scheduler.assign_cells(item_cost * tpt + keys, layout.num_cells, out=buf[c0:c1])
+    if tails and contiguous_kv:  # (no tile split) keys loaded before the request's first (masked)
+        kv_off = np.zeros(batch + 1, np.int64)
+        kv_off[:batch] = np.asarray(page_base, np.int64) % ROW_ALIGN
+        off = kv_off.repeat(ntiles)
+        per_tile[:, 3] -= off
+        per_tile[:, 4] += off
+        per_tile[:, 11] -= off
+        per_tile[:, 13] = off
+        if kv_start is not None:
+            per_tile[:, 5] = np.where(kv_start > 0, kv_start + off, 0)  # (aligned)
+        per_tile[:, 6] += off
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
     per_item.take(order, axis=0, out=items[:num_items], mode="clip")  # (clip: in range; no buffered copy)
     buf[t0 + num_items * ITEM_FIELDS:c0] = 0
 
-    buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
-    merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
     merge_dest = buf[d0:d0 + layout.merge_cap]
-    if n_merge:
-        # Each token of a split tile has the tile's nchunks partials, all of them contiguous from
-        # the tile's part_base: group g, token j of tile k, ends at part_base + (j + 1) * nchunks
-        # = g * nchunks + part_base + (1 - k's first group) * nchunks (no cumulative sum over the
-        # groups). In int32: products wrap, and their sums come back to the ends (< part_cap).
-        fields = per_tile.take(split_tiles, axis=0)  # (int32: fields 0 + 1 = first row, 7 = part_base, 8 = nchunks)
-        group_first = np.add.accumulate(m_tokens) - m_tokens  # int64[split tiles]
-        nchunks_s = fields[:, 8]
-        end_base = np.subtract(fields[:, 7], (group_first - 1) * nchunks_s, dtype=np.int32, casting="unsafe")
+    if n_merge:  # one group per token of a split tile, its partials contiguous
+        buf[c1:m0 + 1] = 0  # the gap after cell_indptr, merge_indptr[0]
+        merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
+        # Group g, token j of tile k (g = k's first group + j), ends at part_base + (j + 1) * nchunks
+        # = g * nchunks + part_base - (k's first group - 1) * nchunks (no cumulative sum over the
+        # groups); its row is k's first row + j. Per tile, repeated by its groups (none if unsplit).
+        # In int32: products wrap, and their sums come back to the ends (< part_cap).
+        nchunks32 = per_tile[:, 8]
+        end_base = np.subtract(part_base, (group_first - 1) * nchunks, dtype=np.int32, casting="unsafe")
+        row_base = np.subtract(first_row, group_first, dtype=np.int32, casting="unsafe")  # (tiles not tails)
         g = scheduler.arange32(n_merge)
-        np.multiply(g, nchunks_s.repeat(m_tokens), out=merge_indptr[:n_merge])
-        merge_indptr[:n_merge] += end_base.repeat(m_tokens)
-        merge_indptr[n_merge:] = merge_indptr[n_merge - 1]
-        # Tile k's rows: its groups' indices, less its first group's, plus its first row (fields 0 + 1).
-        first = fields[:, 0] + fields[:, 1]
-        first -= group_first
-        np.add(g, first.repeat(m_tokens), out=merge_dest[:n_merge])
-    else:
-        merge_indptr[:] = 0
-    buf[m0 + 1 + layout.merge_cap:d0] = 0
+        np.multiply(g, nchunks32.repeat(groups), out=merge_indptr[:n_merge])
+        merge_indptr[:n_merge] += end_base.repeat(groups)
+        merge_indptr[n_merge:] = num_parts  # (the last group's end)
+        np.add(g, row_base.repeat(groups), out=merge_dest[:n_merge])
+        buf[m0 + 1 + layout.merge_cap:d0] = 0
+    else:  # merge_indptr all 0, like the gaps around it
+        buf[c1:d0] = 0
     merge_dest[n_merge:] = -1
-    buf[d0 + layout.merge_cap:e0] = 0
     if tails:  # tail slot s holds tile t's rows: tail row s * tpt + j -> token tile_tok[t] + j
         tail_dest, lse_src = buf[e0:e0 + layout.tail_cap], buf[s0:s0 + num_tokens]
         t = tail_tiles
         tok = tile_tok[t][:, None] + np.arange(tpt)[None, :]  # [slots, tpt]
         live_tok = (tok >= 0) & (tok < qo_r[t][:, None])
-        dest = np.where(live_tok, qo_start[req[t]][:, None] + tok, num_tokens).reshape(-1)
+        dest = np.where(live_tok, start_r[t][:, None] + tok, num_tokens).reshape(-1)
         tail_dest[:dest.size] = dest
         tail_dest[dest.size:] = num_tokens
+        buf[d0 + layout.merge_cap:e0] = 0
         buf[e0 + layout.tail_cap:s0] = 0
         # lse is stored per item (tile) slot, aligned: token i of request r -> its tile's slot.
         slot_of_tile = np.empty_like(order)
@@ -350,7 +332,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         tile = tile_first[tok_r] + tok_i // tpt
         lse_src[:] = slot_of_tile[tile] * tpt + tok_i % tpt
     else:
-        buf[e0:] = 0  # (empty tail sections; the gap after merge_dest is above)
+        buf[d0 + layout.merge_cap:] = 0  # the gap after merge_dest (the tail sections are empty)
     info = dict(rows=rows, chunk_tokens=chunk, num_items=num_items,
-                num_split_tiles=int(split_tiles.size) if split is not None else 0, num_parts=num_parts)
+                num_split_tiles=int(np.count_nonzero(split)) if split is not None else 0, num_parts=num_parts)
     return layout, buf, info

@@ -75,16 +75,13 @@ def cells_of(costs, num_cells):
         cell_of_item[by_cost] = arange(n)
         return cell_of_item
     # The first num_cells items go to the empty cells in index order; the rest to the least-loaded.
-    # A cell's key packs (load, cell) into one int, load << bits | cell: ints compare faster
-    # than tuples and order the same way, ties going to the lower cell; keys are distinct.
-    bits = max(num_cells - 1, 1).bit_length()
-    shifted = np.left_shift(costs.take(by_cost), bits, dtype=np.int64)
+    ordered = costs.take(by_cost)
     cell_of_sorted = np.empty_like(cell_of_item)
-    if shifted[0] == shifted[n - 1]:  # equal costs: the cells take turns (ties go to the lower cell)
+    if ordered[0] == ordered[n - 1]:  # equal costs: the cells take turns (ties go to the lower cell)
         np.remainder(arange(n), num_cells, out=cell_of_sorted, casting="unsafe")
     else:
         cell_of_sorted[:num_cells] = arange(num_cells)
-        _greedy(shifted, num_cells, bits, cell_of_sorted)
+        _greedy(ordered, num_cells, cell_of_sorted)
     cell_of_item[by_cost] = cell_of_sorted
     return cell_of_item
 
@@ -102,27 +99,34 @@ def longest_first(costs):
 ROUND_MIN_ITEMS = 48  # a vectorized round pays for its ~10 NumPy calls past this many items
 
 
-def _greedy(shifted, num_cells, bits, cell_of_sorted):
-    """Items num_cells.. (shifted: sorted costs << bits) each to the least-loaded cell, written
-    into cell_of_sorted.
+def _greedy(ordered, num_cells, cell_of_sorted):
+    """Items num_cells.. (ordered: the costs, longest first) each to the least-loaded cell,
+    written into cell_of_sorted.
+
+    A cell's key packs (load, cell) into one int, load << bits | cell: ints compare faster than
+    tuples and order the same way, ties going to the lower cell; keys are distinct.
 
     Rounds first: with the cells sorted by key, item pos + k takes the k-th cell as long as
     every cell an earlier item of the round took now has a larger key (a cumulative minimum
     says how far that holds: that prefix is exactly what the heap does). Rounds stop paying
     when they place few items; a heap of packed keys does the rest."""
-    n = shifted.shape[0]
+    n = ordered.shape[0]
     pos = num_cells
-    # The keys' spread is at most hi - mid + num_cells - 1 (shifted is sorted, longest first).
-    hi, mid, lo = int(shifted[0]), int(shifted[num_cells - 1]), int(shifted[n - 1])
-    if lo > max(hi - mid + num_cells - 1, hi - lo):
-        # Costs within a factor of ~2 (the smallest above both the spread of the cells' keys and
-        # that of the costs): every round of num_cells items goes to the cells in key order. (While
-        # a round runs, each new key exceeds every old one, and a round leaves the keys' spread
-        # within the larger of those two spreads.)
-        if n - pos <= num_cells:  # one round: the cells by load, ties to the lower cell (a stable
-            # sort; timsort is quick on these loads, nearly descending)
-            cell_of_sorted[pos:] = shifted[:num_cells].argsort(kind="stable")[:n - pos]
-            return
+    # The loads' spread is at most hi - mid (ordered is sorted, longest first); the keys' at most
+    # (hi - mid) << bits | (num_cells - 1), which the least cost shifted exceeds iff lo > hi - mid.
+    hi, mid, lo = int(ordered[0]), int(ordered[num_cells - 1]), int(ordered[n - 1])
+    in_rounds = lo > max(hi - mid, hi - lo)
+    # Costs within a factor of ~2 (the smallest above both the spread of the cells' loads and that
+    # of the costs): every round of num_cells items goes to the cells in key order. (While a round
+    # runs, each new key exceeds every old one, and a round leaves the keys' spread within the
+    # larger of those two spreads.)
+    if in_rounds and n - pos <= num_cells:  # one round: the cells by load, ties to the lower cell
+        # (a stable sort; timsort is quick on these loads, nearly descending)
+        cell_of_sorted[pos:] = ordered[:num_cells].argsort(kind="stable")[:n - pos]
+        return
+    bits = max(num_cells - 1, 1).bit_length()
+    shifted = np.left_shift(ordered, bits, dtype=np.int64)
+    if in_rounds:
         # Row r of `rounds` holds the keys before round r, sorted in place (a key's low bits name
         # its cell): item num_cells * (r + 1) + k goes to the k-th, whose key plus that item's is
         # row r + 1's entry k. (Every round but the last places num_cells items.)

@@ -23,9 +23,14 @@ def smallest(x):
     return x[x.argmin()] if x.shape[0] < LARGE else np.minimum.reduce(x)
 
 
+_INT32 = np.dtype(np.int32)
+
+
 def as_int32(name, x, ndim=1):
     """Returns x as a host int32 array; rejects other integer widths, floats and Python lists
     (which NumPy would make int64)."""
+    if type(x) is np.ndarray and x.dtype is _INT32 and x.ndim == ndim:  # (the common case, in one test)
+        return x
     if isinstance(x, (list, tuple)):
         raise ValueError(f"{name} must be an int32 array, got a Python {type(x).__name__} "
                          f"(pass np.asarray({name}, np.int32))")
@@ -62,7 +67,8 @@ def check_indptr(name, indptr, total=None):
 
 def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages=None):
     """Validates a CSR page table; returns (kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages),
-    pages being each request's page count (kv_lens and pages int32[B])."""
+    pages being each request's page count (kv_lens and pages int32[B]). Page ids are checked
+    against num_pages when it is given (else see check_page_ids)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     page_size = int(page_size)
@@ -75,9 +81,8 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pag
         raise ValueError(f"kv_indices has {kv_indices.shape[0]} entries but kv_indptr[-1] = {num_listed}")
     if kv_last_page_len.shape[0] != batch:
         raise ValueError(f"kv_last_page_len must have shape [{batch}], got {kv_last_page_len.shape}")
-    # One pass: as uint32, negative ids wrap past any page count.
-    if num_pages is not None and num_listed and largest(kv_indices[:num_listed].view(np.uint32)) >= num_pages:
-        raise ValueError(f"kv_indices holds page ids outside [0, {num_pages})")
+    if num_pages is not None:
+        check_page_ids(kv_indices[:num_listed], num_pages)
     if not batch:
         return kv_indptr, kv_indices, kv_last_page_len, np.zeros(0, np.int32), pages
     unused = page_size - kv_last_page_len  # in [0, page_size) as uint32 <=> last in [1, page_size]
@@ -92,6 +97,13 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pag
     if bad:
         raise ValueError(f"kv_last_page_len must lie in [1, page_size={page_size}] for requests with pages")
     return kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages
+
+
+def check_page_ids(ids, num_pages):
+    """ValueError unless every page id in ids (int32[n]) lies in [0, num_pages). One pass: as
+    uint32, negative ids wrap past any page count."""
+    if ids.shape[0] and largest(ids.view(np.uint32)) >= num_pages:
+        raise ValueError(f"kv_indices holds page ids outside [0, {num_pages})")
 
 
 def check_num_pages(num_pages):

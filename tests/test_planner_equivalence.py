@@ -56,6 +56,35 @@ def test_decode_plans_match_the_old_planner(seed):
     _same(decode_planner.plan_decode(indptr, indices, last, **kw), old.plan_decode(indptr, indices, last, **kw))
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_decode_page_id_checks_match_the_old_planner(seed):
+    """Page ids are checked on the plan's own copy (after the copy, not on the caller's array): the
+    same ValueError as the old planner's check of the caller's table, through plan_decode and
+    the wrapper (cascade off and "auto"), page sizes 1 and 16, empty requests, capacities or not."""
+    import jaxinfer as ji
+    rng = np.random.default_rng(2000 + seed)
+    batch, page = int(rng.choice([1, 5, 64])), int(rng.choice([1, 16]))
+    indptr, indices, last, num_pages = page_table(rng, _lens(rng, batch, 3000), page)
+    caps = dict(max_batch_size=batch + 3, max_num_pages=int(indptr[-1]) + 20) if seed % 2 else {}
+    if indices.size and seed % 4 != 3:  # (else a valid table: the plans must match)
+        indices[rng.integers(0, indices.size)] = int(rng.choice([num_pages, num_pages + 7, -1, -(1 << 31)]))
+    kw = dict(page_size=page, num_cells=8, num_pages=num_pages, **caps)
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, page, num_ctas=16, **caps)
+    try:
+        ref = old.plan_decode(indptr, indices, last, **kw)
+    except ValueError as e:
+        assert "kv_indices holds page ids outside" in str(e)
+        with pytest.raises(ValueError, match=f"kv_indices holds page ids outside \\[0, {num_pages}\\)"):
+            decode_planner.plan_decode(indptr, indices, last, **kw)
+        for cascade in (None, "auto"):
+            with pytest.raises(ValueError, match=f"kv_indices holds page ids outside \\[0, {num_pages}\\)"):
+                dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade)
+        return
+    _same(decode_planner.plan_decode(indptr, indices, last, **kw), ref)
+    for cascade in (None, "auto"):
+        _same_parts(dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade), ref[1])
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_assign_cells_matches_the_old_heap(seed):
     rng = np.random.default_rng(seed)
@@ -204,6 +233,23 @@ def test_wrapper_plans_own_their_large_buffers(rng):
         _same_parts(plan, ref)
 
 
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_plans_ignore_later_writes_to_the_callers_table(rng, page):
+    """The plan holds its own copy of the page table (its ids checked on that copy): writing the
+    caller's arrays after plan(), bad page ids included, changes neither the plan nor its check."""
+    import jaxinfer as ji
+    indptr, indices, last, num_pages = page_table(rng, rng.integers(1, 3000, 16), page)
+    ref = decode_planner.plan_decode(indptr, indices, last, page_size=page, num_cells=8,
+                                     num_pages=num_pages)[1]
+    dec = ji.BatchDecodeWithPagedKVCache(8, 2, 64, page, num_ctas=16)
+    plans = [dec.plan(indptr, indices, last, num_pages=num_pages, cascade=c) for c in (None, "auto")]
+    indices[:] = -1
+    last[:] = page + 1
+    indptr[1:] = 0
+    for plan in plans:
+        _same_parts(plan, ref)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_batch_attention_short_plans_match_the_old_planner(seed):
     from planner import batch as batch_planner
@@ -271,3 +317,105 @@ def test_mixed_plans_match_the_old_planner(seed):
               batch_cap=batch + extra, index_cap=int(indptr[-1]) + extra + 1, causal=bool(seed % 4))
     args = (qo_indptr, kv.astype(np.int32), indptr[:-1], indices[: indptr[-1]], is_short)
     _same(batch_planner.plan_mixed(*args, **kw), old.plan_mixed(*args, **kw))
+
+
+def _prefill_lens(rng, batch):
+    """Query and key lengths: empty requests, single tokens (decode rows), whole and partial tiles."""
+    qo = rng.choice([0, 1, 1, 7, 16, 33, 128, 300, 512, 2048], batch)
+    kv = qo + rng.choice([0, 0, 1, 15, 64, 700, 3000], batch)
+    return qo, kv
+
+
+@pytest.mark.parametrize("split", ["auto", "short chunks", "fixed", "none"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("seed", range(8))
+def test_prefill_plans_match_the_old_planner_on_a_grid(seed, page, causal, split):
+    """Issue 22: the per-tile fields gathered from the requests' item rows, one cumulative sum
+    for items, merge groups and partial states, and the reduction map repeated per tile give
+    the old plans bitwise, over page sizes, masks, splits and lengths (with capacities or not)."""
+    rng = np.random.default_rng([seed, page, causal, len(split)])
+    batch = int(rng.choice([1, 2, 5, 17, 64]))
+    qo, kv = _prefill_lens(rng, batch)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    indptr, indices, _, _ = page_table(rng, kv, page)
+    kw = dict(group=int(rng.choice([1, 4, 8])), causal=causal, num_cells=int(rng.choice([8, 33, 264])))
+    if split == "short chunks":
+        kw["min_split_tokens"] = int(rng.choice([16, 64]))
+    elif split == "fixed":
+        kw["fixed_split_tokens"] = int(rng.integers(16, 1200))
+    elif split == "none":
+        kw["num_cells"] = 1
+    if seed % 2:
+        kw.update(max_num_tokens=int(qo_indptr[-1]) + int(rng.integers(0, 70)), max_batch_size=batch + 3,
+                  max_num_pages=int(indptr[-1]) + 5)
+        if split == "fixed":  # room for the split's partial states
+            kw["max_num_tokens"] += 4096
+    if seed % 4 == 3:
+        kw["rows"] = int(rng.choice(prefill_planner.TILE_ROWS))
+    args = (qo_indptr, kv.astype(np.int32), indptr[:-1], indices)
+    try:
+        ref = old.plan_prefill(*args, **kw)
+    except ValueError as e:  # (a fixed split over the capacities): the same error
+        with pytest.raises(ValueError, match=str(e)[:30]):
+            prefill_planner.plan_prefill(*args, **kw)
+        return
+    _same(prefill_planner.plan_prefill(*args, **kw), ref)
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_prefill_variant_plans_match_the_old_planner(seed):
+    """Tails plans (paged and contiguous K/V), sliding windows, given positions and mask offsets:
+    bitwise the old plans."""
+    rng = np.random.default_rng(5000 + seed)
+    batch = int(rng.choice([1, 3, 17, 40]))
+    qo, kv = _prefill_lens(rng, batch)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    page = int(rng.choice([1, 16]))
+    indptr, indices, _, _ = page_table(rng, kv, page)
+    base = indptr[:-1]
+    group = int(rng.choice([1, 4]))
+    kw = dict(group=group, causal=bool(rng.integers(0, 2)), num_cells=int(rng.choice([8, 264])))
+    kind = seed % 4
+    if kind in (0, 1):  # tails; 1: contiguous K/V
+        kw.update(tails=True, rows=128 * group, contiguous_kv=kind == 1)
+        if kind == 1:
+            base, indices = (np.cumsum(kv) - kv + rng.integers(0, 8)).astype(np.int32), np.zeros(0, np.int32)
+    if kind == 2 or seed % 5 == 0:
+        kw["window_left"] = int(rng.choice([0, 37, 400]))
+    if kind == 3:
+        kw["kv_pos_offset"] = rng.integers(0, 100, batch)
+        if seed % 8 == 3:
+            kw["q_positions"] = rng.integers(0, 5000, int(qo_indptr[-1]))
+    if seed % 3 == 0:
+        kw["mask_offsets"] = np.cumsum(qo * kv) - qo * kv
+    if seed % 2:
+        kw.update(max_num_tokens=int(qo_indptr[-1]) + int(rng.integers(0, 40)), max_batch_size=batch + 2,
+                  max_num_pages=indices.shape[0] + 7)
+    args = (qo_indptr, kv.astype(np.int32), base, indices)
+    _same(prefill_planner.plan_prefill(*args, **kw), old.plan_prefill(*args, **kw))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_wrapper_prefill_plans_match_the_old_planner(seed):
+    """BatchPrefillWithPagedKVCache.plan (its checks, then the planner) makes the old checks' and
+    planner's buffer, with capacities and without."""
+    import jaxinfer as ji
+    rng = np.random.default_rng(6000 + seed)
+    batch = int(rng.choice([1, 4, 17, 64]))
+    qo, kv = _prefill_lens(rng, batch)
+    qo[0] = 64  # (not every request short: a prefill kernel's plan)
+    kv[0] = max(kv[0], 64)
+    page, causal = int(rng.choice([1, 16])), bool(seed % 2)
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    caps = dict(max_batch_size=batch + 2, max_num_tokens=int(qo_indptr[-1]) + 9,
+                max_num_pages=int(indptr[-1]) + 3) if seed % 3 else {}
+    pre = ji.BatchPrefillWithPagedKVCache(32, 8, 128, page, causal=causal, num_ctas=2112, impl="triton", **caps)
+    plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    kv_indptr, kv_indices, _, kv_lens = old.check_page_table(indptr, indices, last, page, num_pages)[:4]
+    ref = old.plan_prefill(qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]], group=4,
+                           causal=causal, num_cells=pre.num_cells, **caps)
+    layout, buf, info = ref
+    assert plan.layout == layout and plan.info == info
+    _same_parts(plan, buf)
