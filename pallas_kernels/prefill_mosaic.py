@@ -252,11 +252,16 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             pl.when(~packed)(load_rows_unpadded)
 
             @pl.when(packed & (wg == 0))
-            def _():  # row t * G + g: token t, query head kv_head * G + g (tokens past qo_len: its last)
+            def _():  # row t * G + g: token t, query head kv_head * G + g; a token past qo_len
+                # only arrives (its rows, like those past packed_tokens x G, are never stored)
                 for t in range(packed_tokens):
-                    tok = q_row_start + jnp.minimum(t, qo_len - 1)
-                    plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(f.kv_head * group, group)],
-                                            qp_smem.at[0, pl.ds(t * group, group)], qp_bar[0])
+                    @pl.when(t < qo_len)
+                    def _():
+                        plgpu.copy_gmem_to_smem(q_ref.at[q_row_start + t, pl.ds(f.kv_head * group, group)],
+                                                qp_smem.at[0, pl.ds(t * group, group)], qp_bar[0])
+
+                    if t:  # (a packed tile has a token)
+                        pl.when(t >= qo_len)(lambda: plgpu.barrier_arrive(qp_bar[0]))
                 plgpu.barrier_wait(qp_bar[0])
                 q_smem[...] = qp_smem[0] if interpret else plgpu.load(
                     qp_smem.at[0], *_LOAD_IDX, layout=plgpu.Layout.WGMMA, optimized=False)
