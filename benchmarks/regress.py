@@ -328,9 +328,9 @@ def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page, pad_rows=
     fn = jax.jit(calls, donate_argnums=2)
     state = {"caches": caches}
 
-    # Each call's q its own array, as a layer's projection gives it: a slice of qs inside the
-    # program is a copy before the kernel, which takes q as it is (BatchAttention's own q fusion
-    # absorbs the slice; H100, decode first: 364.5 against 350.2 µs, benchmarks/bench_chained.py).
+    # Each call's q its own array, as a layer's projection gives it. A slice of qs inside the
+    # program costs ragged_paged_attention a copy in front of its kernel, which BatchAttention's
+    # own q fusion absorbs (H100, decode first: 366.2 against 350.0 µs, bench_chained.py).
     q_each = [qs[i] for i in range(qs.shape[0])]
 
     def run():
