@@ -534,7 +534,9 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
 
     Returns (out [T, Hq, D] in queries' dtype, the updated PagedKVCache). Metadata are checked
     when concrete; under jax.jit (one compilation for all compositions of the same shapes, cache
-    donated for an in-place write) inputs that break the contract give undefined results.
+    donated for an in-place write) inputs that break the contract give undefined results. The
+    mixed launch reads queries as they are: a slice of a larger array (q split from a fused qkv
+    with no op after it) is first copied to a buffer of its own (H100, a 2108-row step: ~15 µs).
     """
     _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window)
     if sliding_window is not None and not causal:
