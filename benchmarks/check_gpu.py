@@ -32,7 +32,7 @@ def check_prefill(dtype, tol):
     q = jax.random.normal(jax.random.key(8), (qo_indptr[-1], 8, 128), dtype)
     for split in (None, 64):
         pre = ji.BatchPrefillWithPagedKVCache(8, 2, 128, 16, layout="HND", fixed_split_tokens=split)
-        o = jax.jit(pre.run)(q, cache, pre.plan(qo_indptr, indptr, indices, last))
+        o = jax.jit(pre.run)(q, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages))
         want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True).o
         report(f"paged prefill {dtype.__name__} split={split}", rel_err(o, want), tol)
     k, v, kv_indptr = ref.gather_pages(cache, indptr, indices, last)

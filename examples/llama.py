@@ -111,15 +111,14 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_PARAMS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 def layer_param_shapes(cfg):
     """{name: (shape of one layer's array, fan_in)}; fan_in None: a norm weight (ones)."""
     H, F = cfg.hidden_size, cfg.intermediate_size
     hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return dict(attn_norm=((H,), None), wq=((H, hq), H), wk=((H, hkv), H), wv=((H, hkv), H),
-                wo=((hq, H), hq), mlp_norm=((H,), None), w_gate=((H, F), H), w_up=((H, F), H),
+    return dict(attn_norm=((H,), None), wqkv=((H, hq + 2 * hkv), H), wo=((hq, H), hq), mlp_norm=((H,), None), w_gate=((H, F), H), w_up=((H, F), H),
                 w_down=((F, H), F))
 
 
@@ -130,7 +129,8 @@ def _normal(key, shape, dtype, fan_in):
 
 class LayerWeights(nnx.Module):
     """One layer's weights (unroll), or all layers' stacked [L, ...] (scan): attn_norm [H],
-    wq [H, Hq*D], wk, wv [H, Hkv*D], wo [Hq*D, H], mlp_norm [H], w_gate, w_up [H, F], w_down [F, H]."""
+    wqkv [H, (Hq + 2 Hkv) * D] (the q, k and v projections as one matmul), wo [Hq*D, H],
+    mlp_norm [H], w_gate, w_up [H, F], w_down [F, H]."""
 
     def __init__(self, arrays):
         for name in LAYER_PARAMS:
@@ -148,13 +148,14 @@ def _layer(cfg, x, w, cos, sin, attention, layer, kv_cache):
     n = x.shape[0]
     with jax.named_scope("qkv_proj"):
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+        # One matmul for q, k and v: at batch 1 three (one of [H, Hq*D], two of [H, Hkv*D]) took
+        # 1 ms more per step than one (Llama-3-8B shapes, H100, BENCHMARKS.md session 22).
+        qkv = h @ w["wqkv"]                                            # [N, (Hq + 2 Hkv) * D]
         if n == 1:  # materialized: XLA turns a one-row dot into a multiply + reduce and fuses that
             # into its consumer (the decode step's q/k/v concatenate: 200 µs a layer on an H100)
-            q, k, v = jax.lax.optimization_barrier((q, k, v))
-        q = q.reshape(n, cfg.num_heads, cfg.head_dim)                  # [N, Hq, D]
-        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)               # [N, Hkv, D]
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            qkv = jax.lax.optimization_barrier(qkv)
+        qkv = qkv.reshape(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=1)  # [N, Hq | Hkv | Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
         o, kv_cache = attention(layer, q, k, v, kv_cache)              # [N, Hq, D]
