@@ -118,8 +118,8 @@ def layer_param_shapes(cfg):
     """{name: (shape of one layer's array, fan_in)}; fan_in None: a norm weight (ones)."""
     H, F = cfg.hidden_size, cfg.intermediate_size
     hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return dict(attn_norm=((H,), None), wqkv=((H, hq + 2 * hkv), H), wo=((hq, H), hq), mlp_norm=((H,), None), w_gate=((H, F), H), w_up=((H, F), H),
-                w_down=((F, H), F))
+    return dict(attn_norm=((H,), None), wqkv=((H, hq + 2 * hkv), H), wo=((hq, H), hq),
+                mlp_norm=((H,), None), w_gate=((H, F), H), w_up=((H, F), H), w_down=((F, H), F))
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "fan_in"))
