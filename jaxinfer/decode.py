@@ -1,7 +1,7 @@
 """Batch decode over a paged KV cache: plan() on the host, run() compiled once.
 
 The decode path in three files: this wrapper, its planner (planner/decode.py: split-KV work items
-balanced by Algorithm 1) and its kernel (pallas_kernels/decode.py).
+balanced by Algorithm 1, or contiguous page ranges per cell) and its kernel (pallas_kernels/decode.py).
 """
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,5 @@
-"""Decode plan: split-KV work items, Algorithm 1 cell assignment, reduction map, one packed buffer.
+"""Decode plan: split-KV work items assigned to cells (Algorithm 1, or contiguous page ranges),
+reduction map, one packed buffer.
 
 Every array has a shape fixed by the capacities (max_batch_size,
 max_num_pages, num_cells), so the jitted run() compiles once; what changes
@@ -13,6 +14,11 @@ from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
 
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
+# What one more work item costs a decode cell, in KV tokens: an H100 timeline of the kernel
+# (BENCHMARKS.md, session 23) put it at ~2 µs at batch 16, 50-80 tokens' worth of streaming.
+# Contiguous cells charge it per item when they balance their costs.
+ITEM_OVERHEAD_TOKENS = 80
+PARTITIONS = ("auto", "greedy", "contiguous")
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,8 @@ class DecodeLayout(PackedLayout):
     def for_capacities(cls, batch, index_cap, num_cells, fixed_split_pages=None):
         """Bounds from Algorithm 1: with chunk L >= sum(pages) / n, a request has at most
         1 + pages / L items; split requests (pages > L) number under n and have
-        at most 2 * pages / L chunks. Without a fixed split, n = num_cells."""
+        at most 2 * pages / L chunks. Without a fixed split, n = num_cells. The contiguous
+        partition fits them too: it cuts the requests at most n - 1 times."""
         n = num_cells if fixed_split_pages is None else -(-index_cap // fixed_split_pages)
         return cls(batch, index_cap, num_cells, batch + n, 2 * n, max(1, min(batch, n)))
 
@@ -50,12 +57,18 @@ def decode_layout(batch, index_cap, num_cells, fixed_split_pages=None):
 
 def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells,
                 num_pages=None, max_batch_size=None, max_num_pages=None,
-                fixed_split_pages=None, min_split_tokens=256, item_cost=32.0):
+                fixed_split_pages=None, min_split_tokens=256, item_cost=32.0, partition="auto"):
     """Builds the decode work list. Returns (layout, buffer int32[layout.size], info dict).
 
     fixed_split_pages: chunk size in pages independent of the batch, which makes
     each request's output independent of the other requests (batch invariance).
     item_cost: the per-item cost alpha in tokens (Algorithm 1: alpha*l_q + beta*l_kv, beta = 1).
+    partition (plans that split a request, without fixed_split_pages): "greedy" is Algorithm 1
+    (chunks of L pages, longest first to the least-loaded cell); "contiguous" gives each cell a
+    consecutive range of the requests' pages, ranges of equal cost (pages plus
+    ITEM_OVERHEAD_TOKENS per item); "auto" takes "contiguous" where Algorithm 1's chunks
+    outnumber the cells (some cells would run several items, the last ones its remainders),
+    else "greedy". info["partition"] names the one used.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -63,11 +76,11 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     return plan_decode_checked(table, page_size=page_size, num_cells=num_cells, num_pages=num_pages,
                                max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                                fixed_split_pages=fixed_split_pages, min_split_tokens=min_split_tokens,
-                               item_cost=item_cost)
+                               item_cost=item_cost, partition=partition)
 
 
 def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_size=None, max_num_pages=None,
-                        fixed_split_pages=None, min_split_tokens=256, item_cost=32.0):
+                        fixed_split_pages=None, min_split_tokens=256, item_cost=32.0, partition="auto"):
     """plan_decode over a page table that validate.check_page_table already returned (`table`):
     callers that look at the table first (cascade="auto") validate it once. num_pages: the plan's
     own copy of the page ids is checked against it (validate.check_page_ids: one pass over memory
@@ -76,6 +89,11 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
         raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
     if not item_cost >= 1:  # every item, empty ones too, then has a positive cost
         raise ValueError(f"item_cost must be >= 1, got {item_cost}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    if partition == "contiguous" and fixed_split_pages is not None:
+        raise ValueError("partition='contiguous' cuts requests where the cells' costs balance; "
+                         "fixed_split_pages (batch invariance) needs 'greedy' or 'auto'")
     kv_indptr, kv_indices, _, kv_lens, pages = table
     batch = pages.shape[0]
     num_listed = int(kv_indptr[-1])
@@ -104,6 +122,7 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
     lens = buf[l0:l0 + bcap]  # int32[bcap]: kv_lens, 0 for padding rows
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
     ic = _integer_cost(item_cost)
+    used = "greedy"
 
     if not batch or int(validate.largest(pages)) <= chunk:  # no request is split: one item per row, all writethrough
         costs = np.add(lens, ic, dtype=np.int64) if ic is not None else (item_cost + lens).astype(np.int64)
@@ -121,18 +140,24 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
         buf[d0:d0 + layout.merge_cap] = -1
         num_split = num_parts = 0
     else:
-        work, part_end, split = _split_items(pages, kv_indptr, lens, chunk, chunk * page_size, batch, bcap)
+        order = None  # contiguous items are listed in cell order already
+        if partition == "contiguous" or partition == "auto" and fixed_split_pages is None and (
+                int(np.add.reduce(-(-pages // chunk))) > layout.num_cells):
+            alpha = max(1, -(-ITEM_OVERHEAD_TOKENS // page_size))  # pages
+            work, part_end, split, buf[c0:c1] = _contiguous_items(
+                pages, kv_indptr, lens, page_size, layout.num_cells, alpha, -(-min_split_tokens // page_size), bcap)
+            used = "contiguous"
+        else:
+            work, part_end, split = _split_items(pages, kv_indptr, lens, chunk, chunk * page_size, batch, bcap)
+            order, _ = scheduler.assign_positive(_item_costs(work, item_cost), layout.num_cells, out=buf[c0:c1])
         n_items = work.shape[0]
         split_reqs = np.flatnonzero(split)
         num_split = split_reqs.shape[0]
         assert n_items <= layout.item_cap and num_split <= layout.merge_cap
-        costs = np.subtract(work[:, 3], work[:, 2], dtype=np.int64)
-        if ic is not None:
-            costs += ic
+        if order is None:  # contiguous: the items are in cell order
+            items[:n_items] = work
         else:
-            costs = (item_cost + costs).astype(np.int64)
-        order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
-        work.take(order, axis=0, out=items[:n_items], mode="clip")  # (clip: in range; no buffered copy)
+            work.take(order, axis=0, out=items[:n_items], mode="clip")  # (clip: in range; no buffered copy)
         buf[c1:m0 + 1] = 0  # cell_indptr's gap, merge_indptr[0]
         merge_indptr = buf[m0 + 1:m0 + 1 + layout.merge_cap]  # [1:]
         part_end.take(split_reqs, out=merge_indptr[:num_split])
@@ -143,8 +168,65 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
         merge_dest[:num_split] = split_reqs
         merge_dest[num_split:] = -1
     buf[t0 + n_items * ITEM_FIELDS:c0] = 0  # unused items, the gap after them
-    info = dict(chunk_pages=chunk, num_items=n_items, num_split=int(num_split), num_parts=num_parts)
+    info = dict(chunk_pages=chunk, num_items=n_items, num_split=int(num_split), num_parts=num_parts,
+                partition=used)
     return layout, buf, info
+
+
+def _item_costs(work, item_cost):
+    """Algorithm 1's cost of each work item: its tokens plus item_cost (int64[n])."""
+    costs = np.subtract(work[:, 3], work[:, 2], dtype=np.int64)
+    ic = _integer_cost(item_cost)
+    if ic is not None:
+        costs += ic
+        return costs
+    return (item_cost + costs).astype(np.int64)
+
+
+def _contiguous_items(pages, kv_indptr, lens, page_size, num_cells, alpha, min_pages, bcap):
+    """The contiguous partition: request r's stream of alpha + pages[r] pages (its first item's
+    cost, then its pages), requests in order, is cut into num_cells ranges of equal width (at
+    least min_pages + alpha); a cut inside a request's pages splits it there, a cut in its
+    alpha zone moves to its start. Empty requests and padding rows (batch..bcap) take no part of
+    the stream: their items go to the cells in turn. Returns (items int32[n, ITEM_FIELDS] in
+    cell order, part_end int64[bcap], split bool[batch], cell_indptr int32[num_cells + 1])."""
+    batch = pages.shape[0]
+    p = np.zeros(bcap, np.int64)
+    p[:batch] = pages
+    end = np.add.accumulate(p + alpha * (p > 0))  # [bcap] stream position where each request ends
+    start = end - p  # [bcap] stream position of each request's first page
+    width = max(-(-int(end[-1]) // num_cells), min_pages + alpha)
+    cuts = width * scheduler.arange(-(-int(end[-1]) // width))[1:]  # [k] inside the stream
+    req = np.searchsorted(end, cuts, side="right")  # request whose stream holds each cut
+    off = cuts - start.take(req)  # the cut's page offset in it (<= 0: in its alpha zone)
+    inner = off > 0
+    # Items: each request from its start, and from each cut inside its pages; both in stream order.
+    item_req = np.concatenate([scheduler.arange(bcap), req[inner]])
+    item_first = np.concatenate([np.zeros(bcap, np.int64), off[inner]])
+    by_stream = np.argsort(np.concatenate([start, cuts[inner]]), kind="stable")
+    item_req, item_first = item_req.take(by_stream), item_first.take(by_stream)
+    n = item_req.shape[0]
+    last_of_req = np.append(item_req[1:] != item_req[:-1], True)
+    item_end = np.where(last_of_req, p.take(item_req), np.append(item_first[1:], 0))
+    cell = np.searchsorted(cuts, start.take(item_req) + item_first, side="right")  # [n]
+    empty = p.take(item_req) == 0
+    cell[empty] = scheduler.arange(int(np.count_nonzero(empty))) % num_cells
+    by_cell = cell.argsort(kind="stable")
+    cell_indptr = np.searchsorted(cell.take(by_cell), scheduler.arange(num_cells + 1)).astype(np.int32)
+    nparts = np.bincount(item_req, minlength=bcap)
+    split = nparts > 1
+    part_end = np.add.accumulate(nparts * split)
+    first_item = np.add.accumulate(nparts) - nparts  # each request's first item
+    work = np.empty((n, ITEM_FIELDS), np.int32)
+    work[:, 0] = item_req
+    base = np.zeros(bcap, np.int64)
+    base[:batch] = kv_indptr[:-1]
+    work[:, 1] = base.take(item_req)
+    work[:, 2] = item_first * page_size
+    work[:, 3] = np.minimum(lens.take(item_req), item_end * page_size)
+    piece = scheduler.arange(n) - first_item.take(item_req)
+    work[:, 4] = np.where(split.take(item_req), part_end.take(item_req) - nparts.take(item_req) + piece, -1)
+    return work.take(by_cell, axis=0), part_end, split[:batch], cell_indptr
 
 
 def _integer_cost(item_cost):

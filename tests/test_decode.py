@@ -73,6 +73,13 @@ def test_split_kv_and_odd_page_size(rng, split):
     assert plan.info["num_split"] >= 3
 
 
+def test_contiguous_cells(rng):
+    """A plan whose cells hold consecutive page ranges (planner partition "contiguous", chosen by
+    "auto" here): requests cut where the cells' costs balance, partial states merged."""
+    plan = _check_decode(rng, np.array([326, 553, 1650, 2249, 2853, 278]), 16, 8, 2, 64, jnp.float32, "NHD")
+    assert plan.info["partition"] == "contiguous" and plan.info["num_split"] >= 2
+
+
 def test_last_page_full_and_single_token(rng):
     _check_decode(rng, np.array([16, 32, 1, 15]), 16, 8, 2, 64, jnp.float32, "NHD")
 
@@ -220,23 +227,26 @@ def test_with_page_offset_reads_a_stacked_cache(rng):
         assert rel_err(run(q, stacked, plan, l), want.o) < TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("layout, split, horizon", [("NHD", True, 2), ("HND", False, 1)])
+@pytest.mark.parametrize("layout, split, horizon", [("NHD", True, 2), ("HND", False, 1), ("NHD", "contiguous", 1)])
 def test_append_kv_fused_equals_append_then_run(rng, layout, split, horizon):
     """run(..., append_kv=(k, v)) writes each request's new row at its last position in the same
     launch and attends to it: the cache equals append_paged_kv_cache's, o equals run() over that
     cache and the float64 oracle. Covered: split requests (the new token in a later chunk), a
-    padding row (max_batch_size), a horizon plan run at its first step (kv_lens), both layouts;
-    under jit with the cache donated."""
+    padding row (max_batch_size), a horizon plan run at its first step (kv_lens), both layouts,
+    contiguous cells (the last request cut in two); under jit with the cache donated."""
     page, hq, hkv, d = 4, 8, 2, 64
-    lens = np.array([45, 9, 1]) if split else np.array([12, 5, 8])  # this step's, after the append
+    contiguous = split == "contiguous"
+    lens = {True: [45, 9, 1], False: [12, 5, 8], "contiguous": [15, 65, 359]}[split]  # this step's
+    lens = np.array(lens)
     indptr, indices, last, num_pages = page_table(rng, lens + horizon - 1, page)
     cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32, layout)
     q = randn(rng, (4, hq, d), jnp.float32)
     k, v = randn(rng, (2, 4, hkv, d), jnp.float32)
     dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, layout=layout, num_ctas=4, max_batch_size=4,
-                                         max_num_pages=num_pages, fixed_split_pages=4 if split else None)
+                                         max_num_pages=num_pages, fixed_split_pages=4 if split is True else None)
     plan = dec.plan(indptr, indices, last, num_pages=num_pages, horizon=horizon)
-    assert (plan.info["num_split"] > 0) == split
+    assert (plan.info["num_split"] > 0) == bool(split)
+    assert (plan.info["partition"] == "contiguous") == contiguous
     kv_lens = None if horizon == 1 else plan.kv_lens_at(0)
     pos = np.append(lens - 1, -1).astype(np.int32)  # row 3: padding
     want_cache = ji.append_paged_kv_cache(cache, k, v, np.array([0, 1, 2, -1], np.int32), pos, indices, indptr)

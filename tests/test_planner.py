@@ -39,10 +39,13 @@ def _plan(rng, lens, page, **kw):
     return decode_planner.plan_decode(indptr, indices, last, page_size=page, num_pages=num_pages, **kw), indptr
 
 
-@pytest.mark.parametrize("split", [None, 1, 3])
-def test_decode_items_cover_each_request_once(rng, split):
+@pytest.mark.parametrize("split, partition", [(None, "greedy"), (None, "contiguous"), (None, "auto"),
+                                              (1, "auto"), (3, "greedy")])
+def test_decode_items_cover_each_request_once(rng, split, partition):
     lens = np.array([0, 1, 17, 97, 512, 2048, 33])
-    (layout, buf, info), indptr = _plan(rng, lens, 8, fixed_split_pages=split, max_batch_size=9)
+    (layout, buf, info), indptr = _plan(rng, lens, 8, fixed_split_pages=split, max_batch_size=9,
+                                        partition=partition)
+    assert info["partition"] in (("greedy", "contiguous") if partition == "auto" else (partition,))
     sec = layout.unpack(buf)
     items = sec["items"][: sec["cell_indptr"][-1]]
     covered = np.zeros(9, np.int64)
@@ -62,6 +65,56 @@ def test_decode_items_cover_each_request_once(rng, split):
         assert slots == list(range(sec["merge_indptr"][g], sec["merge_indptr"][g + 1]))
     assert set(parts) == set(sec["merge_dest"][:n_split].tolist())
     assert np.all(sec["merge_dest"][n_split:] == -1)
+
+
+def _cell_costs(layout, buf, page, alpha):
+    """Each cell's cost as the planner counts it: its items' pages plus alpha pages per item."""
+    sec = layout.unpack(buf)
+    items, ptr = sec["items"], sec["cell_indptr"]
+    pages = -(-(items[:, 3] - items[:, 2]) // page) + alpha
+    return np.array([pages[ptr[c]:ptr[c + 1]].sum() for c in range(len(ptr) - 1)])
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_contiguous_partition_gives_cells_consecutive_equal_ranges(seed):
+    """Cells hold consecutive ranges of the requests' pages, in request order (a request's items
+    in token order, adjacent), each cell's cost within two items' of its budget; "auto" takes
+    them where Algorithm 1's chunks outnumber the cells."""
+    rng = np.random.default_rng(seed)
+    page, cells = int(rng.choice([1, 4, 16])), int(rng.choice([3, 8, 33]))
+    lens = rng.integers(0, int(rng.choice([300, 3000])), int(rng.choice([1, 5, 16, 40])))
+    plans = {p: _plan(rng, lens, page, num_cells=cells, partition=p, max_batch_size=len(lens) + 2)[0]
+             for p in ("greedy", "contiguous", "auto")}
+    layout, buf, info = plans["contiguous"]
+    if not plans["greedy"][2]["num_split"]:  # no request longer than Algorithm 1's chunk: none is cut
+        assert info["partition"] == plans["auto"][2]["partition"] == "greedy"
+        return
+    sec = layout.unpack(buf)
+    items = sec["items"][: sec["cell_indptr"][-1]]
+    items = items[np.append(lens, [0, 0])[items[:, 0]] > 0]  # (empty rows go to the cells in turn)
+    stream = [(req, t0) for req, _, t0, _, _ in items]
+    assert info["partition"] == "contiguous" and stream == sorted(stream)  # cell by cell, in order
+    nxt = np.append(items[1:, 2], 0)
+    same = np.append(items[1:, 0] == items[:-1, 0], False)
+    np.testing.assert_array_equal(items[same, 3], nxt[same])  # a request's pieces meet
+    alpha = max(1, -(-decode_planner.ITEM_OVERHEAD_TOKENS // page))
+    pages = -(-lens // page)
+    stream = int(pages.sum()) + alpha * int(np.count_nonzero(pages))  # empty rows take the cells in turn
+    empties = len(lens) + 2 - int(np.count_nonzero(pages))
+    width = max(-(-stream // cells), -(-256 // page) + alpha)
+    assert _cell_costs(layout, buf, page, alpha).max() <= width + 2 * alpha + alpha * -(-empties // cells)
+    chunks = int(np.sum(-(-pages // plans["greedy"][2]["chunk_pages"])))
+    assert plans["auto"][2]["partition"] == ("contiguous" if chunks > cells else "greedy")
+
+
+def test_auto_partition_on_serving_lengths(rng):
+    """Batch 16 at the e2e benchmark's lengths: Algorithm 1 leaves its remainders to a few cells
+    (three items each), so "auto" takes the contiguous cells; 16 requests of 1024 tokens split
+    evenly into 32 cells, and "auto" keeps Algorithm 1's."""
+    (_, _, info), _ = _plan(rng, np.random.default_rng(0).integers(512, 2049, 16) + 64, 16, num_cells=33)
+    assert info["partition"] == "contiguous"
+    (_, _, info), _ = _plan(rng, np.full(16, 1024), 16, num_cells=33)
+    assert info["partition"] == "greedy" and info["num_items"] == 32
 
 
 def test_auto_chunk_fills_the_cells(rng):
@@ -96,6 +149,11 @@ def test_capacity_errors(rng):
         decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, max_num_pages=3)
     with pytest.raises(ValueError, match="fixed_split_pages"):
         decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, fixed_split_pages=0)
+    with pytest.raises(ValueError, match="partition must be one of"):
+        decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, partition="lpt")
+    with pytest.raises(ValueError, match="fixed_split_pages"):
+        decode_planner.plan_decode(indptr, indices, last, page_size=4, num_cells=4, fixed_split_pages=2,
+                                   partition="contiguous")
 
 
 @settings(max_examples=40, deadline=None)

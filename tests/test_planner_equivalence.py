@@ -66,7 +66,9 @@ def test_decode_plans_match_the_old_planner(seed):
         kw["item_cost"] = 1.5  # a fractional alpha: costs truncated as before
     if seed % 6 == 5:
         kw["min_split_tokens"] = 16
-    _same(decode_planner.plan_decode(indptr, indices, last, **kw), old.plan_decode(indptr, indices, last, **kw))
+    new = decode_planner.plan_decode(indptr, indices, last, partition="greedy", **kw)  # Algorithm 1
+    assert new[2].pop("partition") == "greedy"
+    _same(new, old.plan_decode(indptr, indices, last, **kw))
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -93,9 +95,12 @@ def test_decode_page_id_checks_match_the_old_planner(seed):
             with pytest.raises(ValueError, match=f"kv_indices holds page ids outside \\[0, {num_pages}\\)"):
                 dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade)
         return
-    _same(decode_planner.plan_decode(indptr, indices, last, **kw), ref)
+    greedy = decode_planner.plan_decode(indptr, indices, last, partition="greedy", **kw)
+    assert greedy[2].pop("partition") == "greedy"
+    _same(greedy, ref)
+    auto = decode_planner.plan_decode(indptr, indices, last, **kw)[1]  # (the wrapper's partition)
     for cascade in (None, "auto"):
-        _same_parts(dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade), ref[1])
+        _same_parts(dec.plan(indptr, indices, last, num_pages=num_pages, cascade=cascade), auto)
 
 
 @pytest.mark.parametrize("seed", range(30))
