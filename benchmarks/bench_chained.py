@@ -8,27 +8,13 @@ i's output, as a model's layers are).
     PYTHONPATH=. python3 benchmarks/bench_chained.py [--short 60] [--short-q 1] [--chunks 4] [--layers 8]
 """
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer as ji
-from benchmarks.common import random_paged_cache, rel_err, rpa_inputs
-
-
-def per_call_us(step, calls, reps=7, iters=10):
-    """Median µs per call over `reps` loops of `iters` steps (each step makes `calls` calls)."""
-    jax.block_until_ready(step())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = step()
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters / calls)
-    return float(np.median(ts)) * 1e6
+from benchmarks.common import per_call_us, random_paged_cache, rel_err, rpa_inputs
 
 
 def main():

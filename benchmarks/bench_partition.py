@@ -9,31 +9,17 @@ latency. Each partition is checked against a dense float32 reference first. The 
 in turn, then again in reverse order (drift falls on both); "auto" is what the wrappers use.
 """
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer as ji
-from benchmarks.common import dense_decode_reference, random_paged_cache, rel_err
+from benchmarks.common import dense_decode_reference, per_call_us, random_paged_cache, rel_err
 from planner import decode as decode_planner
 
 HQ, HKV, D, PAGE, LAYERS = 32, 8, 128, 16, 8
 PARTITIONS = ("greedy", "auto")
-
-
-def per_call_us(step, reps=7, iters=10):
-    """Median µs per call over `reps` loops of `iters` steps of LAYERS chained calls."""
-    jax.block_until_ready(step())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = step()
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters / LAYERS)
-    return float(np.median(ts)) * 1e6
 
 
 def plan_with(partition, dec, *args, **kw):
@@ -74,9 +60,9 @@ def main():
                 return q
             fn = jax.jit(chained)
             steps[partition] = lambda fn=fn, plan=plan: fn(q, caches, plan)
-        us = {p: [per_call_us(steps[p])] for p in PARTITIONS}
+        us = {p: [per_call_us(steps[p], LAYERS)] for p in PARTITIONS}
         for p in reversed(PARTITIONS):
-            us[p].append(per_call_us(steps[p]))
+            us[p].append(per_call_us(steps[p], LAYERS))
         print(f"{name:<24} " + "  ".join(f"{p} ({used[p]}): {a:.1f} / {b:.1f}" for p, (a, b) in us.items()),
               flush=True)
 

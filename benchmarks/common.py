@@ -38,6 +38,19 @@ def bench(f, *args, iters=20, reps=7):
     return float(np.median(ts))
 
 
+def per_call_us(step, calls, reps=7, iters=10):
+    """Median µs per call over `reps` loops of `iters` steps (each step makes `calls` calls)."""
+    jax.block_until_ready(step())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = step()
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters / calls)
+    return float(np.median(ts)) * 1e6
+
+
 def random_paged_cache(rng, kv_lens, page_size, num_kv_heads, head_dim, dtype, layout="NHD", extra_pages=0):
     """A cache with random values and random page order; returns (cache, indptr, indices, last)."""
     kv_lens = np.asarray(kv_lens)
