@@ -429,6 +429,8 @@ ROWS = [
     row("decode B16 kv1024", build_paged, **_decode(16, 1024)),
     row("decode B1 kv32768", build_paged, **_decode(1, 32768)),
     row("decode B64 kv U[512,4096]", build_paged, **_decode(64, (512, 4096))),
+    # The e2e benchmark's batch 16 (U[512, 2048] + 64): contiguous cells (planner "auto").
+    row("decode B16 kv U[576,2112]", build_paged, **_decode(16, (576, 2112))),
     row("decode fp8e4m3 B64 kv4096", build_paged, tol=3e-2,
         **_decode(64, 4096, dtype="float8_e4m3fn", kv_scale=(0.9, 1.1))),
     row("decode d64 B64 kv4096", build_paged, **_decode(64, 4096, head_dim=64)),
