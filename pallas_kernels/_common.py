@@ -34,7 +34,9 @@ def next_pow2(n):
 
 def fit_block_kv(block_kv, head_dim, itemsize, num_stages, smem_budget=192 * 1024):
     """block_kv, halved until the pipelined K and V tiles fit in shared memory
-    (num_stages x 2 x block_kv x head_dim x itemsize <= smem_budget; H100 has 227 KB a block)."""
+    (num_stages x 2 x block_kv x head_dim x itemsize <= smem_budget; H100 has 227 KB a block).
+    A bound, not the allocation: Triton buffers fewer stages than num_stages where a gathered
+    page id takes a stage (the decode loop: one K/V buffer at 3 stages)."""
     while block_kv > 16 and num_stages * 2 * block_kv * head_dim * itemsize > smem_budget:
         block_kv //= 2
     return block_kv
