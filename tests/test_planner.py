@@ -107,6 +107,28 @@ def test_contiguous_partition_gives_cells_consecutive_equal_ranges(seed):
     assert plans["auto"][2]["partition"] == ("contiguous" if chunks > cells else "greedy")
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=70), st.integers(1, 70), st.sampled_from([1, 4, 16]),
+       st.integers(0, 9), st.sampled_from([16, 256, 1024]))
+def test_contiguous_partition_fits_the_capacities(lens, num_cells, page, pad, min_split):
+    """Any batch, grid and padding: the contiguous cells fit the layout's capacities (items,
+    split requests, partial slots; the planner asserts them) and cover every request's tokens
+    exactly once, a request's pieces in consecutive partial slots."""
+    rng = np.random.default_rng(len(lens))
+    lens = np.array(lens)
+    (layout, buf, info), _ = _plan(rng, lens, page, num_cells=num_cells, partition="contiguous",
+                                   max_batch_size=len(lens) + pad, min_split_tokens=min_split)
+    sec = layout.unpack(buf)
+    items = sec["items"][: sec["cell_indptr"][-1]]
+    assert items.shape[0] == info["num_items"] <= layout.item_cap
+    covered = np.bincount(items[:, 0], weights=items[:, 3] - items[:, 2], minlength=len(lens) + pad)
+    np.testing.assert_array_equal(covered[:len(lens)], lens)
+    assert np.all(covered[len(lens):] == 0)
+    slots = np.sort(items[items[:, 4] >= 0, 4])
+    np.testing.assert_array_equal(slots, np.arange(info["num_parts"]))
+    assert info["num_parts"] <= layout.part_cap and info["num_split"] <= layout.merge_cap
+
+
 def test_auto_partition_on_serving_lengths(rng):
     """Batch 16 at the e2e benchmark's lengths: Algorithm 1 leaves its remainders to a few cells
     (three items each), so "auto" takes the contiguous cells; 16 requests of 1024 tokens split
