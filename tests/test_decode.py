@@ -84,9 +84,12 @@ def test_last_page_full_and_single_token(rng):
     _check_decode(rng, np.array([16, 32, 1, 15]), 16, 8, 2, 64, jnp.float32, "NHD")
 
 
-def test_unlisted_pages_and_stale_slots_never_leak(rng):
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_unlisted_pages_and_stale_slots_never_leak(rng, contiguous):
+    """NaN / inf in unlisted pages and in slots past each last page's length never reach o: with
+    Algorithm 1's one-page chunks, and with contiguous cells (a request cut mid-page-list)."""
     page, hkv, d = 4, 2, 64
-    lens = np.array([13, 6, 0, 9])
+    lens = np.array([15, 0, 65, 359]) if contiguous else np.array([13, 6, 0, 9])
     indptr, indices, last, num_pages = page_table(rng, lens, page, extra_pages=5)
     clean = random_cache(rng, num_pages, page, hkv, d, jnp.float32)
     k, v = np.array(clean.k_pages), np.array(clean.v_pages)
@@ -98,8 +101,9 @@ def test_unlisted_pages_and_stale_slots_never_leak(rng):
             k[pg, last[b]:], v[pg, last[b]:] = np.nan, np.inf
     poisoned = ji.PagedKVCache(jnp.asarray(k), jnp.asarray(v))
     q = randn(rng, (4, 8, d), jnp.float32)
-    dec = ji.BatchDecodeWithPagedKVCache(8, hkv, d, page, num_ctas=4, fixed_split_pages=1)
+    dec = ji.BatchDecodeWithPagedKVCache(8, hkv, d, page, num_ctas=4, fixed_split_pages=None if contiguous else 1)
     plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    assert (plan.info["partition"] == "contiguous") == contiguous and plan.info["num_split"] > 0
     o, lse = dec.run(q, poisoned, plan, return_lse=True)
     want = ref.decode(q, clean, indptr, indices, last)
     assert np.all(np.isfinite(np.asarray(o)))
