@@ -121,12 +121,10 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
     buf[l0 + batch:t0] = 0
     lens = buf[l0:l0 + bcap]  # int32[bcap]: kv_lens, 0 for padding rows
     items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
-    ic = _integer_cost(item_cost)
     used = "greedy"
 
     if not batch or int(validate.largest(pages)) <= chunk:  # no request is split: one item per row, all writethrough
-        costs = np.add(lens, ic, dtype=np.int64) if ic is not None else (item_cost + lens).astype(np.int64)
-        order, _ = scheduler.assign_positive(costs, layout.num_cells, out=buf[c0:c1])
+        order, _ = scheduler.assign_positive(_costs(lens, item_cost), layout.num_cells, out=buf[c0:c1])
         base = kv_indptr[:-1]
         if bcap > batch:
             base = np.concatenate([base, np.zeros(bcap - batch, np.int32)])
@@ -149,7 +147,8 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
             used = "contiguous"
         else:
             work, part_end, split = _split_items(pages, kv_indptr, lens, chunk, chunk * page_size, batch, bcap)
-            order, _ = scheduler.assign_positive(_item_costs(work, item_cost), layout.num_cells, out=buf[c0:c1])
+            tokens = np.subtract(work[:, 3], work[:, 2], dtype=np.int64)
+            order, _ = scheduler.assign_positive(_costs(tokens, item_cost), layout.num_cells, out=buf[c0:c1])
         n_items = work.shape[0]
         split_reqs = np.flatnonzero(split)
         num_split = split_reqs.shape[0]
@@ -173,14 +172,12 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
     return layout, buf, info
 
 
-def _item_costs(work, item_cost):
+def _costs(tokens, item_cost):
     """Algorithm 1's cost of each work item: its tokens plus item_cost (int64[n])."""
-    costs = np.subtract(work[:, 3], work[:, 2], dtype=np.int64)
     ic = _integer_cost(item_cost)
     if ic is not None:
-        costs += ic
-        return costs
-    return (item_cost + costs).astype(np.int64)
+        return np.add(tokens, ic, dtype=np.int64)
+    return (item_cost + tokens).astype(np.int64)
 
 
 def _contiguous_items(pages, kv_indptr, lens, page_size, num_cells, alpha, min_pages, bcap):
