@@ -148,14 +148,14 @@ def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
 
 
 _INF = float("inf")
-SHORT_MAX_ROWS = 64               # a short request's tokens x head group fill at most one decode tile
+SHORT_MAX_ROWS = batch_planner.SHORT_MAX_ROWS
 SHORT_FLOPS_PER_US = 1.5e8        # decode-kernel tiles of 16-64 rows (q4 B64 kv4096: 378 µs, K/V-bound)
 
 
 def _short_cost(problem, qo_lens, kv_lens, causal):
     longest = int(validate.largest(qo_lens)) if qo_lens.shape[0] else 0
-    if longest * problem.group > SHORT_MAX_ROWS:
-        return _INF  # a request too long for one decode tile
+    if longest > batch_planner.short_cap(problem.group, SHORT_MAX_ROWS):
+        return _INF  # a request the short planner does not take (planner.batch.short_tokens)
     rows = max(16, 1 << max(0, (max(longest, 1) * problem.group - 1).bit_length()))
     flops = 4.0 * rows * problem.head_dim * float(kv_lens.sum()) * problem.num_kv_heads
     return LAUNCH_US + max(flops / SHORT_FLOPS_PER_US, _kv_us(problem, kv_lens))

@@ -143,6 +143,8 @@ class _Prefill:
     def _plan_short(self, qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal, dtypes=None):
         """Every request short: the decode kernel's multi-token items (planner.batch)."""
         tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
+        if not np.all(is_short | (qo_lens == 0)):  # dispatch's rule and the planner's must agree
+            raise AssertionError("prefill_short chosen for a step with long requests")
         nnz = int(qo_indptr[-1])
         layout, buf, info = batch_planner.plan_short(
             qo_indptr, kv_lens, page_base, kv_indices, is_short, page_size=self.page_size,

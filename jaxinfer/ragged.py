@@ -109,7 +109,7 @@ class _Class(NamedTuple):
 
 def _tokens(group, rows):
     """The most query tokens per decode item whose tile (tokens x group) fits `rows` (1 at least)."""
-    return max(x for x in batch_planner.SHORT_TOKENS if x * group <= rows or x == 1)
+    return batch_planner.short_cap(group, rows)
 
 
 def _classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0, mixed=False):

@@ -17,21 +17,24 @@ from planner.packing import PackedLayout, new_buffer
 ITEM_COLUMNS = ("request", "page_base", "tok_start", "tok_end", "part_slot", "part_stride", "q_start",
                 "qo_len")  # = pallas_kernels.decode.MULTI_ITEM_COLUMNS (tests check)
 SHORT_TOKENS = (1, 2, 4, 8, 16)  # tokens_per_item choices (static: one program each)
+SHORT_MAX_ROWS = 64  # a short request's tokens x head group fill at most one decode tile
 _WRITETHROUGH = np.array([0, 0, -1, 1], np.int32)  # columns 2-5 of an unsplit request's item (3: its length)
 _max = np.maximum.reduce
 
 
-def short_tokens(qo_lens, group, max_rows=64):
+def short_tokens(qo_lens, group, max_rows=SHORT_MAX_ROWS):
     """tokens_per_item for this step: the smallest choice holding every request the decode kernel
-    takes (qo_len * group <= max_rows); returns (tokens_per_item, is_short bool[B])."""
-    is_short = qo_lens <= _short_cap(group, max_rows)
+    takes (qo_len <= short_cap(group)); returns (tokens_per_item, is_short bool[B])."""
+    is_short = qo_lens <= short_cap(group, max_rows)
     longest = int(_max(qo_lens, where=is_short, initial=1))
     return next(t for t in SHORT_TOKENS if t >= longest), is_short
 
 
 @lru_cache(maxsize=64)
-def _short_cap(group, max_rows):
-    """The longest query a short request may have: the largest choice whose rows fit a tile."""
+def short_cap(group, max_rows=SHORT_MAX_ROWS):
+    """The longest query a short request may have: the largest SHORT_TOKENS choice whose rows
+    (tokens x group) fit max_rows (1 at least). The one definition of "short": dispatch's cost
+    model and every planner of short items use it."""
     return max(t for t in SHORT_TOKENS if t * group <= max_rows or t == 1)
 
 

@@ -1,0 +1,52 @@
+"""The short path (the decode kernel's multi-token items) takes exactly the requests the planner
+calls short: dispatch's cost model and planner.batch.short_tokens share one rule. MHA (group 1)
+requests of 17-32 tokens once went to the short path and were dropped by its planner."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from helpers import TOL, page_table, randn, random_cache, rel_err
+from jaxinfer import dispatch
+from jaxinfer import reference as ref
+from planner import batch as batch_planner
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 16, 32, 64, 128])
+def test_dispatch_short_rule_is_the_planners(group):
+    problem = dispatch.Problem("prefill", 2 * group, 2, 64, "paged", 16)
+    short = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_short"]
+    for qo in range(1, 70):
+        lens = np.array([1, qo], np.int32)
+        finite = short.cost_us(problem, lens, np.array([64, 64]), True) < float("inf")
+        _, is_short = batch_planner.short_tokens(lens, group)
+        assert finite == bool(is_short.all()), (group, qo)
+
+
+def _check(rng, wrapper, hq, hkv, qo, kv, page, layout, causal):
+    d = 64
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32, layout)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    q = randn(rng, (int(qo_indptr[-1]), hq, d), jnp.float32)
+    w = wrapper(hq, hkv, d, page, causal=causal, layout=layout, num_ctas=8)
+    plan = w.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    o = np.asarray(w.run(q, cache, plan))
+    want = np.asarray(ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=causal).o)
+    for b in range(len(qo)):  # every request on its own: one wrong request is not averaged away
+        rows = slice(qo_indptr[b], qo_indptr[b + 1])
+        if qo[b]:
+            assert rel_err(o[rows], want[rows]) < TOL[jnp.float32], (plan.impl, b)
+    return plan.impl
+
+
+@pytest.mark.parametrize("wrapper", [ji.BatchPrefillWithPagedKVCache, ji.BatchAttention])
+@pytest.mark.parametrize("qo", [16, 17, 32, 33])
+def test_mha_one_request_of_17_to_32_tokens(rng, wrapper, qo):
+    _check(rng, wrapper, 4, 4, [qo], [qo], 16, "NHD", True)
+
+
+@pytest.mark.parametrize("wrapper", [ji.BatchPrefillWithPagedKVCache, ji.BatchAttention])
+@pytest.mark.parametrize("causal", [True, False])
+def test_mha_batch_with_a_20_token_request(rng, wrapper, causal):
+    _check(rng, wrapper, 4, 4, [1, 1, 20, 3], [64, 1, 20, 50], 1, "HND", causal)
