@@ -53,12 +53,57 @@ def check_prefill(dtype, tol):
         report(f"block sparse R={r} C={c} {dtype.__name__}", rel_err(o, ref.block_sparse_attention(qb, kb, kb, bsr).o), tol)
 
 
+def check_stale_slots(dtype, tol):
+    """NaN in every V slot past kv_len (Inf in K's) and in unlisted pages: each path's output
+    against the reference on the clean cache (bf16, Hq 32 / Hkv 8, page 16)."""
+    from benchmarks.common import rpa_inputs
+    hq, hkv, d, page = 32, 8, 128, 16
+    kv = np.array([1000, 37, 515, 700])
+    cache, indptr, indices, last = random_paged_cache(rng, kv, page, hkv, d, dtype, "NHD", 3)
+    kp, vp = np.array(cache.k_pages), np.array(cache.v_pages)
+    for b in range(len(kv)):
+        kp[indices[indptr[b + 1] - 1], last[b]:] = np.inf
+        vp[indices[indptr[b + 1] - 1], last[b]:] = np.nan
+    unlisted = np.setdiff1d(np.arange(cache.num_pages), indices[:indptr[-1]])
+    kp[unlisted], vp[unlisted] = np.nan, np.nan
+    bad = ji.PagedKVCache(jnp.asarray(kp), jnp.asarray(vp))
+    for name, qo in (("prompts", kv), ("mixed", np.array([1, 1, 37, 300]))):
+        qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        q = jax.random.normal(jax.random.key(8), (int(qo.sum()), hq, d), dtype)
+        want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True).o
+        runs = []
+        for impl in ("auto", "mosaic", "triton"):
+            pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl=impl)
+            runs.append((f"prefill {impl}", pre, pre.plan(qo_indptr, indptr, indices, last,
+                                                            num_pages=cache.num_pages)))
+        for impl in ("auto", "mixed"):
+            attn = ji.BatchAttention(hq, hkv, d, page, impl=impl)
+            runs.append((f"BatchAttention {impl}", attn, attn.plan(
+                qo_indptr, indptr, indices, last, num_pages=cache.num_pages, q_data_type=jnp.dtype(dtype).name)))
+        for label, w, plan in runs:
+            o = jax.jit(w.run)(q, bad, plan)
+            nan_rows = int(np.isnan(np.asarray(o, np.float32)).any(axis=(1, 2)).sum())
+            report(f"stale slots {name} {label} ({plan.impl}; {nan_rows} NaN rows)", rel_err(o, want), tol)
+        if name == "mixed":
+            keys, values, meta = rpa_inputs(cache, qo, kv, indptr, indices, page)
+            for impl in ("auto", "mixed", "mosaic", "triton"):
+                o, _ = jax.jit(lambda q, k, v, c, m: ji.ragged_paged_attention(q, k, v, c, *m, impl=impl))(
+                    q, keys, values, bad, meta)
+                nan_rows = int(np.isnan(np.asarray(o, np.float32)).any(axis=(1, 2)).sum())
+                report(f"stale slots rpa {impl} ({nan_rows} NaN rows)", rel_err(o, want), tol)
+
+
 DTYPES = ((jnp.bfloat16, 2e-2), (jnp.float16, 5e-3), (jnp.float32, 1e-5))
-only = sys.argv[1:]  # optional dtype names, e.g. `check_gpu.py float32`
+only = sys.argv[1:]  # optional dtype names, e.g. `check_gpu.py float32`; `stale`: the stale-slot check alone
+if only == ["stale"]:
+    check_stale_slots(jnp.bfloat16, 2e-2)
+    only = ["none"]
 for dtype, tol in DTYPES:
     if only and jnp.dtype(dtype).name not in only:
         continue
     check_prefill(dtype, tol)
+    if dtype == jnp.bfloat16:
+        check_stale_slots(dtype, tol)
     for (hq, hkv, d, page, layout) in ((32, 8, 128, 16, "NHD"), (8, 1, 256, 5, "NHD")):
         lens = rng.integers(0, 700, 9)
         cache, indptr, indices, last = random_paged_cache(rng, lens, page, hkv, d, dtype, layout, 3)

@@ -24,7 +24,9 @@ the same work list as the Triton kernel (see prefill.py) with:
 
 Grid (Hq, num_cells). Keys past the item's range, or causally hidden, are masked to
 -inf; rows that see no key give o = 0, lse = -inf. Unused slots of a listed page are
-loaded (and masked): they must hold finite values (JAX arrays always do).
+loaded and masked, and their V rows zeroed in shared memory before P @ V (they may hold NaN);
+mixed launches skip that zeroing, so there they must hold finite values. (Contiguous K/V has
+no such slots.)
 
 Variants (jaxinfer.variants): logits transforms, logits masks and use_softmax=False, not
 query / key transforms (they would need q and K in registers). Hooks see full [64, BK] tiles
@@ -275,6 +277,26 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         acc = cast(jnp.full((WG_ROWS, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
         iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
                 functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+
+        def clean_v(step, slot):
+            """Zeroes the V rows of block `step` (in `slot`) outside the item's keys [kv_visible,
+            kv_end): a last page's slots past kv_len (a freed page keeps its last owner's values,
+            NaN included) would make P @ V NaN where P is 0. Only blocks at the range's ends have
+            such rows; every warpgroup that reads the block writes the same zeros (no race)."""
+            if mixed or contiguous:  # mixed launches: it cost 24% there (H100; docs/safety.md); contiguous
+                return               # K/V has no stale slots (rows past a request are the next one's)
+            start = kv_begin + step * block_kv
+            lo, hi = jnp.clip(kv_visible - start, 0, block_kv), jnp.clip(kv_end - start, 0, block_kv)
+            for h in range(0, block_kv, WG_ROWS):  # 64-row halves: one WGMMA-layout tile each
+                @pl.when((lo > h) | (hi < h + WG_ROWS))
+                def _():
+                    rows = v_smem.at[slot, pl.ds(h, WG_ROWS)]  # [64, D]
+                    x = rows[...] if interpret else plgpu.load(rows, *_LOAD_IDX, layout=plgpu.Layout.WGMMA,
+                                                                optimized=False)
+                    r = iota(x.shape, 0) + h
+                    rows[...] = jnp.where((r >= lo) & (r < hi), x, jnp.zeros((), x.dtype))
+            plgpu.commit_smem()
+
         if variant is not None:  # the rows' query positions [64]
             q_pos = (pos_smem2[wg] if interpret else plgpu.load(
                 pos_smem2.at[wg], *_LOAD_IDX, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
@@ -363,6 +385,8 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             if pingpong:
                 plgpu.barrier_arrive(sched)  # done with softmax
             plgpu.barrier_wait(v_bar.at[slot])
+            if masked:  # (blocks at the range's ends are masked ones)
+                clean_v(step, slot)
             if pingpong:
                 plgpu.barrier_wait(sched)  # the tensor cores are free
 
@@ -409,6 +433,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 if interpret:
                     s = qk_dot(slot)
                     plgpu.barrier_wait(v_bar.at[prev])
+                    clean_v(j - 1, prev)
                     acc = rescale(acc, alpha_prev) + jnp.dot(p16_prev, v_smem[prev],
                                                              preferred_element_type=jnp.float32)
                 else:
@@ -417,6 +442,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                         if alpha_prev is not None:  # (block j-2's PV is done)
                             o_ref[...] = rescale(plgpu.wgmma_accumulator_load(o_ref, wait_n=None), alpha_prev)
                         plgpu.barrier_wait(v_bar.at[prev])
+                        clean_v(j - 1, prev)
                         plgpu.wgmma(o_ref, p16_prev, v_smem.at[prev])
                         return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T done, PV may run
                     s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
@@ -431,6 +457,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             acc_j, m_j, l_j, p16, alpha = segments(step_j, 1, carry)
             last = lax.rem(steps - 1, jnp.int32(slots))
             plgpu.barrier_wait(v_bar.at[last])
+            clean_v(steps - 1, last)
             if interpret:
                 acc_j = rescale(acc_j, alpha) + jnp.dot(p16, v_smem[last], preferred_element_type=jnp.float32)
             else:
