@@ -14,6 +14,12 @@ from planner import batch as batch_planner
 from planner import scheduler, validate
 
 
+# With every capacity given, short requests are those whose tokens x group fit 16 rows (decode,
+# verify of 16 / group tokens): one decode-kernel program serves every step; longer ones take
+# prefill tiles (or, with impl="mixed", packed tiles of up to 64 rows).
+FIXED_SHORT_ROWS = 16
+
+
 class BatchAttention:
     """Attention for any mix of per-request query lengths (0, 1, 2-16, chunks, prompts) in one call,
     with BatchPrefillWithPagedKVCache's semantics (causal: bottom-right).
@@ -26,9 +32,11 @@ class BatchAttention:
     64-row tile run on the decode kernel (heads and tokens packed into one tensor-core tile,
     split-KV for long KV, Algorithm 1 balance); the others get prefill tiles (jaxinfer.dispatch
     picks Triton or Mosaic GPU from their lengths). At most two launches plus the merges;
-    deterministic. With max_batch_size / max_num_tokens / max_num_pages, every plan of the same
-    short-token class has the same shapes (run() compiles at most once per tokens_per_item in
-    planner.batch.SHORT_TOKENS, with and without long requests). plan.impl names the kernels.
+    deterministic. With max_batch_size, max_num_tokens and max_num_pages all given, every plan has
+    one pytree structure and the same shapes, whatever the step (run() compiles once): short
+    requests are those of up to 16 rows (tokens x group; FIXED_SHORT_ROWS), the decode kernel and
+    the prefill kernel (Mosaic where it runs, else Triton, 64-row tiles) both launch every step,
+    empty or not. plan.impl names the kernels.
     causal=False attends every key. variant, sm_scale, layout, num_ctas, config: as the decode
     and prefill wrappers.
 
@@ -96,15 +104,24 @@ class BatchAttention:
                                    ("pages", num_listed, icap, "max_num_pages")):
             if n > cap:
                 raise ValueError(f"the step has {n} {what}, over {name}={cap}")
-        tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
-        page_base = kv_indptr[:-1]
+        fixed = self.prefill.fixed_shapes  # every plan of one structure and shapes
         live = qo_lens > 0
-        if (dtypes is not None or self.mixed_impl == "mixed") and (
-                0 < np.count_nonzero(is_short & live) < np.count_nonzero(live)):  # short and long rows
+        if fixed:  # the short class is the wrapper's, not the step's
+            tokens = batch_planner.short_cap(self.group, batch_planner.SHORT_MAX_ROWS
+                                             if self.mixed_impl == "mixed" else FIXED_SHORT_ROWS)
+            is_short = qo_lens <= tokens
+            mixed = self.mixed_impl == "mixed"
+        else:
+            tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
+            mixed = (dtypes is not None or self.mixed_impl == "mixed") and (
+                0 < np.count_nonzero(is_short & live) < np.count_nonzero(live))  # short and long rows
+        page_base = kv_indptr[:-1]
+        if mixed:
             rows = self.__dict__.setdefault("_mixed_rows", {})  # candidates by dtypes: made once
             if dtypes not in rows:
                 rows[dtypes] = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
-            choice = dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows[dtypes])
+            choice = (rows[dtypes][0] if fixed else
+                      dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows[dtypes]))
             if choice.name == "batch_mosaic":
                 layout, buf, info = batch_planner.plan_mixed(
                     qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short, page_size=self.page_size,
@@ -117,8 +134,8 @@ class BatchAttention:
             qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short,
             page_size=self.page_size, num_cells=self.num_cells, tokens_per_item=tokens,
             num_tokens=num_tokens, batch_cap=bcap, index_cap=icap)
-        long_plan, impls = None, ["decode_triton"] if info["num_short"] else []
-        if info["num_long_tokens"]:
+        long_plan, impls = None, ["decode_triton"] if info["num_short"] or fixed else []
+        if info["num_long_tokens"] or fixed:
             # The long requests' sub-batch: their rows and their pages (already checked above).
             long_reqs = (~is_short).nonzero()[0]
             sub_pages = pages.take(long_reqs)
@@ -126,7 +143,7 @@ class BatchAttention:
             np.add.accumulate(sub_pages, out=sub_indptr[1:])  # (int32 sums: no casting loop)
             sub_qo = np.zeros(long_reqs.shape[0] + 1, np.int32)
             np.add.accumulate(qo_lens.take(long_reqs), out=sub_qo[1:])
-            first, last = int(long_reqs[0]), int(long_reqs[-1])
+            first, last = (int(long_reqs[0]), int(long_reqs[-1])) if long_reqs.shape[0] else (0, -1)
             if last - first + 1 == long_reqs.shape[0]:  # consecutive requests: their pages are one slice
                 sub_indices = kv_indices[kv_indptr[first]:kv_indptr[last + 1]]
             else:  # entry j of the sub-table: kv_indices[j + (request's first entry - its sub first)]
@@ -137,7 +154,7 @@ class BatchAttention:
             impls.append(long_plan.impl)
         impl = "+".join(impls) or "none (no query rows)"
         return BatchPlan(transfer.plan_sections(buf, layout), layout, self._spec(num_pages, impl, dtypes),
-                         long_plan, bool(info["num_short"]), self.causal, info=info)
+                         long_plan, bool(info["num_short"]) or fixed, self.causal, info=info)
 
     def _spec(self, num_pages, impl, dtypes):
         """The PlanSpec of a plan (made once per num_pages, impl and dtypes)."""

@@ -377,6 +377,17 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
     return min(finite, key=lambda i: costs[i.name])
 
 
+def choose_fixed(rows):
+    """The one prefill kernel of a wrapper whose plans keep their shapes for every step
+    (capacities given): Mosaic where it runs, else Triton. Never the short path: its program
+    depends on the step's longest request. rows: candidates(problem, impl, dtypes)."""
+    for name in ("prefill_mosaic", "prefill_triton"):
+        if any(i.name == name for i in rows):
+            return IMPLEMENTATIONS_BY_NAME[name]
+    raise ValueError(f"impl={rows[0].short_name!r} cannot serve plans of fixed shapes "
+                     "(max_batch_size, max_num_tokens and max_num_pages given); use 'auto', 'triton' or 'mosaic'")
+
+
 def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     """The kernel of ragged_paged_attention's long sequences (q_len past the decode tiles): its
     lengths live on the device, so no cost model. "auto": the mixed launch (batch_mosaic: the long

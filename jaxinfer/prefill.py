@@ -80,6 +80,10 @@ class _Prefill:
         # Short-query plans run the decode kernel: all of its cells resident at once (2 per SM).
         self.short_cells = max(1, (num_ctas or 2 * _backend.num_sms()) // num_kv_heads)
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
+        # Every capacity given: each plan has the same structure and shapes (one compiled run()).
+        self.fixed_shapes = kv_format == "paged" and None not in (max_batch_size, max_num_tokens, max_num_pages)
+        if self.fixed_shapes and tile_rows is None:
+            self.tile_rows = prefill_planner.fixed_tile_rows(self.group)
         self.variant, self.impl = variant, impl
         self.configs = dispatch.check_configs(config)
         self.problem = dispatch.Problem("prefill", num_qo_heads, num_kv_heads, head_dim, kv_format,
@@ -108,7 +112,10 @@ class _Prefill:
         rows = self._candidates.get((problem.custom_mask, dtypes))  # static per wrapper, mask, dtypes
         if rows is None:
             rows = self._candidates[problem.custom_mask, dtypes] = dispatch.candidates(problem, self.impl, dtypes)
-        choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows)
+        if self.fixed_shapes:
+            choice = dispatch.choose_fixed(rows)
+        else:
+            choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows)
         # Cascade levels need their positions; a pinned tile_rows pins one Triton program.
         if choice.name == "prefill_short" and (positions or self.tile_rows is not None):
             choice = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
@@ -219,7 +226,9 @@ _DOC_COMMON = """
     max_mask_len) fix the plan's shapes, so run() compiles at most once per tile height
     (16, 32, 64 or 128 rows, chosen per step from the average query length), and once per
     short-token class when every request is short (impl "prefill_short", the decode kernel);
-    tile_rows pins one Triton program. With max_num_tokens, q has that many rows and rows past the batch give 0.
+    tile_rows pins one Triton program. A paged wrapper given all three capacities makes every plan
+    of one structure and shapes (one compilation): one kernel (Mosaic where it runs, else Triton),
+    tile_rows (default 64) for every step. With max_num_tokens, q has that many rows and rows past the batch give 0.
     variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
     parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).

@@ -31,6 +31,12 @@ def choose_tile_rows(qo_lens, group, total=None):
     return max(TILE_ROWS[-1], floor)
 
 
+def fixed_tile_rows(group):
+    """The tile height of plans whose shapes may not change from step to step (capacities given):
+    64 rows, or one token's group where that is more."""
+    return max(64, 1 << max(0, (group - 1).bit_length()))
+
+
 @dataclass(frozen=True)
 class PrefillLayout(PackedLayout):
     """Static sizes of the packed plan buffer; hashable, part of the jit cache key."""

@@ -238,3 +238,33 @@ def test_mixed_impl_rejects_what_it_cannot_run(rng):
     q, cache, table, num_pages = _case(rng, np.array([1, 40]), np.array([20, 50]), 16, 8, 2, 64)
     with pytest.raises(ValueError, match="float32"):
         attn.plan(*table, num_pages=num_pages, q_data_type="float32")
+
+
+# Decode-only, verify-only, mixed, prefill-only and empty steps under one set of capacities.
+COMPOSITIONS = [([1, 1, 1, 1], [40, 9, 1, 70]), ([4, 4, 4], [30, 64, 17]), ([1, 12, 3], [33, 12, 50]),
+                ([20, 1, 1, 2, 5, 1], [20, 9, 100, 2, 45, 4]), ([40, 17], [60, 17]), ([0, 0], [5, 9])]
+
+
+@pytest.mark.parametrize("wrapper, hq, hkv", [(ji.BatchAttention, 8, 2), (ji.BatchAttention, 4, 4),
+                                             (ji.BatchPrefillWithPagedKVCache, 8, 2)])
+def test_capacities_give_one_program_for_every_composition(rng, wrapper, hq, hkv):
+    """With max_batch_size, max_num_tokens and max_num_pages, every plan has one pytree structure
+    and the same shapes: a jitted step compiles once across every kind of step."""
+    d, page, cap_b, cap_t, cap_p = 32, 8, 8, 64, 96
+    w = wrapper(hq, hkv, d, page, num_ctas=8, max_batch_size=cap_b, max_num_tokens=cap_t, max_num_pages=cap_p)
+    traces, shapes = [], set()
+    step = jax.jit(lambda q, c, p: (traces.append(1), w.run(q, c, p))[1])
+    for qo, kv in COMPOSITIONS:
+        qo, kv = np.array(qo), np.array(kv)
+        q, cache, table, num_pages = _case(rng, qo, kv, page, hq, hkv, d, poison=False)
+        pad = ((0, cap_p - num_pages),) + ((0, 0),) * 3
+        cache = ji.PagedKVCache(jnp.pad(cache.k_pages, pad), jnp.pad(cache.v_pages, pad))
+        plan = w.plan(*table, num_pages=cap_p)
+        leaves, tree = jax.tree_util.tree_flatten(plan)
+        shapes.add((tree, tuple((x.shape, x.dtype) for x in leaves)))
+        o = step(jnp.pad(q, ((0, cap_t - q.shape[0]), (0, 0), (0, 0))), cache, plan)
+        want = ref.paged_attention(q, cache, *table, causal=True)
+        if q.shape[0]:
+            assert rel_err(o[: q.shape[0]], want.o) < TOL[jnp.float32], (qo, plan.impl)
+        assert not np.any(np.asarray(o[q.shape[0]:]))  # padding rows give 0
+    assert len(shapes) == 1 and len(traces) == 1
