@@ -8,6 +8,14 @@ request's page list shows up as NaN.
 Shapes are tiny and fixed (wrapper capacities), so each entry point compiles its kernels once
 and most cases stop at plan() or at trace time. The reference is jaxinfer.reference.attention
 over the whole step with a block-diagonal mask, padded to one shape (one compilation).
+
+Edges on purpose: with probability EDGE_SHARE a valid case of an entry point with ragged q draws its
+query lengths at the boundaries of the planners and dispatch (b - 1, b, b + 1 of the short/long
+cut, the SHORT_TOKENS choices, the tile heights, ragged_paged_attention's q_len classes and
+dispatch's flips: test_boundary.edge_classes, derived from their constants), with key lengths at
+page edges. BatchAttention's edge cases, and GROUP1_SHARE of the paged prefill wrapper's, run
+group 1 (Hq == Hkv: HQ1 query heads over the same cache; one more program each).
+Fuzzer.drawn counts the edge lengths that ran, by (group, boundary kind).
 """
 import collections
 import time
@@ -19,14 +27,20 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer import reference as ref
+from planner import batch as batch_planner
+from test_boundary import edge_classes
 
 HQ, HKV, D, P, NP = 4, 2, 16, 4, 16     # heads, head_dim, page size, cache pages
-MAXB, MAXT, MAXPG = 4, 32, 16           # capacities: requests, query tokens, listed pages
-TCAP, KCAP = 32, 96                     # reference padding: query rows, key rows
+MAXB, MAXT, MAXPG = 4, 40, 16           # capacities: requests, query tokens, listed pages
+TCAP, KCAP = MAXT, 96                   # reference padding: query rows, key rows
 KTOT = 24                               # ragged prefill: K/V rows (fixed: plans specialize on it)
 BSR_M, BSR_N, BSR_R, BSR_C, BSR_PER_ROW = 16, 32, 2, 4, 3
 ATOL = 2e-5
 VALID_SHARE = 0.3                       # cases whose input stays valid (they run kernels)
+EDGE_SHARE = 0.6                        # valid cases with ragged q: lengths at the boundaries
+GROUP1_SHARE = 0.5                      # edge cases of the paged prefill wrapper: group 1
+HQ1 = HKV                               # group 1: one query head per KV head (same cache)
+EDGE_KINDS = ("short_cut", "short_tokens", "tile_rows", "ragged_class", "dispatch")
 ERRORS = (ValueError, TypeError)
 
 
@@ -240,8 +254,12 @@ class Fuzzer:
         self.ba = ji.BatchAttention(HQ, HKV, D, P, num_ctas=4, max_num_tokens=MAXT, **caps)
         self.ba_nocap = ji.BatchAttention(HQ, HKV, D, P, num_ctas=4)
         self.ba_other = ji.BatchAttention(HQ, HKV, D, P, num_ctas=4, max_num_tokens=MAXT + 1, **caps)
+        self.pre1 = ji.BatchPrefillWithPagedKVCache(HQ1, HKV, D, P, impl="triton", **pcaps)  # group 1
+        self.ba1 = ji.BatchAttention(HQ1, HKV, D, P, num_ctas=4, max_num_tokens=MAXT, **caps)
         lse = lambda w: jax.jit(lambda q, c, p: w.run(q, c, p, return_lse=True))
         self.run_pre, self.run_cas, self.run_ba = (lse(w) for w in (self.pre, self.cas, self.ba))
+        self.run_pre1, self.run_ba1 = lse(self.pre1), lse(self.ba1)
+        self.drawn = collections.Counter()  # (group, boundary kind) of the edge lengths that ran
         # decode: one program, kv_lens always passed (the planned lengths unless a case shortens them)
         self.run_dec_lens = jax.jit(lambda q, c, p, n: self.dec.run(q, c, p, kv_lens=n, return_lse=True))
         self.run_dec = lambda q, c, p: self.run_dec_lens(q, c, p, p.kv_lens)
@@ -254,6 +272,35 @@ class Fuzzer:
         self.append_jit = jax.jit(ji.append_paged_kv_cache)
         self.single_prefill = jax.jit(
             lambda q, k, v: ji.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True))
+
+    def edge_len(self, rng, group, hi, lo=1):
+        """A query length in [lo, hi] at one of the group's boundaries (None if none fits)."""
+        fits = [n for n in edge_classes(group) if lo <= n <= hi]
+        return fits[rng.integers(len(fits))] if fits else None
+
+    def count_edges(self, group, lengths):
+        """Counts the lengths of an edge case that sit at a boundary, by kind (after the case ran)."""
+        edges = edge_classes(group)
+        for n in np.asarray(lengths).tolist():
+            for kind in edges.get(n, ()):
+                self.drawn[group, kind] += 1
+
+    def edge_prefill(self, rng, group, batch):
+        """qo_lens at the group's boundaries and a page table whose key lengths hold them (at page
+        edges: qo, +1, + P - 1 or + P keys), within MAXT tokens and MAXPG pages."""
+        qo, kv = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
+        tokens, pages = MAXT, MAXPG
+        for b in range(batch):
+            n = self.edge_len(rng, group, min(tokens, pages * P)) or 0
+            k = min(n + (0, 1, P - 1, P)[rng.integers(4)], pages * P) if n else int(rng.integers(0, P + 2))
+            k = min(k, pages * P)
+            qo[b], kv[b] = n, k
+            tokens, pages = tokens - n, pages - (-(-k // P))
+        npg = -(-kv // P)
+        indptr = i32(np.concatenate([[0], np.cumsum(npg)]))
+        indices = i32(rng.permutation(NP)[: indptr[-1]])
+        last = i32(np.where(npg > 0, kv - (npg - 1) * P, 1))
+        return qo, (indptr, indices, last, kv)
 
     def pick(self, rng, corrs, valid=1):
         """A random corruption (remembered for failure reports): one of the first `valid` (those
@@ -276,9 +323,16 @@ class Fuzzer:
         batch = 0 if corr.startswith("batch0") else int(rng.integers(2 if kind == "batch" else 1, MAXB + 1))
         if kind == "batch" and corr == "qo_len0":
             batch = max(batch, 3)
+        # Valid prefill / BatchAttention cases: query lengths at the boundaries (edge); BatchAttention's
+        # in group 1 (one program more, as the prefill wrapper's group 1 cases: GROUP1_SHARE of its edges).
+        edge = kind != "decode" and batch > 0 and corr in ("none", "dup_pages", "nan_q", "inf_q", "qo_len0") \
+            and rng.random() < EDGE_SHARE
+        group = 1 if edge and (kind == "batch" or rng.random() < GROUP1_SHARE) else HQ // HKV
         indptr, indices, last, kv_lens = table(rng, batch, zero_len=kind != "batch")
         if kind == "decode":
             qo_lens = np.ones(batch, np.int64)
+        elif kind == "prefill" and edge:
+            qo_lens, (indptr, indices, last, kv_lens) = self.edge_prefill(rng, group, batch)
         elif kind == "prefill":
             qo_lens = rng.integers(0, 8, batch)
             qo_lens = np.minimum(qo_lens, np.maximum(kv_lens, 1)) if corr != "qo_gt_kv" else kv_lens + rng.integers(1, 3, batch)
@@ -287,7 +341,11 @@ class Fuzzer:
         else:  # one short (1 token) and one long (> 16: prefill tiles) request, the rest 0 or 1
             qo_lens = rng.integers(0, 2, batch)
             if batch:
-                qo_lens[:2] = 1, rng.integers(17, MAXT - batch + 1)
+                qo_lens[:2] = 1, rng.integers(17, 32 - batch + 1)  # (<= 32 tokens: one tile height)
+            if edge:  # the short one in the top short-token class (at or below the cut), the long one past it
+                cap = batch_planner.short_cap(group)
+                qo_lens[0] = self.edge_len(rng, group, cap, lo=cap // 2 + 1)
+                qo_lens[1] = self.edge_len(rng, group, MAXT - qo_lens[0] - (batch - 2), lo=cap + 1)
             if corr == "qo_len0":
                 qo_lens[2] = 0
             perm = rng.permutation(batch)
@@ -296,6 +354,8 @@ class Fuzzer:
             qo_lens[rng.integers(batch)] = 0
         qo_indptr = i32(np.concatenate([[0], np.cumsum(qo_lens)]))
         wrapper = {"decode": self.dec, "prefill": self.pre, "batch": self.ba}[kind]
+        if group == 1:
+            wrapper = {"prefill": self.pre1, "batch": self.ba1}[kind]
         if corr == "batch0_nocap":
             wrapper = {"decode": self.dec_nocap, "prefill": self.pre_nocap, "batch": self.ba_nocap}[kind]
 
@@ -330,7 +390,8 @@ class Fuzzer:
             rows = 0
         else:
             rows = MAXB if kind == "decode" else MAXT
-        q = randn(rng, (rows, HQ, D))
+        hq = HQ1 if group == 1 else HQ
+        q = randn(rng, (rows, hq, D))
         if corr in RUN_BAD:
             other = {"decode": self.dec_other, "prefill": self.pre_other, "batch": self.ba_other}[kind]
             other_plan = _other_plan(rng, other, kind)
@@ -363,15 +424,19 @@ class Fuzzer:
             if bad_req is not None:
                 q_in[qo_indptr[bad_req]:qo_indptr[bad_req + 1]] = np.nan if corr == "nan_q" else np.inf
             run = {"decode": self.run_dec, "prefill": self.run_pre, "batch": self.run_ba}[kind]
+            if group == 1:
+                run = {"prefill": self.run_pre1, "batch": self.run_ba1}[kind]
             o, lse = run(jnp.asarray(q_in), cache, p)
         t = int(qo_indptr[-1])
-        assert o.shape == (rows, HQ, D) and lse.shape == (rows, HQ), (o.shape, lse.shape)
+        assert o.shape == (rows, hq, D) and lse.shape == (rows, hq), (o.shape, lse.shape)
         want_o, want_lse = ref_ragged(q[:t], k, v, qo_indptr, tok_indptr, causal)
         keep = np.ones(t, bool)
         if corr in ("nan_q", "inf_q") and batch:
             keep[qo_indptr[bad_req]:qo_indptr[bad_req + 1]] = False
         close(o[:t], want_o, keep)
         close(lse[:t], want_lse, keep, "lse")
+        if edge:
+            self.count_edges(group, qo_lens)
         return corr, "matched" if corr not in ("nan_q", "inf_q") else "nan-isolated"
 
     # -- ragged prefill -------------------------------------------------------------------------
@@ -386,8 +451,13 @@ class Fuzzer:
             b = rng.integers(batch)
             kv_lens[(b + 1) % batch] += kv_lens[b]
             kv_lens[b] = 0
-        kv_indptr = i32(np.concatenate([[0], np.cumsum(kv_lens)]))
         qo_lens = np.minimum(rng.integers(0, 8, batch), np.maximum(kv_lens, 1))
+        edge = batch > 0 and corr in ("none", "nan_q", "qo_len0") and rng.random() < EDGE_SHARE
+        if edge:  # query lengths at the boundaries, each with at least as many of the KTOT keys
+            for b in range(batch):
+                qo_lens[b] = self.edge_len(rng, HQ // HKV, KTOT - int(qo_lens[:b].sum())) or 0
+            kv_lens = qo_lens + rng.multinomial(KTOT - int(qo_lens.sum()), np.ones(batch) / batch)
+        kv_indptr = i32(np.concatenate([[0], np.cumsum(kv_lens)]))
         if corr == "qo_len0" and batch:
             qo_lens[rng.integers(batch)] = 0
         qo_indptr = i32(np.concatenate([[0], np.cumsum(qo_lens)]))
@@ -439,6 +509,8 @@ class Fuzzer:
         want_o, want_lse = ref_ragged(q[:t], k, v, qo_indptr, kv_indptr, True)
         close(o[:t], want_o, keep)
         close(lse[:t], want_lse, keep, "lse")
+        if edge:
+            self.count_edges(HQ // HKV, qo_lens)
         return corr, "matched" if bad_req is None else "nan-isolated"
 
     # -- block-sparse ---------------------------------------------------------------------------
@@ -514,6 +586,10 @@ class Fuzzer:
         indices, last = i32(indices), i32(rng.integers(1, P + 1, batch))
         kv_lens = (npg - 1) * P + last
         qo_lens = rng.integers(1, 5, batch)
+        edge = corr in ("none", "nan_q") and rng.random() < EDGE_SHARE
+        if edge:  # query lengths at the boundaries (past kv_len - shared pages: less is shared, or nothing)
+            for b in range(batch):
+                qo_lens[b] = self.edge_len(rng, HQ // HKV, MAXT - int(qo_lens[:b].sum()) - (batch - b - 1))
         qo_indptr = i32(np.concatenate([[0], np.cumsum(qo_lens)]))
         levels, _ = ji.two_level_cascade(qo_indptr, indptr, indices, last, P, causal=True)
         cache, cache_np = poisoned_cache(rng, indices)
@@ -565,6 +641,8 @@ class Fuzzer:
             keep[qo_indptr[bad_req]:qo_indptr[bad_req + 1]] = False
         close(o[:t], want_o, keep)
         close(lse[:t], want_lse, keep, "lse")
+        if edge:
+            self.count_edges(HQ // HKV, qo_lens)
         return corr, "matched" if bad_req is None else "nan-isolated"
 
     # -- single-request -------------------------------------------------------------------------
@@ -796,12 +874,13 @@ class Fuzzer:
         return corr, "matched"
 
     # -- ragged_paged_attention: a whole step (KV write + attention), metadata on the device --------
-    RPA_SEQS, RPA_PAGES = MAXB, MAXPG // MAXB  # sequences, pages per sequence (S x pages = the cache's)
+    RPA_SEQS, RPA_PAGES = MAXB, 5  # sequences, pages per sequence (the valid ones' pages: at most NP in all)
 
     def rpa(self, rng):
-        """One step of 4 sequences over MAXT rows: a decode prefix, then q_len 0..12, padding rows
-        after the valid ones. Valid steps: the written cache slots exact, every other slot (NaN in
-        pages no valid sequence uses) unchanged, o equal to the reference, padding rows 0."""
+        """One step of 4 sequences over MAXT rows: a decode prefix, then q_len 0..12 (or at the
+        edges), padding rows after the valid ones. Valid steps: the written cache slots exact, every
+        other slot (NaN in pages no valid sequence uses) unchanged, o equal to the reference,
+        padding rows 0."""
         corrs = ("none", "all_padding", "kv_lens_int64", "page_oob", "page_neg", "cu_nonmono", "cu_start",
                  "cu_past_rows", "dist_order", "dist_shape", "decode_not_1", "kv_under_q", "kv_past_pages",
                  "keys_shape", "page_indices_len", "window0", "not_cache", "q_ndim")
@@ -811,9 +890,17 @@ class Fuzzer:
         n_decode = int(rng.integers(0, n_valid + 1))
         q_len = np.concatenate([np.ones(n_decode, np.int64), rng.integers(0, 13, s - n_decode)])
         q_len[n_valid:] = rng.integers(0, 3, s - n_valid)  # (past distribution[2]: padding rows)
+        edge = corr == "none" and n_valid > n_decode and rng.random() < EDGE_SHARE
+        if edge:  # the non-decode sequences' q_len at the boundaries (their pages within the cache's)
+            for i in range(n_decode, n_valid):
+                pages = NP - n_decode - int(np.sum(-(-q_len[n_decode:i] // P)))
+                q_len[i] = self.edge_len(rng, HQ // HKV, min(pps, pages) * P) or 0
         while q_len.sum() > MAXT:
             q_len[np.argmax(q_len)] -= 1
         kv = np.minimum(q_len + rng.integers(0, 14, s), pps * P)
+        while np.sum(-(-kv[:n_valid] // P)) > NP and np.any(kv[:n_valid] > q_len[:n_valid]):
+            i = int(np.argmax(kv[:n_valid] - q_len[:n_valid]))  # distinct pages for the valid sequences
+            kv[i] = max(q_len[i], kv[i] - P)
         cu = i32(np.concatenate([[0], np.cumsum(q_len)]))
         cu[n_valid + 1:] = cu[n_valid]  # sequences past the valid ones hold no rows
         used = -(-kv // P)
@@ -885,6 +972,8 @@ class Fuzzer:
             kv_indptr = i32(np.concatenate([[0], np.cumsum(kv[:n_valid])]))
             want_o, _ = ref_ragged(q[:rows], keys, values, cu[:n_valid + 1], kv_indptr, causal=True)
             close(np.asarray(out)[:rows], want_o)
+        if edge:
+            self.count_edges(HQ // HKV, q_len[n_decode:n_valid])
         return corr, "matched"
 
 
@@ -926,7 +1015,8 @@ ENTRY_POINTS = {
 def fuzz(num_cases, seed):
     """Runs num_cases cases round-robin over ENTRY_POINTS. Returns (counts {entry: Counter of
     outcomes}, corruptions {entry: Counter}, failures [(entry, case seed, corruption, error type,
-    message)], seconds {entry: time spent})."""
+    message)], seconds {entry: time spent}, edges: Counter of (group, boundary kind) of the edge
+    lengths that ran)."""
     fz = Fuzzer()
     counts = {name: collections.Counter() for name in ENTRY_POINTS}
     corrs = {name: collections.Counter() for name in ENTRY_POINTS}
@@ -947,21 +1037,23 @@ def fuzz(num_cases, seed):
             seconds[name] += time.perf_counter() - start
         counts[name][outcome] += 1
         corrs[name][corr] += 1
-    return counts, corrs, failures, seconds
+    return counts, corrs, failures, seconds, fz.drawn
 
 
-def _report(counts, corrs, failures, seconds):
+def _report(counts, corrs, failures, seconds, edges):
     print(f"\nfuzz: {sum(sum(c.values()) for c in counts.values())} cases in {sum(seconds.values()):.1f} s")
     for name, c in counts.items():
         print(f"  {name:30s} {sum(c.values()):5d} cases {seconds[name]:5.1f} s  "
               + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) + f"  ({len(corrs[name])} corruption kinds)")
+    print("  edge lengths run, by (group, boundary kind): "
+          + ", ".join(f"g{g} {kind} {n}" for (g, kind), n in sorted(edges.items())))
     for f in failures[:30]:
         print("  FAIL", *f)
 
 
 def _check(num_cases, seed):
-    counts, corrs, failures, seconds = fuzz(num_cases, seed)
-    _report(counts, corrs, failures, seconds)
+    counts, corrs, failures, seconds, edges = fuzz(num_cases, seed)
+    _report(counts, corrs, failures, seconds, edges)
     assert not failures, f"{len(failures)} failing cases (first: {failures[0]})"
     per_entry = num_cases // len(ENTRY_POINTS)
     for name, c in counts.items():
@@ -972,6 +1064,9 @@ def _check(num_cases, seed):
                  "single_decode_with_kv_cache", "single_prefill_with_kv_cache"):
         assert counts[name]["nan-isolated"] > 0, name
     assert sum(sum(c.values()) for c in counts.values()) == num_cases
+    for group in (1, HQ // HKV):  # every kind of boundary drawn on purpose, group 1 (Hq == Hkv) too
+        for kind in EDGE_KINDS:
+            assert edges[group, kind] > 0, (group, kind, edges)
 
 
 def test_fuzz_1000():
