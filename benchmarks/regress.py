@@ -192,7 +192,7 @@ def _random(env, seed, shape, dtype):
 
 
 def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="bfloat16",
-                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False, pad_rows=0):
+                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False, pad_rows=0, capacities=False):
     """Attention over a paged NHD cache, pages in random order.
 
     segs: request lengths (Env.lens; kv counts every token, prefix included); prefix: tokens
@@ -202,7 +202,9 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
     cascade argument; kv_scale: (k_scale, v_scale) for fp8 pages; fi: FlashInfer's counterpart
     ("decode", "cascade", "prefill", "attention"); told_dtypes: plan() gets q_data_type (as
     FlashInfer's plan() does), which lets BatchAttention choose the mixed launch. pad_rows (rpa
-    only): padding rows after the step's tokens, as an engine's token buckets leave (checked 0)."""
+    only): padding rows after the step's tokens, as an engine's token buckets leave (checked 0).
+    capacities: the wrapper gets max_batch_size, max_num_tokens and max_num_pages (the step's own):
+    plans of one structure for every step."""
     hq, hkv = env.heads(hq, hkv)
     prefix = env.tokens(prefix)
     qo_lens, kv_lens = env.lens(segs)
@@ -236,6 +238,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
         name, plan, sm_scale = "ragged_paged_attention", None, 1.0 / math.sqrt(head_dim)
     else:
         kw = env.wrapper_kw()
+        if capacities:
+            kw.update(max_batch_size=batch, max_num_tokens=tokens, max_num_pages=num_pages)
         name = wrapper
         if wrapper == "decode":
             cls = ji.BatchDecodeWithPagedKVCache
@@ -245,7 +249,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
             if wrapper == "attention" and hasattr(ji, "BatchAttention"):
                 cls = ji.BatchAttention
             name = cls.__name__
-        key = ("paged", cls.__name__, hq, hkv, head_dim, page, calls, layers, tuple(sorted(run_kw.items())))
+        key = ("paged", cls.__name__, hq, hkv, head_dim, page, calls, layers, tuple(sorted(run_kw.items())),
+               tuple(sorted(kw.items())))
         w = env.memo(key + ("wrapper",), lambda: cls(hq, hkv, head_dim, page, **kw))
         plan_kw = {"num_pages": num_pages} | ({"cascade": cascade} if cascade else {}) | (
             {"q_data_type": dtype.name} if told_dtypes else {})
@@ -458,6 +463,10 @@ ROWS = [
         fi="attention"),
     row("decode B64 kv4096 ragged_paged_attention", build_paged, segs=((64, 1, 4096),), wrapper="rpa",
         fi="attention"),
+    *[row(f"{name} BatchAttention capacities", build_paged, segs=segs, wrapper="attention", fi="attention",
+          capacities=True)
+      for name, segs in (("decode B64 kv4096", ((64, 1, 4096),)), ("q4 B64 kv4096", ((64, 4, 4096),)),
+                         ("mixed 4x512/2048 + 60 decode", ((4, 512, 2048), (60, 1, (512, 4096)))))],
     row("paged B4 S8192 32/8 BatchAttention", build_paged, segs=((4, 8192, 8192),), wrapper="attention",
         fi="attention"),
     row("mixed 4x512/2048 + 60 decode", build_paged, segs=((4, 512, 2048), (60, 1, (512, 4096))),

@@ -35,8 +35,12 @@ class BatchAttention:
     deterministic. With max_batch_size, max_num_tokens and max_num_pages all given, every plan has
     one pytree structure and the same shapes, whatever the step (run() compiles once): short
     requests are those of up to 16 rows (tokens x group; FIXED_SHORT_ROWS), the decode kernel and
-    the prefill kernel (Mosaic where it runs, else Triton, 64-row tiles) both launch every step,
-    empty or not. plan.impl names the kernels.
+    the Triton prefill kernel (64-row tiles) both launch every step, empty or not (impl="mosaic"
+    pins the Mosaic one). That costs time for one compilation: on an H200, decode B64 kv4096 258.5
+    -> 288.3 µs, q4 B64 263.2 -> 291.4, the mixed step 4 x 512 + 60 decode 326.0 -> 457.3 (its
+    chunks on Triton tiles). fixed_shapes=False keeps each step's own kernels under capacities
+    (faster steps; one compilation per short-token class and long kernel, up to about 10).
+    plan.impl names the kernels.
     causal=False attends every key. variant, sm_scale, layout, num_ctas, config: as the decode
     and prefill wrappers.
 
@@ -51,14 +55,15 @@ class BatchAttention:
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  variant=None, sm_scale=None, max_batch_size=None, max_num_tokens=None, max_num_pages=None,
-                 num_ctas=None, backend=None, impl="auto", config=None):
+                 num_ctas=None, backend=None, impl="auto", config=None, fixed_shapes=None):
         if impl not in ("auto", "triton", "mosaic", "mixed"):
             raise ValueError(f"impl must be 'auto', 'triton', 'mosaic' or 'mixed', got {impl!r}")
         self.prefill = BatchPrefillWithPagedKVCache(
             num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal, layout=layout,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
             sm_scale=sm_scale, backend=backend, variant=variant, impl="mosaic" if impl == "mixed" else impl,
-            config=config, num_ctas=num_ctas)
+            config=config, num_ctas=num_ctas, fixed_shapes=fixed_shapes)
+        self.prefill.often_empty = True  # (plans of fixed shapes launch it on every step)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.layout, self.causal = page_size, check_layout(layout), causal
         self.group = num_qo_heads // num_kv_heads

@@ -377,11 +377,15 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
     return min(finite, key=lambda i: costs[i.name])
 
 
-def choose_fixed(rows):
+def choose_fixed(rows, often_empty=False):
     """The one prefill kernel of a wrapper whose plans keep their shapes for every step
     (capacities given): Mosaic where it runs, else Triton. Never the short path: its program
-    depends on the step's longest request. rows: candidates(problem, impl, dtypes)."""
-    for name in ("prefill_mosaic", "prefill_triton"):
+    depends on the step's longest request. rows: candidates(problem, impl, dtypes). often_empty:
+    the kernel launches on steps with no rows for it (BatchAttention's long requests): Triton
+    first, whose empty grid costs a few µs, where the Mosaic kernel's (one CTA per SM, a CTA per
+    tile slot and head) cost ~170 µs a step (H200, decode B64 kv4096)."""
+    order = ("prefill_triton", "prefill_mosaic") if often_empty else ("prefill_mosaic", "prefill_triton")
+    for name in order:
         if any(i.name == name for i in rows):
             return IMPLEMENTATIONS_BY_NAME[name]
     raise ValueError(f"impl={rows[0].short_name!r} cannot serve plans of fixed shapes "

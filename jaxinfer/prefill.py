@@ -55,7 +55,7 @@ class _Prefill:
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, kv_format, page_size=1, layout="NHD",
                  causal, max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale,
                  num_ctas, fixed_split_tokens=None, max_mask_len=None, backend, tile_rows, variant,
-                 impl="auto", config=None):
+                 impl="auto", config=None, fixed_shapes=None):
         variants.check_variant(variant)
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -81,9 +81,13 @@ class _Prefill:
         self.short_cells = max(1, (num_ctas or 2 * _backend.num_sms()) // num_kv_heads)
         self.fixed_split_tokens, self.max_mask_len, self.tile_rows = fixed_split_tokens, max_mask_len, tile_rows
         # Every capacity given: each plan has the same structure and shapes (one compiled run()).
-        self.fixed_shapes = kv_format == "paged" and None not in (max_batch_size, max_num_tokens, max_num_pages)
+        all_caps = kv_format == "paged" and None not in (max_batch_size, max_num_tokens, max_num_pages)
+        if fixed_shapes and not all_caps:
+            raise ValueError("fixed_shapes=True needs max_batch_size, max_num_tokens and max_num_pages")
+        self.fixed_shapes = all_caps if fixed_shapes is None else bool(fixed_shapes)
         if self.fixed_shapes and tile_rows is None:
             self.tile_rows = prefill_planner.fixed_tile_rows(self.group)
+        self.often_empty = False  # BatchAttention's long class: steps often have none (dispatch.choose_fixed)
         self.variant, self.impl = variant, impl
         self.configs = dispatch.check_configs(config)
         self.problem = dispatch.Problem("prefill", num_qo_heads, num_kv_heads, head_dim, kv_format,
@@ -113,7 +117,7 @@ class _Prefill:
         if rows is None:
             rows = self._candidates[problem.custom_mask, dtypes] = dispatch.candidates(problem, self.impl, dtypes)
         if self.fixed_shapes:
-            choice = dispatch.choose_fixed(rows)
+            choice = dispatch.choose_fixed(rows, self.often_empty)
         else:
             choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows)
         # Cascade levels need their positions; a pinned tile_rows pins one Triton program.
@@ -228,7 +232,7 @@ _DOC_COMMON = """
     short-token class when every request is short (impl "prefill_short", the decode kernel);
     tile_rows pins one Triton program. A paged wrapper given all three capacities makes every plan
     of one structure and shapes (one compilation): one kernel (Mosaic where it runs, else Triton),
-    tile_rows (default 64) for every step. With max_num_tokens, q has that many rows and rows past the batch give 0.
+    tile_rows (default 64) for every step; fixed_shapes=False keeps each step's own kernel. With max_num_tokens, q has that many rows and rows past the batch give 0.
     variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
     parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
@@ -260,13 +264,13 @@ class BatchPrefillWithPagedKVCache(_Prefill):
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale=None,
                  num_ctas=None, fixed_split_tokens=None, max_mask_len=None, backend=None,
-                 tile_rows=None, variant=None, impl="auto", config=None):
+                 tile_rows=None, variant=None, impl="auto", config=None, fixed_shapes=None):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, kv_format="paged", page_size=page_size,
                          layout=layout, causal=causal, max_batch_size=max_batch_size,
                          max_num_tokens=max_num_tokens, max_num_pages=max_num_pages, sm_scale=sm_scale,
                          num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         variant=variant, impl=impl, config=config)
+                         variant=variant, impl=impl, config=config, fixed_shapes=fixed_shapes)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, custom_mask=None,
              packed_custom_mask=None, causal=None, cascade=None, window_left=None, q_data_type=None,

@@ -268,3 +268,18 @@ def test_capacities_give_one_program_for_every_composition(rng, wrapper, hq, hkv
             assert rel_err(o[: q.shape[0]], want.o) < TOL[jnp.float32], (qo, plan.impl)
         assert not np.any(np.asarray(o[q.shape[0]:]))  # padding rows give 0
     assert len(shapes) == 1 and len(traces) == 1
+
+
+def test_fixed_shapes_opt_out_and_check(rng):
+    """fixed_shapes=False keeps each step's own kernels under capacities; True needs every capacity."""
+    hq, hkv, d, page = 8, 2, 32, 8
+    q, cache, table, num_pages = _case(rng, np.array([1, 1]), np.array([30, 9]), page, hq, hkv, d)
+    caps = dict(max_batch_size=4, max_num_tokens=16, max_num_pages=num_pages)
+    for fixed, impl in ((None, "decode_triton+prefill_triton"), (False, "decode_triton")):
+        attn = ji.BatchAttention(hq, hkv, d, page, num_ctas=4, fixed_shapes=fixed, **caps)
+        plan = attn.plan(*table, num_pages=num_pages)
+        assert plan.impl == impl
+        o = attn.run(jnp.pad(q, ((0, 14), (0, 0), (0, 0))), cache, plan)
+        assert rel_err(o[:2], ref.paged_attention(q, cache, *table, causal=True).o) < TOL[jnp.float32]
+    with pytest.raises(ValueError, match="fixed_shapes=True needs"):
+        ji.BatchAttention(hq, hkv, d, page, fixed_shapes=True, max_batch_size=4)
