@@ -15,8 +15,8 @@ from planner import scheduler, validate
 
 
 # With every capacity given, short requests are those whose tokens x group fit 16 rows (decode,
-# verify of 16 / group tokens): one decode-kernel program serves every step; longer ones take
-# prefill tiles (or, with impl="mixed", packed tiles of up to 64 rows).
+# verify of 16 / group tokens): one decode-kernel (or packed-tile) program serves every step;
+# longer ones take prefill tiles.
 FIXED_SHORT_ROWS = 16
 
 
@@ -112,8 +112,7 @@ class BatchAttention:
         fixed = self.prefill.fixed_shapes  # every plan of one structure and shapes
         live = qo_lens > 0
         if fixed:  # the short class is the wrapper's, not the step's
-            tokens = batch_planner.short_cap(self.group, batch_planner.SHORT_MAX_ROWS
-                                             if self.mixed_impl == "mixed" else FIXED_SHORT_ROWS)
+            tokens = batch_planner.short_cap(self.group, FIXED_SHORT_ROWS)
             is_short = qo_lens <= tokens
             mixed = self.mixed_impl == "mixed"
         else:

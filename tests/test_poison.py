@@ -271,7 +271,7 @@ BATCH = {  # group 2 (Triton): up to 32 tokens are short; group 1 (Mosaic): up t
 
 
 @poisons
-@pytest.mark.parametrize("row", ["batch_classes", pytest.param("batch_mosaic", marks=MIXED_LEAKS)])
+@pytest.mark.parametrize("row", ["batch_classes", pytest.param("batch_mosaic", marks=[pytest.mark.slow, MIXED_LEAKS])])
 def test_batch_attention(rng, row, poison, monkeypatch):
     """BatchAttention under capacities (5 padding rows): impl "auto" (batch_classes:
     decode_triton for the short requests, prefill_triton for the long one) and impl "mixed"
