@@ -36,7 +36,7 @@ class BatchAttention:
     one pytree structure and the same shapes, whatever the step (run() compiles once): short
     requests are those of up to 16 rows (tokens x group; FIXED_SHORT_ROWS), the decode kernel and
     the Triton prefill kernel (64-row tiles) both launch every step, empty or not (impl="mosaic"
-    pins the Mosaic one). That costs time for one compilation: on an H200, decode B64 kv4096 258.5
+    pins the Mosaic one; impl="mixed" makes every step one mixed launch). That costs time for one compilation: on an H200, decode B64 kv4096 258.5
     -> 288.3 µs, q4 B64 263.2 -> 291.4, the mixed step 4 x 512 + 60 decode 326.0 -> 457.3 (its
     chunks on Triton tiles). fixed_shapes=False keeps each step's own kernels under capacities
     (faster steps; one compilation per short-token class and long kernel, up to about 10).
