@@ -387,14 +387,15 @@ class _HostTable:
 
 
 def run_paged_prefill(entry, cfg, steps, rng, fixed):
-    """Plans and runs every step through one wrapper with capacities (one jitted run()); fixed: all
-    three (plans of one structure: one compile), else max_num_pages left out (each step's own
-    kernels, as without capacities). Returns (Failures, impls seen, number of compiles)."""
+    """Plans and runs every step through one wrapper with all three capacities (one jitted run());
+    fixed: fixed_shapes (plans of one structure: one compile), else fixed_shapes=False (each step's
+    own kernels under the same shapes: one compile per class, as without capacities). Returns
+    (Failures, impls seen, number of compiles)."""
     hq, hkv = cfg.heads
     tcap = max(int(s.qo.sum()) for s in steps) + 5  # + rows past the step (must give o = 0)
     num_pages = _num_pages(steps, cfg.page)
-    caps = dict(max_batch_size=max(len(s.qo) for s in steps), max_num_tokens=tcap,
-                max_num_pages=num_pages if fixed else None)
+    caps = dict(max_batch_size=max(len(s.qo) for s in steps), max_num_tokens=tcap, max_num_pages=num_pages,
+                fixed_shapes=fixed)
     w = make_paged_wrapper(entry, cfg, caps)
     cache = PagedCache(rng, num_pages, cfg.page, hkv, cfg.layout)
     run = _jit_counted(lambda q, c, p: w.run(q, c, p, return_lse=True))
