@@ -1,5 +1,5 @@
 """ragged_paged_attention (device plan, fused KV write) against ji.BatchAttention (host plan) on
-the GPU, on issue 21's rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), speculative verify of
+the GPU, on serving rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), speculative verify of
 8 tokens (ragged_paged_attention's class of 64-row decode tiles) and prefill only (B4 S8192).
 
     PYTHONPATH=. python3 benchmarks/bench_rpa.py [--rows q4,mixed,...] [--triton] [--mosaic-ctas 1,2]

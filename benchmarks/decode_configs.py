@@ -1,4 +1,4 @@
-"""The decode rows of issue 3 (NumPy only, shared by bench_decode.py and anchors_flashinfer.py)."""
+"""The decode rows of bench_decode.py (NumPy only)."""
 import numpy as np
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

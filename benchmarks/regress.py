@@ -335,7 +335,7 @@ def _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page, pad_rows=
 
     # Each call's q its own array, as a layer's projection gives it. A slice of qs inside the
     # program costs ragged_paged_attention a copy in front of its kernel, which BatchAttention's
-    # own q fusion absorbs (H100, decode first: 366.2 against 350.0 µs, bench_chained.py).
+    # own q fusion absorbs (H100, decode first: 366.2 against 350.0 µs).
     q_each = [qs[i] for i in range(qs.shape[0])]
 
     def run():

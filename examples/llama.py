@@ -9,7 +9,7 @@ MLP; random weights (nothing is downloaded). cfg.layer_loop picks how the layers
   "scan"              weights stacked [L, ...] and one lax.scan over them, one stacked cache:
                       compiles one layer, but XLA materializes each layer's weight slice
                       (dynamic-slice) before its matmuls, about doubling the weight traffic
-                      (issue 23: 15.7 ms against 6.5 ms unrolled, Llama-3-8B, batch 1, H100).
+                      (15.7 ms against 6.5 ms unrolled, Llama-3-8B, batch 1, H100).
 
 Both loops build identical weights from the same seed, so they give the same tokens.
 
@@ -149,7 +149,7 @@ def _layer(cfg, x, w, cos, sin, attention, layer, kv_cache):
     with jax.named_scope("qkv_proj"):
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         # One matmul for q, k and v: at batch 1 three (one of [H, Hq*D], two of [H, Hkv*D]) took
-        # 1 ms more per step than one (Llama-3-8B shapes, H100, BENCHMARKS.md session 22).
+        # 1 ms more per step than one (Llama-3-8B shapes, H100).
         qkv = h @ w["wqkv"]                                            # [N, (Hq + 2 Hkv) * D]
         if n == 1:  # materialized: XLA turns a one-row dot into a multiply + reduce and fuses that
             # into its consumer (the decode step's q/k/v concatenate: 200 µs a layer on an H100)

@@ -50,7 +50,7 @@ class BatchAttention:
     rows), a long one query tiles of one query head. "auto" weighs both paths by dispatch's cost
     model when plan() gets q_data_type: on the steps measured so far (chunks with decode or
     verify rows) it picks the mixed launch, and the two classes where a short request's context
-    is long (the mixed launch never splits KV; BENCHMARKS.md, session 16).
+    is long (the mixed launch never splits KV).
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",

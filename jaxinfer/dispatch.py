@@ -88,8 +88,7 @@ class Implementation:
 
 
 def mosaic_default_config(problem):
-    """The Mosaic prefill kernel's tuning per head_dim (one H100, jax 0.11.2; BENCHMARKS.md,
-    issue 18 session 10). Variants keep the plain configs: the others were not measured there."""
+    """The Mosaic prefill kernel's tuning per head_dim (one H100, jax 0.11.2). Variants keep the plain configs: the others were not measured there."""
     if problem.head_dim > 128:  # K/V slots of 128 x 256 overflow shared memory: 64-key blocks
         if problem.head_dim == 256 and problem.variant is None:
             # FA3's intra-warpgroup overlap: ragged d256 B4 S8192 16/8 663.1 TFLOP/s, the
@@ -102,7 +101,7 @@ def mosaic_default_config(problem):
         # same call.
         return MosaicPrefillConfig(compute_wgs=3, pipeline="free", tree_max=True)
     if problem.head_dim == 128 and problem.variant is None and problem.kv_format == "ragged":
-        # FA3's overlap on contiguous K/V (session 13, regress.py rows in one call, ping-pong before
+        # FA3's overlap on contiguous K/V (regress.py rows in one call, ping-pong before
         # and after): ragged B16 S4096 16/16 528 TFLOP/s against 500 / 497, B4 S8192 32/8 606
         # against 564 / 567, B1 S16384 32/8 609 against 584 / 593. Paged K/V (whole-page TMA
         # copies) gained nothing there (-1.7% to +0.8%), the mixed step lost 1.5-3.7%.
@@ -205,7 +204,7 @@ def _mosaic_unsupported(problem, explicit):
 
 
 # A mixed step in one persistent Mosaic launch (BatchAttention impl "mixed", planner.batch.plan_mixed),
-# measured by its parts in profiler traces (BENCHMARKS.md, sessions 16-17; the mixed step 4 x 512
+# measured by its parts in profiler traces (the mixed step 4 x 512
 # on 1536 + 60 decode):
 MIXED_TILE_FLOPS_PER_US = 4.59e8  # its query tiles alone (the 4 chunks): 62.3 GFLOP in 135.6 µs
 MIXED_BYTES_PER_US = 2.75e6       # its packed tiles alone (the 60 decode rows): 566 MB in 205.5 µs

@@ -245,7 +245,7 @@ _DOC_COMMON = """
     multiple of 64, page_size a multiple of 8 dividing 128 or a multiple of 128, no custom
     mask, fp8, or variant query / key transforms (RoPE); ValueError otherwise): 128-token tiles
     of one query head, one per CTA, KV never split, 1.2-1.5x the Triton kernel on H100
-    (BENCHMARKS.md, issues 4 and 6); "triton", the Pallas-Triton kernel, every feature;
+    (BENCHMARKS.md); "triton", the Pallas-Triton kernel, every feature;
     "auto" (default): of the kernels that can run the plan (Mosaic: compiled on a Hopper GPU,
     no variant or built-in ones only: soft-cap, window, ALiBi, sigmoid, sinks), the one the
     cost model expects faster for the step's lengths (Mosaic plans then hold a Triton plan too,

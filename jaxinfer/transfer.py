@@ -3,11 +3,10 @@ the last step of every plan().
 
 On a GPU, plans hold each section as its own device array: a slice of one packed buffer inside
 a jitted run() is a copy launch per section on every call (1-1.5 µs each on an H100; 7-12 µs per
-call for 6-10 sections, BENCHMARKS.md session 12); split once at plan time, run() reads them in
+call for 6-10 sections); split once at plan time, run() reads them in
 place.
 
-On the CPU backend plans keep the NumPy buffer: measured on the 2-core dev CPU (issue 22,
-BENCHMARKS.md), jax.device_put costs about 30 µs of Python dispatch whatever the size, and a
+On the CPU backend plans keep the NumPy buffer: measured on the 2-core dev CPU, jax.device_put costs about 30 µs of Python dispatch whatever the size, and a
 jitted copy 7-10 µs of dispatch plus the copy, per plan; a NumPy argument of a jitted step costs
 jit's C++ argument handling instead.
 """

@@ -166,7 +166,7 @@ class DecodeConfig:
     three 64-KB K/V stages has an SM to itself).
     num_stages 3: fp8 as pairs 205.6 vs 208.4 µs with 2. The page-id gather takes a pipeline
     stage of its own, so at 3 stages K and V have one shared-memory buffer each (two from 5
-    stages; slower at batch 16 and 64, BENCHMARKS.md session 23)."""
+    stages; slower at batch 16 and 64)."""
     block_kv: int = 128
     num_warps: int = 4
     num_stages: int = 3

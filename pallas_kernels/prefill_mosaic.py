@@ -590,8 +590,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
     def each_item(run_item):
         """run_item(w, fields, has_item) for the cell's items. Persistent: a loop over them in order
         (every barrier phase of an item is awaited within it, so the next starts from free slots);
-        else the cell's one item (if any) in straight-line code: the loop costs 5-40% there
-        (BENCHMARKS.md, session 11)."""
+        else the cell's one item (if any) in straight-line code: the loop costs 5-40% there."""
         if persistent:
             pl.loop(first_item, end_item)(lambda w: run_item(w, item_fields(w), True))
         else:

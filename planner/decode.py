@@ -15,7 +15,7 @@ from planner.packing import PackedLayout, new_buffer
 
 ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
 # What one more work item costs a decode cell, in KV tokens: an H100 timeline of the kernel
-# (BENCHMARKS.md, session 23) put it at ~2 µs at batch 16, 50-80 tokens' worth of streaming.
+# put it at ~2 µs at batch 16, 50-80 tokens' worth of streaming.
 # Contiguous cells charge it per item when they balance their costs.
 ITEM_OVERHEAD_TOKENS = 80
 PARTITIONS = ("auto", "greedy", "contiguous")

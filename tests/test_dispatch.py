@@ -39,7 +39,7 @@ def test_unsupported_explicit_impl_raises_naming_why():
 
 
 def test_cost_model_choices_match_h100_rows(monkeypatch):
-    """The choices regress.py measured as faster on the H100 (BENCHMARKS.md, session 8)."""
+    """The choices regress.py measured as faster on the H100."""
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
     monkeypatch.setattr(_backend, "num_sms", lambda default=132: 132)
     gqa = dispatch.Problem("prefill", 32, 8, 128, "paged", 16, interpret=False)
@@ -63,7 +63,7 @@ def test_cost_model_choices_match_h100_rows(monkeypatch):
 
 
 def test_batch_family_picks_the_mixed_launch_on_the_measured_rows(monkeypatch):
-    """BatchAttention's steps with short and long requests (BENCHMARKS.md, session 16): the mixed
+    """BatchAttention's steps with short and long requests: the mixed
     launch on the mixed row (traced: 320.4 µs, one kernel, against the two classes' 373.8) and on
     60 x 4-token verify + 4 chunks; its model within 5% of the traced 320.4 µs. The two classes
     where one decode request has a long context (the mixed launch never splits KV)."""

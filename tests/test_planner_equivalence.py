@@ -1,4 +1,4 @@
-"""The vectorized planner makes bitwise the plans of the planner it replaced (issue 22): same
+"""The vectorized planner makes bitwise the plans of the planner it replaced: same
 layout, same work items in the same order, same packed buffer, same info, on grids of random
 batches. The oracle is the old code, kept verbatim in tests/_old_planner.py for this test only."""
 import re
@@ -343,7 +343,7 @@ def _prefill_lens(rng, batch):
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("seed", range(8))
 def test_prefill_plans_match_the_old_planner_on_a_grid(seed, page, causal, split):
-    """Issue 22: the per-tile fields gathered from the requests' item rows, one cumulative sum
+    """The per-tile fields gathered from the requests' item rows, one cumulative sum
     for items, merge groups and partial states, and the reduction map repeated per tile give
     the old plans bitwise, over page sizes, masks, splits and lengths (with capacities or not)."""
     rng = np.random.default_rng([seed, page, causal, len(split)])
