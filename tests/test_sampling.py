@@ -1,0 +1,280 @@
+"""jaxinfer.sampling on the CPU: the Pallas kernels in interpret mode against exact distributions.
+
+Distribution tests draw thousands of tokens in one call (output rows share a few input rows
+through `indices`) and run a chi-square goodness-of-fit test per (row, parameters) group against
+the filtered, renormalised distribution of the reference; with fixed seeds each p-value is
+deterministic and must exceed ALPHA = 1e-4. Tokens outside the kept set must never be drawn.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer import sampling as S
+
+ALPHA = 1e-4
+V = 37                      # not a multiple of the block: the tail block is masked
+SMALL = S.SamplingConfig(block_v=16)  # three blocks per row (the last one 5 lanes)
+ROWS = 4                    # distinct input rows per distribution test
+GROUPS = 12                 # (row, parameters) groups
+DRAWS = 300                 # draws per group
+
+
+def _rows(seed):
+    """ROWS logit rows [ROWS, V] with ties: values on a 0.5 grid (so filters meet tied tokens)."""
+    x = np.random.default_rng(seed).normal(size=(ROWS, V)) * 1.5
+    return jnp.asarray(np.round(x * 2) / 2, jnp.float32)
+
+
+def _chi2_pvalue(tokens, probs, draws):
+    """p-value of observed tokens [N] against probs [V]; bins expected < 5 are pooled. Fails at
+    once when a token of probability 0 is drawn."""
+    counts = np.bincount(np.asarray(tokens), minlength=probs.shape[0])
+    probs = np.asarray(probs, np.float64)
+    assert np.all(counts[probs == 0] == 0), f"drew filtered tokens {np.nonzero(counts * (probs == 0))[0]}"
+    expected = probs * draws
+    small = expected < 5
+    obs = np.append(counts[~small & (probs > 0)], counts[small & (probs > 0)].sum())
+    exp = np.append(expected[~small & (probs > 0)], expected[small & (probs > 0)].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if len(exp) < 2:  # one token carries all the mass: the check above is the test
+        return 1.0
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _group_params(values, groups=GROUPS, draws=DRAWS):
+    """Per output row: the input row (group % ROWS) and the group's parameter (values cycle)."""
+    g = np.repeat(np.arange(groups), draws)
+    return jnp.asarray(g % ROWS, jnp.int32), np.asarray(values)[g % len(values)], g
+
+
+CASES = {
+    # name: (from_logits, parameter tables cycled over groups, call(x, idx, params, key))
+    "sampling_from_logits": (True, {"temperature": [1.0, 0.5, 2.0, 0.0, 1.0, 0.7]},
+                             lambda x, i, a, k: S.sampling_from_logits(x, i, key=k, temperature=a["temperature"],
+                                                                       config=SMALL)),
+    "sampling_from_probs": (False, {},
+                            lambda x, i, a, k: S.sampling_from_probs(x, i, key=k, config=SMALL)),
+    "top_k_sampling_from_probs": (False, {"top_k": [1, 3, 5, 0, 12, 40, 36]},
+                                  lambda x, i, a, k: S.top_k_sampling_from_probs(x, a["top_k"], i, key=k,
+                                                                                 config=SMALL)),
+    "top_p_sampling_from_probs": (False, {"top_p": [0.3, 0.6, 0.9, 1.0, 0.05, 0.75, 0.99]},
+                                  lambda x, i, a, k: S.top_p_sampling_from_probs(x, a["top_p"], i, key=k,
+                                                                                 config=SMALL)),
+    "min_p_sampling_from_probs": (False, {"min_p": [0.0, 0.1, 0.5, 1.0, 0.3]},
+                                  lambda x, i, a, k: S.min_p_sampling_from_probs(x, a["min_p"], i, key=k,
+                                                                                 config=SMALL)),
+    "top_k_top_p_sampling_from_logits": (
+        True, {"top_k": [5, 0, 12, 3, 40, 8, 20], "top_p": [0.8, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3],
+               "temperature": [1.0, 0.8, 1.5, 1.0, 1.0]},
+        lambda x, i, a, k: S.top_k_top_p_sampling_from_logits(x, a["top_k"], a["top_p"], i, key=k,
+                                                              temperature=a["temperature"], config=SMALL)),
+    "top_k_top_p_sampling_from_logits_joint": (
+        True, {"top_k": [5, 0, 12, 3, 40, 8, 20], "top_p": [0.8, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3]},
+        lambda x, i, a, k: S.top_k_top_p_sampling_from_logits(x, a["top_k"], a["top_p"], i, "joint", key=k,
+                                                              config=SMALL)),
+    "top_k_top_p_sampling_from_probs": (
+        False, {"top_k": [6, 0, 12, 3, 40, 8, 20], "top_p": [0.7, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3]},
+        lambda x, i, a, k: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, key=k, config=SMALL)),
+    "top_k_top_p_sampling_from_probs_joint": (
+        False, {"top_k": [6, 0, 12, 3, 40, 8, 20], "top_p": [0.7, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3]},
+        lambda x, i, a, k: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, "joint", key=k,
+                                                             config=SMALL)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_draws_follow_the_filtered_distribution(name):
+    from_logits, tables, call = CASES[name]
+    logits = _rows(len(name))
+    x = logits if from_logits else jax.nn.softmax(logits, axis=1)
+    g = np.repeat(np.arange(GROUPS), DRAWS)
+    idx = jnp.asarray(g % ROWS, jnp.int32)
+    per_row = {p: np.asarray(vals)[g % len(vals)] for p, vals in tables.items()}
+    args = {p: jnp.asarray(v) for p, v in per_row.items()}
+    tokens = np.asarray(jax.jit(call)(x, idx, args, jax.random.key(7)))
+    assert tokens.shape == (GROUPS * DRAWS,) and tokens.dtype == np.int32
+    order = "joint" if name.endswith("joint") else "top_k_first"
+    ref = S._reference_probs(x[idx], from_logits=from_logits, top_k=per_row.get("top_k"),
+                             top_p=per_row.get("top_p"), min_p=per_row.get("min_p"),
+                             temperature=per_row.get("temperature"), filter_apply_order=order)
+    ref = np.asarray(ref)
+    for grp in range(GROUPS):
+        rows = g == grp
+        pval = _chi2_pvalue(tokens[rows], ref[np.argmax(rows)], DRAWS)
+        assert pval > ALPHA, (name, grp, {p: v[np.argmax(rows)] for p, v in per_row.items()}, pval)
+
+
+def test_reference_semantics_on_ties():
+    """The documented tie rules, checked on the reference itself (the kernels are compared to it)."""
+    probs = jnp.asarray([[0.3, 0.2, 0.2, 0.2, 0.1]])
+    keep = lambda **kw: np.asarray(S._reference_probs(probs, from_logits=False, **kw)[0] > 0)
+    assert keep(top_k=2).tolist() == [True, True, True, True, False]    # tied with the 2nd: kept
+    assert keep(top_k=1).tolist() == [True, False, False, False, False]
+    assert keep(top_p=0.3).tolist() == [True, False, False, False, False]  # 0.3 reaches 0.3
+    assert keep(top_p=0.31).tolist() == [True, True, True, True, False]   # the tied 0.2s all kept
+    assert keep(min_p=0.6).tolist() == [True, True, True, True, False]  # 0.2 >= 0.3 * 0.6
+    assert keep(min_p=0.7).tolist() == [True, False, False, False, False]
+
+
+def test_renorm_and_mask_match_reference(rng):
+    """top_k_renorm_probs, top_p_renorm_probs and top_k_mask_logits: exact per-row thresholds,
+    mixed per-row parameters, ties (a 0.5 grid) and bfloat16 logits."""
+    logits = _rows(3)
+    probs = jax.nn.softmax(logits, axis=1)
+    ks = jnp.asarray([3, 0, 36, 37])
+    ps = jnp.asarray([0.5, 1.0, 0.93, 0.05])
+    np.testing.assert_allclose(S.top_k_renorm_probs(probs, ks, config=SMALL),
+                               S._reference_top_k_renorm_probs(probs, ks), atol=1e-6)
+    np.testing.assert_allclose(S.top_p_renorm_probs(probs, ps, config=SMALL),
+                               S._reference_top_p_renorm_probs(probs, ps), atol=1e-6)
+    masked = S.top_k_mask_logits(logits, ks, config=SMALL)
+    np.testing.assert_array_equal(masked, S._reference_top_k_mask_logits(logits, ks))
+    kept = np.asarray(jnp.isfinite(masked)).sum(1)
+    assert kept[1] == V and kept[2] >= 36 and kept[0] >= 3  # 0 and >= V keep all; ties may add
+    lb = (logits * 7.3).astype(jnp.bfloat16)
+    out = S.top_k_mask_logits(lb, 5)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out.astype(jnp.float32), S._reference_top_k_mask_logits(lb, 5))
+
+
+def test_large_vocab_non_multiple_of_block():
+    """V = 50_000 (49 blocks of 1024, the last partial): the exact top-k mask, and top-k + top-p
+    draws inside the kept set."""
+    vocab = 50_000
+    logits = jax.random.normal(jax.random.key(3), (2, vocab), jnp.float32) * 3
+    ks = jnp.asarray([50, 1000])
+    np.testing.assert_array_equal(S.top_k_mask_logits(logits, ks), S._reference_top_k_mask_logits(logits, ks))
+    tok = np.asarray(S.top_k_top_p_sampling_from_logits(logits, ks, 0.9, key=jax.random.key(0)))
+    ref = np.asarray(S._reference_probs(logits, from_logits=True, top_k=ks, top_p=0.9,
+                                        filter_apply_order="top_k_first"))
+    assert np.all(ref[np.arange(2), tok] > 0)
+
+
+def test_deterministic_per_key_and_compiled_once():
+    """Same key, same tokens; another key, other tokens; one trace for every parameter value."""
+    traces = []
+
+    @jax.jit
+    def step(logits, k, p, t, key):
+        traces.append(1)
+        return S.top_k_top_p_sampling_from_logits(logits, k, p, key=key, temperature=t, config=SMALL)
+
+    logits = jnp.tile(_rows(5), (64, 1))
+    a = step(logits, 5, 0.9, 1.0, jax.random.key(1))
+    b = step(logits, 5, 0.9, 1.0, jax.random.key(1))
+    c = step(logits, 5, 0.9, 1.0, jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert np.any(np.asarray(a) != np.asarray(c))
+    step(logits, 20, 0.5, 0.7, jax.random.key(3))
+    step(logits, 0, 1.0, 0.0, jax.random.key(4))
+    step(logits, jnp.arange(256) % 9, jnp.linspace(0.1, 1.0, 256), jnp.full(256, 0.8), jax.random.key(5))
+    assert len(traces) == 2  # scalar parameters, then [B] arrays (another input shape)
+
+
+def test_vmap_and_greedy():
+    """vmap over a leading axis equals separate calls; temperature 0 takes the first argmax."""
+    logits = jnp.stack([_rows(8), _rows(9)])  # [2, ROWS, V]
+    keys = jax.random.split(jax.random.key(0), 2)
+    f = lambda x, k: S.sampling_from_logits(x, key=k, temperature=0.9, config=SMALL)
+    np.testing.assert_array_equal(jax.vmap(f)(logits, keys), jnp.stack([f(logits[i], keys[i]) for i in range(2)]))
+    tied = jnp.zeros((ROWS, V)).at[0, 7].set(1.0).at[0, 20].set(1.0).at[1, 30].set(2.0)
+    greedy = S.sampling_from_logits(tied, key=jax.random.key(1), temperature=0.0, config=SMALL)
+    np.testing.assert_array_equal(greedy, [7, 30, 0, 0])
+
+
+def test_bad_inputs_raise_when_concrete_and_are_documented_under_jit():
+    key = jax.random.key(0)
+    x = _rows(1)
+    probs = jax.nn.softmax(x, axis=1)
+    with pytest.raises(ValueError, match="NaN"):
+        S.sampling_from_logits(x.at[1, 3].set(jnp.nan), key=key)
+    with pytest.raises(ValueError, match="no finite logit"):
+        S.sampling_from_logits(x.at[2].set(-jnp.inf), key=key)
+    with pytest.raises(ValueError, match=r"\+inf"):
+        S.top_k_mask_logits(x.at[0, 0].set(jnp.inf), 3)
+    with pytest.raises(ValueError, match="summing to 0"):
+        S.sampling_from_probs(probs.at[1].set(0.0), key=key)
+    with pytest.raises(ValueError, match="negative"):
+        S.top_p_sampling_from_probs(probs.at[1, 1].set(-0.1), 0.9, key=key)
+    with pytest.raises(ValueError, match="top_p"):
+        S.top_p_sampling_from_probs(probs, 0.0, key=key)
+    with pytest.raises(ValueError, match="top_p"):
+        S.top_p_sampling_from_probs(probs, jnp.asarray([0.5, 1.5, 0.5, 0.5]), key=key)
+    with pytest.raises(ValueError, match="min_p"):
+        S.min_p_sampling_from_probs(probs, -0.1, key=key)
+    with pytest.raises(ValueError, match="top_k"):
+        S.top_k_sampling_from_probs(probs, jnp.asarray([1, 2]), key=key)
+    with pytest.raises(ValueError, match="top_k"):
+        S.top_k_sampling_from_probs(probs, 2.5, key=key)
+    with pytest.raises(ValueError, match="temperature"):
+        S.sampling_from_logits(x, key=key, temperature=-1.0)
+    with pytest.raises(ValueError, match="filter_apply_order"):
+        S.top_k_top_p_sampling_from_logits(x, 3, 0.9, filter_apply_order="top_p_first", key=key)
+    with pytest.raises(ValueError, match="indices"):
+        S.sampling_from_probs(probs, jnp.asarray([0, 4]), key=key)
+    with pytest.raises(ValueError, match="key"):
+        S.sampling_from_probs(probs, key=3)
+    with pytest.raises(ValueError, match="logits"):
+        S.sampling_from_logits(x[0], key=key)
+    # Under jit nothing is checked: a row with no finite logit gives token 0, the others sample.
+    bad = x.at[2].set(-jnp.inf)
+    tok = jax.jit(lambda v, k: S.sampling_from_logits(v, key=k, config=SMALL))(bad, key)
+    assert int(tok[2]) == 0 and np.all((np.asarray(tok) >= 0) & (np.asarray(tok) < V))
+
+
+SPEC_N = 3
+
+
+def _spec_case(seed, batch):
+    rng = np.random.default_rng(seed)
+    draft = jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, SPEC_N, V)), jnp.float32), axis=-1)
+    target = jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, SPEC_N + 1, V)) * 1.5, jnp.float32), axis=-1)
+    ids = jnp.asarray(rng.integers(0, V, size=(batch, SPEC_N)), jnp.int32)
+    return draft, ids, target
+
+
+def test_chain_speculative_sampling_counts():
+    """Constructed cases: drafts equal to the target are all accepted (bonus token from the last
+    target row); a draft the target gives probability 0 is rejected at once."""
+    draft, ids, target = _spec_case(0, 4)
+    spec = jax.jit(lambda d, i, t, k: S.chain_speculative_sampling(d, i, t, key=k, config=SMALL))
+    same = jnp.concatenate([draft, target[:, -1:]], axis=1)
+    out, accepted, emitted = spec(draft, ids, same, jax.random.key(0))
+    np.testing.assert_array_equal(emitted, [SPEC_N] * 4)
+    np.testing.assert_array_equal(accepted, [SPEC_N] * 4)
+    np.testing.assert_array_equal(out[:, :SPEC_N], ids)
+    assert np.all(np.asarray(out[:, SPEC_N]) >= 0)
+    # Row 0: first draft impossible under the target; row 1: second; rows 2, 3: all accepted.
+    t = same.at[0, 0, ids[0, 0]].set(0.0).at[1, 1, ids[1, 1]].set(0.0)
+    t = t / jnp.sum(t, axis=-1, keepdims=True)
+    out, accepted, emitted = spec(draft, ids, t, jax.random.key(1))
+    np.testing.assert_array_equal(emitted, [0, 1, SPEC_N, SPEC_N])
+    np.testing.assert_array_equal(accepted, [SPEC_N - 1, SPEC_N - 1, SPEC_N, SPEC_N])
+    out = np.asarray(out)
+    assert out[0, 0] != ids[0, 0] and np.all(out[0, 1:] == -1)
+    assert out[1, 0] == ids[1, 0] and out[1, 1] != ids[1, 1] and np.all(out[1, 2:] == -1)
+    np.testing.assert_array_equal(out[2:, :SPEC_N], ids[2:])
+    ref = S._reference_chain_speculative_sampling(draft, ids, t, key=jax.random.key(1))
+    np.testing.assert_array_equal(emitted, ref[2])
+    np.testing.assert_array_equal(accepted, ref[1])
+
+
+def test_chain_speculative_sampling_follows_the_target():
+    """Drafts drawn from the draft model: the first emitted token follows target row 0, and the
+    second (when the first draft was accepted) target row 1 (chi-square, ALPHA)."""
+    batch = 3000
+    draft1, _, target1 = _spec_case(1, 1)
+    draft = jnp.broadcast_to(draft1, (batch, SPEC_N, V))
+    target = jnp.broadcast_to(target1, (batch, SPEC_N + 1, V))
+    ids = jax.random.categorical(jax.random.key(2), jnp.log(draft), axis=-1).astype(jnp.int32)
+    out, _, emitted = jax.jit(lambda d, i, t, k: S.chain_speculative_sampling(d, i, t, key=k, config=SMALL))(
+        draft, ids, target, jax.random.key(3))
+    out, emitted, ids = np.asarray(out), np.asarray(emitted), np.asarray(ids)
+    assert _chi2_pvalue(out[:, 0], target1[0, 0], batch) > ALPHA
+    # Given the first draft was accepted, the second emitted token follows target row 1.
+    second = out[emitted >= 1, 1]
+    assert _chi2_pvalue(second, target1[0, 1], len(second)) > ALPHA
+    assert 0 < np.mean(emitted) < SPEC_N
