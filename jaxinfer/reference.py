@@ -231,3 +231,42 @@ def merge_states(states):
     o = o / jnp.where(total > 0, total, 1.0)[..., None]
     lse_out = jnp.where(total > 0, jnp.log(total) + m_safe[..., 0, :], -jnp.inf)
     return AttentionState(o.astype(states.o.dtype), lse_out)
+
+
+def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, *,
+                  causal=False, sm_scale):
+    """Multi-head latent attention over a paged latent cache (float32 math), request by request.
+
+    q_nope [T, H, Dc], q_pe [T, H, Dr]; ckv_cache [num_pages, page_size, Dc], kpe_cache [..., Dr];
+    request b: q rows qo_indptr[b]:qo_indptr[b+1], kv_len[b] tokens in pages
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] (host arrays). logits = sm_scale (q_nope ckv + q_pe kpe),
+    v = ckv. Returns AttentionState(o [T, H, Dc] in q's dtype, lse [T, H]); rows past
+    qo_indptr[-1] and rows that see no key give o = 0, lse = -inf.
+    """
+    qo_indptr, kv_indptr = np.asarray(qo_indptr), np.asarray(kv_indptr)
+    kv_indices, kv_len = np.asarray(kv_indices), np.asarray(kv_len)
+    t, h, dc = q_nope.shape
+    o = jnp.zeros((t, h, dc), jnp.float32)
+    lse = jnp.full((t, h), -jnp.inf, jnp.float32)
+    page_size = ckv_cache.shape[1]
+    for b in range(len(kv_len)):
+        qs, qe, n = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_len[b])
+        if qe == qs or n == 0:
+            continue
+        pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+        rows = pages[np.arange(n) // page_size] * page_size + np.arange(n) % page_size  # [n]
+        ckv = ckv_cache.reshape(-1, dc)[rows].astype(jnp.float32)  # [n, Dc]
+        kpe = kpe_cache.reshape(-1, kpe_cache.shape[-1])[rows].astype(jnp.float32)  # [n, Dr]
+        s = (jnp.einsum("qhd,kd->qhk", q_nope[qs:qe].astype(jnp.float32), ckv, precision="highest")
+             + jnp.einsum("qhd,kd->qhk", q_pe[qs:qe].astype(jnp.float32), kpe, precision="highest")) * sm_scale
+        if causal:  # query i sees keys j <= i + kv_len - qo_len
+            visible = np.arange(n)[None, :] <= np.arange(qe - qs)[:, None] + n - (qe - qs)
+            s = jnp.where(visible[:, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m_safe)
+        den = jnp.sum(p, axis=-1)  # [q, H]
+        o_b = jnp.einsum("qhk,kd->qhd", p, ckv, precision="highest") / jnp.where(den > 0, den, 1.0)[..., None]
+        o = o.at[qs:qe].set(o_b)
+        lse = lse.at[qs:qe].set(jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m_safe[..., 0], -jnp.inf))
+    return AttentionState(o.astype(q_nope.dtype), lse)

@@ -1,0 +1,151 @@
+"""Multi-head latent attention (MLA, DeepSeek-V3) over a paged latent cache: decode and multi-token rows.
+
+The cache holds one latent row per token, shared by every head: ckv [*, Dc] (also the values) and
+kpe [*, Dr]. Grid (num_cells,): cell c runs items[cell_indptr[c]:cell_indptr[c+1]] one after another
+(planner/mla.py balanced them; COLUMNS there name an item's fields). An item is a tile of block_rows
+query rows of one request, (token, head) pairs token-major, against the keys [kv_start, kv_end):
+each block of block_kv keys is gathered once through the page table for all the tile's heads,
+s = q_nope ckv^T + q_pe kpe^T, online softmax (base 2), o += p ckv. Causal bottom-right: token t
+sees keys <= first_pos + t. Keys past the chunk are masked loads (never read), their scores -inf
+and their ckv rows zeroed before P V. An item with part_base < 0 writes the final (o, lse) rows,
+else float32 partial states for merge.merge_varlen.
+"""
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _attention, _common
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Tuning of the MLA kernel. block_rows (None: the planner's choice, 16-64 query rows per
+    tile); num_warps None: 4 for tiles of up to 16 rows, else 8 (a [64, 512] float32 accumulator
+    takes 128 registers a thread at 8 warps); num_cells None: one cell per SM (a stage of ckv and
+    kpe tiles is 72 KB of shared memory at block_kv 64); min_chunk: the planner splits a tile's
+    keys into chunks of at least this many."""
+    block_kv: int = 64
+    block_rows: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: int = 2
+    num_cells: Optional[int] = None
+    min_chunk: int = 256
+
+    def warps(self, block_rows):
+        return self.num_warps or (4 if block_rows <= 16 else 8)
+
+
+def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
+                o_ref, lse_ref, o_part_ref, lse_part_ref, *, columns, num_heads, block_rows, block_kv,
+                page_size, sm_scale, causal):
+    # items_ref int32[W, len(columns)]; cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
+    # q_nope_ref [N, Dc], q_pe_ref [N, Dr]: q as rows token * H + head (N = T * H)
+    # ckv_ref [num_pages * page_size, Dc], kpe_ref [num_pages * page_size, Dr]: the cache's token rows
+    # o_ref [N, Dc] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, Dc], lse_part_ref f32[parts]
+    r = jnp.arange(block_rows)  # [M] tile rows
+    scale = sm_scale * _common.LOG2E  # folded into exp2's multiply-add
+    prec = _common.dot_precision(q_nope_ref.dtype)
+
+    def item(w, carry):
+        f = {name: _common.uniform(items_ref[w, i]) for i, name in enumerate(columns)}
+        row_ok = r < f["rows"]  # [M]
+        q_rows = f["q_row"] + r  # [M]
+        q_nope = _common.load_rows(q_nope_ref, q_rows, row_ok)  # [M, Dc]
+        q_pe = _common.load_rows(q_pe_ref, q_rows, row_ok)  # [M, Dr]
+        kv_start, n_tok = f["kv_start"], f["kv_end"] - f["kv_start"]
+        limit = f["first_pos"] + (f["row_start"] + r) // num_heads  # [M] last key a row sees (causal)
+        n_plain = n_tok // block_kv  # leading blocks every row sees whole
+        if causal:  # row 0 has the tile's nearest diagonal
+            n_plain = jnp.clip((f["first_pos"] + f["row_start"] // num_heads + 1 - kv_start) // block_kv,
+                               0, n_plain)
+
+        def block(j, carry, masked):
+            acc, m, l = carry  # [M, Dc] f32, [M], [M]
+            offs = j * block_kv + jnp.arange(block_kv)  # [BK]
+            tok = kv_start + offs  # [BK] key positions
+            valid = offs < n_tok  # [BK]
+            page_pos = f["page_base"] + tok // page_size  # [BK] entries of kv_indices
+            if masked:
+                page_ids = _common.load_rows(kv_indices_ref, page_pos, valid)  # [BK]
+            else:
+                page_ids = kv_indices_ref[page_pos]
+            rows = page_ids * page_size + tok % page_size  # [BK] cache rows
+            if masked:
+                ckv = _common.load_rows(ckv_ref, rows, valid)  # [BK, Dc]
+                kpe = _common.load_rows(kpe_ref, rows, valid)  # [BK, Dr]
+                ckv = jnp.where(valid[:, None], ckv, jnp.zeros_like(ckv))  # NaN * 0 = NaN: zeroed
+            else:
+                ckv, kpe = ckv_ref[rows], kpe_ref[rows]  # [BK, Dc], [BK, Dr]
+            s = (lax.dot_general(q_nope, ckv, (((1,), (1,)), ((), ())), precision=prec,
+                                 preferred_element_type=jnp.float32)
+                 + lax.dot_general(q_pe, kpe, (((1,), (1,)), ((), ())), precision=prec,
+                                   preferred_element_type=jnp.float32))  # [M, BK] raw logits
+            if masked:
+                visible = valid[None, :]  # [1, BK]
+                if causal:
+                    visible = visible & (tok[None, :] <= limit[:, None])  # [M, BK]
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale)  # [M] scaled, base 2
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = _common.exp2(m - m_safe)  # [M]
+            p = _common.exp2_scaled(s, scale, m_safe)  # [M, BK]
+            pv = jnp.dot(p.astype(ckv.dtype), ckv, precision=prec, preferred_element_type=jnp.float32)
+            return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+        state = (jnp.zeros((block_rows, o_ref.shape[1]), jnp.float32),
+                 jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
+        state = lax.fori_loop(0, n_plain, functools.partial(block, masked=False), state)
+        acc, m, l = lax.fori_loop(n_plain, pl.cdiv(n_tok, block_kv), functools.partial(block, masked=True), state)
+        o, lse = _attention.finalize(acc, m, l)  # [M, Dc] f32, [M] natural log; no key: 0, -inf
+
+        @pl.when(f["part_base"] < 0)
+        def _():
+            _common.store_rows(o_ref, q_rows, o.astype(o_ref.dtype), row_ok)
+            _common.store_rows(lse_ref, q_rows, lse, row_ok)
+
+        @pl.when(f["part_base"] >= 0)
+        def _():
+            part_rows = f["part_base"] + r * f["part_stride"]  # [M]
+            _common.store_rows(o_part_ref, part_rows, o, row_ok)
+            _common.store_rows(lse_part_ref, part_rows, lse, row_ok)
+
+        return carry
+
+    cell = pl.program_id(0)
+    first, end = (_common.uniform(cell_indptr_ref[cell + i]) for i in (0, 1))
+    lax.fori_loop(first, end, item, 0)
+
+
+def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
+              num_heads, page_size, sm_scale, causal, block_rows, interpret, config=MLAConfig()):
+    """Runs the MLA work list.
+
+    q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head; ckv_rows [num_pages *
+    page_size, Dc], kpe_rows [.., Dr] in q's dtype; kv_indices int32[I]; items int32[W,
+    len(columns)] (planner/mla.py's COLUMNS); cell_indptr int32[num_cells + 1]; sm_scale > 0.
+    Returns (o [N, Dc] q's dtype, lse f32[N], o_part f32[max(num_parts, 1), Dc], lse_part
+    f32[max(num_parts, 1)]); rows of o written by no writethrough item are the merge's.
+    """
+    n, dc = q_nope.shape
+    num_parts = max(int(num_parts), 1)
+    kernel = functools.partial(
+        _mla_kernel, columns=tuple(columns), num_heads=num_heads, block_rows=block_rows,
+        block_kv=config.block_kv, page_size=page_size, sm_scale=float(sm_scale), causal=causal)
+    call = pl.pallas_call(
+        kernel,
+        grid=(cell_indptr.shape[0] - 1,),
+        out_shape=(jax.ShapeDtypeStruct((n, dc), q_nope.dtype),  # o (writethrough)
+                   jax.ShapeDtypeStruct((n,), jnp.float32),  # lse
+                   jax.ShapeDtypeStruct((num_parts, dc), jnp.float32),  # partial o
+                   jax.ShapeDtypeStruct((num_parts,), jnp.float32)),  # partial lse
+        compiler_params=_common.compiler_params(config.warps(block_rows), config.num_stages),
+        interpret=interpret,
+        name="jaxinfer_mla_paged",
+    )
+    with _common.kernel_math(fast=not interpret):
+        return call(items, cell_indptr, kv_indices, q_nope, q_pe, ckv_rows, kpe_rows)

@@ -1,0 +1,276 @@
+"""BatchMLAPagedAttention (interpret mode, the real kernel) against a float64 NumPy oracle.
+
+Runners are cached per (heads, page size, causal, dtype) with fixed capacities, so each compiles
+once and serves every step of every test that uses it (also the compile-once test's claim).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer.reference as ref
+from jaxinfer.mla import BatchMLAPagedAttention, MLAPlan
+from pallas_kernels.mla import MLAConfig
+from planner import mla as mla_planner
+
+CKV, KPE, SCALE = 512, 64, 0.1352
+CAPS = dict(max_batch_size=6, max_num_tokens=16)
+# Steps (qo_lens, kv_lens): decode with kv 1 and 300 (split), a request with no keys, a mixed step
+# with causal rows that see no key (qo 4 > kv 2) and a request without query rows.
+DECODE = ([1, 1, 1, 1, 1], [1, 300, 64, 0, 129])
+MIXED = ([3, 1, 0, 5, 2, 4], [3, 257, 40, 1, 70, 2])
+SMALL = ([1, 2, 1], [1, 70, 0])  # for 128 heads
+
+
+def _num_pages(page_size):
+    return 700 // page_size + 8  # every step's pages plus unlisted ones
+
+
+@functools.lru_cache(maxsize=None)
+def runner(num_heads, page_size, causal):
+    mla = BatchMLAPagedAttention(num_heads, CKV, KPE, page_size, causal=causal, sm_scale=SCALE,
+                                 max_num_pages=_num_pages(page_size), config=MLAConfig(num_cells=3, min_chunk=64),
+                                 **CAPS)
+    return mla, jax.jit(lambda *args: mla.run(*args, return_lse=True))
+
+
+def step(rng, qo_lens, kv_lens, page_size, num_pages=None):
+    """Host page table of a step: (qo_indptr, kv_indptr, kv_indices, kv_len), random page order."""
+    qo_lens, kv_lens = np.asarray(qo_lens, np.int32), np.asarray(kv_lens, np.int32)
+    pages = -(-kv_lens // page_size)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    kv_indices = rng.permutation(num_pages or _num_pages(page_size))[:kv_indptr[-1]].astype(np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    return qo_indptr, kv_indptr, kv_indices, kv_lens
+
+
+def inputs(rng, num_tokens, num_heads, page_size, dtype):
+    n = _num_pages(page_size)
+    shapes = ((num_tokens, num_heads, CKV), (num_tokens, num_heads, KPE), (n, page_size, CKV), (n, page_size, KPE))
+    return [rng.standard_normal(s).astype(np.float32).astype(dtype) for s in shapes]
+
+
+def oracle(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len, causal):
+    """float64 MLA: (o [T, H, CKV], lse [T, H]); rows past the step and rows with no key: 0, -inf."""
+    q_nope, q_pe, ckv, kpe = (np.asarray(x, np.float64) for x in (q_nope, q_pe, ckv, kpe))
+    t, h, _ = q_nope.shape
+    o, lse = np.zeros((t, h, CKV)), np.full((t, h), -np.inf)
+    p = ckv.shape[1]
+    for b in range(len(kv_len)):
+        qs, qe, n = qo_indptr[b], qo_indptr[b + 1], int(kv_len[b])
+        pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+        c, r = ckv[pages].reshape(-1, CKV)[:n], kpe[pages].reshape(-1, KPE)[:n]
+        s = (np.einsum("qhd,kd->qhk", q_nope[qs:qe], c) + np.einsum("qhd,kd->qhk", q_pe[qs:qe], r)) * SCALE
+        if causal:
+            s = np.where(np.arange(n)[None, None, :] <= np.arange(qe - qs)[:, None, None] + n - (qe - qs), s, -np.inf)
+        seen = np.isfinite(s).any(-1)  # [q, H]
+        m = np.where(seen, s.max(-1, initial=-np.inf), 0.0)
+        w = np.exp(s - m[..., None])
+        den = w.sum(-1)
+        o[qs:qe] = np.einsum("qhk,kd->qhd", w, c) / np.where(seen, den, 1.0)[..., None]
+        lse[qs:qe] = np.where(seen, np.log(np.where(seen, den, 1.0)) + m, -np.inf)
+    return o, lse
+
+
+def check(out, want, tol):
+    o, lse = (np.asarray(x, np.float64) for x in out)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want[1]))
+    np.testing.assert_array_equal(o[np.isneginf(want[1])], 0.0)
+    assert np.linalg.norm(o - want[0]) <= tol * np.linalg.norm(want[0])
+    fin = np.isfinite(want[1])
+    np.testing.assert_allclose(lse[fin], want[1][fin], rtol=tol, atol=tol)
+
+
+def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32", poison=False):
+    """Runs one step on the cached runner; returns (output, float64 oracle on the clean cache)."""
+    mla, run = runner(num_heads, page_size, causal)
+    table = step(rng, qo_lens, kv_lens, page_size)
+    q_nope, q_pe, ckv, kpe = inputs(rng, CAPS["max_num_tokens"], num_heads, page_size, jnp.dtype(dtype))
+    want = oracle(q_nope, q_pe, ckv, kpe, *table, causal)
+    if poison:  # NaN in unlisted pages, in each last page's slots past kv_len and in q's padding rows
+        listed = np.zeros(ckv.shape[:2], bool)
+        for b in range(len(kv_lens)):
+            pages = table[2][table[1][b]:table[1][b + 1]]
+            listed.reshape(-1)[(pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:kv_lens[b]]] = True
+        ckv[~listed], kpe[~listed] = np.nan, np.nan
+        q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
+    plan = mla.plan(*table, num_pages=ckv.shape[0])
+    return run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan), want
+
+
+@pytest.mark.parametrize("num_heads,page_size,causal", [(8, 1, True), (16, 64, True), (16, 16, False),
+                                                        (8, 64, False)])
+def test_matches_float64_reference(rng, num_heads, page_size, causal):
+    for qo_lens, kv_lens in (DECODE, MIXED):
+        out, want = run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens)
+        check(out, want, 2e-5)
+
+
+def test_128_heads_small_kv(rng):
+    out, want = run_step(rng, 128, 64, True, *SMALL)
+    check(out, want, 2e-5)
+
+
+def test_bfloat16(rng):
+    out, want = run_step(rng, 16, 64, True, *MIXED, dtype="bfloat16")
+    check(out, want, 2e-2)
+
+
+def test_nan_in_unlisted_pages_stale_slots_and_padding_rows(rng):
+    for qo_lens, kv_lens in (DECODE, MIXED):
+        out, want = run_step(rng, 16, 16, False, qo_lens, kv_lens, poison=True)
+        check(out, want, 2e-5)
+
+
+def test_empty_requests_and_masked_rows_give_zero_and_neg_inf(rng):
+    # kv 0; causal rows before the first key (qo 3 > kv 1); an empty step (all rows padding)
+    for qo_lens, kv_lens in (([2, 3, 1], [0, 1, 5]), ([], [])):
+        (o, lse), want = run_step(rng, 8, 1, True, qo_lens, kv_lens)
+        check((o, lse), want, 2e-5)
+        dead = np.isneginf(want[1])
+        assert dead.sum() >= 3 * 8 and np.all(np.asarray(o)[dead] == 0)
+
+
+def test_one_compilation_across_steps(rng):
+    mla, run = runner(8, 64, False)
+    assert mla.plan(*step(rng, *DECODE, 64), num_pages=_num_pages(64)).info["num_split"] > 0  # merges run
+    for qo_lens, kv_lens in (DECODE, MIXED, ([], []), ([16], [16])):
+        out, want = run_step(rng, 8, 64, False, qo_lens, kv_lens)
+        check(out, want, 2e-5)
+    assert run._cache_size() == 1
+
+
+def test_without_capacities_and_empty_step(rng):
+    mla = BatchMLAPagedAttention(16, CKV, KPE, 16, causal=True, sm_scale=SCALE, config=MLAConfig(num_cells=2))
+    table = step(rng, *MIXED, 16)
+    q_nope, q_pe, ckv, kpe = inputs(rng, int(table[0][-1]), 16, 16, np.float32)
+    out = mla.run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), mla.plan(*table, num_pages=ckv.shape[0]),
+                  return_lse=True)
+    check(out, oracle(q_nope, q_pe, ckv, kpe, *table, True), 2e-5)
+    empty = step(rng, [0, 0], [3, 0], 16)
+    o = mla.run(jnp.zeros((0, 16, CKV)), jnp.zeros((0, 16, KPE)), ckv, kpe, mla.plan(*empty, num_pages=ckv.shape[0]))
+    assert o.shape == (0, 16, CKV)
+
+
+def test_reference_matches_oracle(rng):
+    table = step(rng, [2, 3, 1], [0, 40, 2], 16)
+    q_nope, q_pe, ckv, kpe = inputs(rng, int(table[0][-1]), 4, 16, np.float32)
+    reference = jax.jit(lambda *x: ref.mla_reference(*x, *table, causal=True, sm_scale=SCALE))  # one program
+    got = reference(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)))
+    check(got, oracle(q_nope, q_pe, ckv, kpe, *table, True), 1e-5)
+
+
+def test_plan_is_a_pytree_bound_to_its_wrapper(rng):
+    mla, _ = runner(16, 64, True)
+    table = step(rng, *DECODE, 64)
+    plan = mla.plan(*table, num_pages=_num_pages(64))
+    leaves, tree = jax.tree_util.tree_flatten(plan)
+    again = jax.tree_util.tree_unflatten(tree, leaves)
+    assert isinstance(again, MLAPlan) and again.spec == plan.spec and plan.impl == "mla_triton"
+    q_nope, q_pe, ckv, kpe = (jnp.asarray(x) for x in inputs(rng, 16, 16, 64, np.float32))
+    other = BatchMLAPagedAttention(8, CKV, KPE, 64, causal=True, sm_scale=SCALE, **CAPS,
+                                   max_num_pages=_num_pages(64))
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        other.run(q_nope[:, :8], q_pe[:, :8], ckv, kpe, plan)
+    with pytest.raises(ValueError, match="ckv_cache"):
+        mla.run(q_nope, q_pe, ckv[:3], kpe[:3], plan)
+
+
+def test_planner_covers_every_visible_key_once(rng):
+    """Each query row meets each key it may see in exactly one item (split or not), and is written
+    once (by its item, or by the merge of its tile's chunks), padding rows too; under capacities."""
+    for _ in range(20):
+        batch = int(rng.integers(0, 6))
+        qo, kv = rng.integers(0, 6, batch).astype(np.int32), rng.integers(0, 400, batch).astype(np.int32)
+        h, page, causal, cells = int(rng.choice([8, 16, 20])), int(rng.choice([1, 16, 64])), bool(rng.integers(2)), 5
+        table = step(rng, qo, kv, page, num_pages=2000)
+        layout, buf, info = mla_planner.plan(*table, page_size=page, num_heads=h, num_cells=cells,
+                                             block_rows=mla_planner.block_rows_for(h, 4), causal=causal,
+                                             max_batch_size=6, max_num_tokens=30, max_num_pages=2000,
+                                             min_chunk=64)
+        sec = layout.named([buf[a:b] for a, b in layout.offsets.values()])
+        assert sec["cell_indptr"][-1] == info["num_items"] <= layout.item_cap
+        seen, written = np.zeros((30 * h, 400), np.int64), np.zeros(30 * h, np.int64)
+        for it in mla_planner.work_items(sec["items"][:info["num_items"]]):
+            for r in range(it.rows):
+                last = it.first_pos + (it.row_start + r) // h if causal else 400
+                seen[it.q_row + r, it.kv_start:max(min(it.kv_end, last + 1), it.kv_start)] += 1
+            if it.part_base < 0:
+                written[it.q_row:it.q_row + it.rows] += 1
+        dest = sec["merge_dest"][:info["num_groups"]]
+        np.add.at(written, dest[dest >= 0], 1)
+        np.testing.assert_array_equal(written, 1)
+        want = np.zeros_like(seen)
+        for b in range(batch):
+            for t in range(qo[b]):
+                row = (table[0][b] + t) * h
+                want[row:row + h, :max(min(kv[b], kv[b] - qo[b] + t + 1) if causal else kv[b], 0)] = 1
+        np.testing.assert_array_equal(seen, want)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_heads=0), "num_heads"), (dict(head_dim_ckv=500), "head_dim_ckv"), (dict(head_dim_kpe=8), "head_dim_kpe"),
+    (dict(page_size=0), "page_size"), (dict(sm_scale=None), "sm_scale"), (dict(sm_scale=-1.0), "sm_scale"),
+    (dict(max_num_tokens=0), "max_num_tokens")])
+def test_bad_wrapper_arguments(bad, match):
+    args = dict(num_heads=16, head_dim_ckv=CKV, head_dim_kpe=KPE, page_size=16, sm_scale=SCALE) | bad
+    with pytest.raises(ValueError, match=match):
+        BatchMLAPagedAttention(args.pop("num_heads"), args.pop("head_dim_ckv"), args.pop("head_dim_kpe"),
+                               args.pop("page_size"), **args)
+
+
+def test_bad_plan_and_run_inputs(rng):
+    mla, _ = runner(16, 64, True)
+    qo_indptr, kv_indptr, kv_indices, kv_len = step(rng, *DECODE, 64)
+    n = _num_pages(64)
+    bad_plans = [
+        (dict(qo_indptr=qo_indptr.astype(np.int64)), "qo_indptr"), (dict(kv_indptr=kv_indptr[::-1].copy()), "kv_indptr"),
+        (dict(kv_indices=np.full_like(kv_indices, n)), "kv_indices"), (dict(kv_len=kv_len + 64), "kv_len"),
+        (dict(kv_len=kv_len[:-1]), "kv_len"), (dict(qo_indptr=qo_indptr[:-1]), "qo_indptr"),
+        (dict(qo_indptr=(np.arange(6) * 4).astype(np.int32)), "max_num_tokens"), (dict(kv_indices=list(kv_indices)), "kv_indices")]
+    for bad, match in bad_plans:
+        args = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len=kv_len) | bad
+        with pytest.raises(ValueError, match=match):
+            mla.plan(*args.values(), num_pages=n)
+    with pytest.raises(ValueError, match="num_pages"):
+        mla.plan(qo_indptr, kv_indptr, kv_indices, kv_len)
+    plan = mla.plan(qo_indptr, kv_indptr, kv_indices, kv_len, num_pages=n)
+    good = [jnp.asarray(x) for x in inputs(rng, 16, 16, 64, np.float32)]
+    names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
+    for i, name in enumerate(names):
+        for bad in (good[i].astype(jnp.float16), good[i][..., :16], good[i].astype(jnp.float8_e4m3fn)):
+            args = list(good)
+            args[i] = bad
+            with pytest.raises(ValueError, match=name):
+                mla.run(*args, plan)
+    with pytest.raises(ValueError, match="float64"):
+        mla.run(np.asarray(good[0], np.float64), *good[1:], plan)
+    with pytest.raises(ValueError, match="causal"):
+        runner(16, 64, False)[0].run(*good, plan)
+
+
+def test_gpu_kernel_lowers_for_cuda():
+    """The compiled kernels (MLA and the merge) lower to Triton IR for an H100 on any host."""
+    from test_backend import TRITON_CALL, lower_for_cuda
+    for heads, qo in ((16, 1), (128, 1), (16, 4)):
+        b, kv, page = 4, 300, 64
+        qo_indptr, kv_indptr, kv_indices, kv_len = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 20)
+        mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=qo > 1, sm_scale=SCALE, backend="gpu")
+        plan = mla.plan(qo_indptr, kv_indptr, kv_indices, kv_len, num_pages=20)
+        args = (jnp.ones((b * qo, heads, CKV), jnp.bfloat16), jnp.ones((b * qo, heads, KPE), jnp.bfloat16),
+                jnp.ones((20, page, CKV), jnp.bfloat16), jnp.ones((20, page, KPE), jnp.bfloat16), plan)
+        assert lower_for_cuda(mla.run, *args).count(TRITON_CALL) == 1 + (plan.layout.group_cap > 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_heads", [8, 16, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grid_matches_float64_reference(rng, num_heads, page_size, causal, dtype):
+    for qo_lens, kv_lens in (DECODE, MIXED) if num_heads < 128 else (SMALL, DECODE):
+        out, want = run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype, poison=True)
+        check(out, want, 2e-5 if dtype == "float32" else 2e-2)
