@@ -1,0 +1,403 @@
+"""jaxinfer.sharding: TP, CP and TP x CP on forced host devices equal one device (o and lse).
+
+jax is already initialised in the pytest worker with one CPU device, so the multi-device checks
+run this file as a script in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count
+(and the LLVM opt level of tests/conftest.py); the two-process test starts two such scripts under
+jax.distributed on localhost. Tolerances: float32, o relative error <= 2e-5 and lse within 1e-4.
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer import sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 300
+_START = time.perf_counter()
+
+
+def _script(args, devices=8, timeout=TIMEOUT_S, extra_env=None):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                        "--xla_backend_optimization_level=0")
+    env.update(extra_env or {})
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _check_script(args, devices=8, timeout=TIMEOUT_S):
+    proc = _script(args, devices)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-6000:]
+    assert "OK" in out, out[-6000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process host checks (no devices needed)
+
+
+def test_split_heads():
+    assert sharding.split_heads(64, 8, 4) == sharding.HeadSplit(num_qo_heads=16, num_kv_heads=2, kv_replicas=1)
+    assert sharding.split_heads(64, 8, 8) == sharding.HeadSplit(num_qo_heads=8, num_kv_heads=1, kv_replicas=1)
+    assert sharding.split_heads(8, 2, 8) == sharding.HeadSplit(num_qo_heads=1, num_kv_heads=1, kv_replicas=4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        sharding.split_heads(12, 3, 2)  # 3 KV heads on 2 devices: neither way
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        sharding.split_heads(4, 2, 8)  # 2 query heads per KV head over 4 replicas
+    with pytest.raises(ValueError, match="devices"):
+        sharding.split_heads(8, 2, 0)
+
+
+def test_split_page_table_covers_every_page_once():
+    rng = np.random.default_rng(0)
+    page = 4
+    kv_lens = np.array([0, 1, 4, 5, 37, 130], np.int32)
+    indptr, indices, last, num_pages = _table(rng, kv_lens, page)
+    qo_indptr = np.concatenate([[0], np.cumsum(np.minimum(kv_lens, [0, 1, 3, 5, 9, 130]))]).astype(np.int32)
+    for causal in (False, True):
+        split = sharding.split_page_table(indptr, indices, last, page, 4, qo_indptr=qo_indptr, causal=causal)
+        for r, n in enumerate(kv_lens):  # the shares tile [0, kv_len) in device order
+            ends = split.key_offsets[:, r] + split.share_lens[:, r]
+            assert split.share_lens[:, r].sum() == n
+            live = split.share_lens[:, r] > 0
+            np.testing.assert_array_equal(split.key_offsets[1:, r][live[1:]], ends[:-1][live[1:]])
+            pages = np.concatenate([t[1][t[0][r]:t[0][r + 1]] for t in split.tables])
+            np.testing.assert_array_equal(pages, indices[indptr[r]:indptr[r + 1]])
+    # Causal balance: the 130-key prompt's first share is the shortest.
+    assert split.share_lens[0, -1] < split.share_lens[-1, -1]
+    # Page-sharded caches: pages must lie in each device's block, in device order.
+    with pytest.raises(ValueError, match="device by device"):
+        sharding.split_page_table(np.array([0, 2], np.int32), np.array([9, 1], np.int32),
+                                  np.array([4], np.int32), page, 2, pages_per_shard=8)
+    with pytest.raises(ValueError, match="num_shards"):
+        sharding.split_page_table(indptr, indices, last, page, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-device checks (subprocesses)
+
+
+def test_sharded_equals_one_device():
+    """TP prefill at 4 (KV heads replicated), CP at 4 with short requests and empty shares (decode
+    on a page-sharded cache, causal prefill on a replicated one), TP x CP BatchAttention on (2, 4),
+    a CP decode lax.scan loop, and TP ragged_paged_attention at 2."""
+    _check_script(["fast"])
+
+
+@pytest.mark.slow
+def test_sharded_grid_equals_one_device():
+    """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND."""
+    _check_script(["grid"], timeout=3600)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_jax_distributed():
+    """Two processes (2 forced host devices each) under jax.distributed.initialize on localhost
+    run one CP x TP decode step over the 4 global devices, checked against one device."""
+    port = _free_port()
+    procs = [_script(["dist", str(port), str(i)], devices=2) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "OK" in out, out[-6000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The script side
+
+
+def _table(rng, kv_lens, page_size, extra_pages=3):
+    """Random non-contiguous pages per request: (indptr, indices, last, num_pages)."""
+    npages = -(-np.asarray(kv_lens) // page_size)
+    num_pages = int(npages.sum()) + extra_pages
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+    last = np.where(npages > 0, np.asarray(kv_lens) - (npages - 1) * page_size, page_size).astype(np.int32)
+    return indptr, indices, last, num_pages
+
+
+def _sharded_table(rng, kv_lens, page_size, devices, pages_per_shard):
+    """Pages allocated device by device (an even split of each request's pages), ids from each
+    device's block [k N, (k + 1) N): the page table of a page-sharded cache."""
+    npages = -(-np.asarray(kv_lens) // page_size)
+    free = [list(k * pages_per_shard + rng.permutation(pages_per_shard)) for k in range(devices)]
+    indices = []
+    for n in npages:
+        cuts = np.rint(np.linspace(0, n, devices + 1)).astype(int)
+        for k in range(devices):
+            indices += [free[k].pop() for _ in range(cuts[k + 1] - cuts[k])]
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    last = np.where(npages > 0, np.asarray(kv_lens) - (npages - 1) * page_size, page_size).astype(np.int32)
+    return indptr, np.asarray(indices, np.int32), last
+
+
+class _Case:
+    """One problem: global q, cache and page table, the single-device reference state."""
+
+    def __init__(self, rng, kind, hq, hkv, layout, devices_cp, kv_lens, qo_lens, causal=True, sharded=False):
+        import jax.numpy as jnp
+        self.kind, self.hq, self.hkv, self.layout, self.causal = kind, hq, hkv, layout, causal
+        self.d, self.page = 32, 4
+        kv_lens = np.asarray(kv_lens, np.int32)
+        self.kv_lens = kv_lens
+        self.batch = kv_lens.shape[0]
+        if sharded:
+            per = int((-(-kv_lens // self.page)).sum()) // devices_cp + self.batch + 2
+            self.pages_per_shard = per
+            self.num_pages = per * devices_cp
+            self.table = _sharded_table(rng, kv_lens, self.page, devices_cp, per)
+        else:
+            self.pages_per_shard = None
+            *self.table, self.num_pages = _table(rng, kv_lens, self.page)
+        shape = ((self.num_pages, self.page, hkv, self.d) if layout == "NHD"
+                 else (self.num_pages, hkv, self.page, self.d))
+        self.k = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        self.v = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        self.qo_indptr = None
+        self.bcap, self.pcap = self.batch, int(self.table[0][-1]) + 2
+        if kind == "decode":
+            rows = self.batch
+        else:
+            self.qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+            rows = int(self.qo_indptr[-1]) + 3  # padding rows past the batch give o = 0
+        self.tcap = rows
+        self.q = jnp.asarray(rng.standard_normal((rows, hq, self.d)).astype(np.float32))
+
+    def wrapper(self, hq, hkv):
+        if self.kind == "decode":
+            return ji.BatchDecodeWithPagedKVCache(hq, hkv, self.d, self.page, layout=self.layout, num_ctas=8,
+                                                  max_batch_size=self.bcap, max_num_pages=self.pcap)
+        cls = ji.BatchPrefillWithPagedKVCache if self.kind == "prefill" else ji.BatchAttention
+        return cls(hq, hkv, self.d, self.page, causal=self.causal, layout=self.layout, num_ctas=8,
+                   max_batch_size=self.bcap, max_num_tokens=self.tcap, max_num_pages=self.pcap)
+
+    def plan(self, wrapper):
+        if self.kind == "decode":
+            return wrapper.plan(*self.table, num_pages=self.num_pages)
+        return wrapper.plan(self.qo_indptr, *self.table, num_pages=self.num_pages)
+
+    def cache(self):
+        return ji.PagedKVCache(self.k, self.v, self.layout)
+
+    def reference(self):
+        w = self.wrapper(self.hq, self.hkv)
+        return w.run(self.q, self.cache(), self.plan(w), return_lse=True)
+
+
+def _compare(name, state, ref):
+    o, lse = (np.asarray(x, np.float64) for x in state)
+    ro, rlse = (np.asarray(x, np.float64) for x in ref)
+    assert not np.any(np.isnan(o)), f"{name}: NaN in o"
+    err = np.linalg.norm(o - ro) / max(np.linalg.norm(ro), 1e-30)
+    assert err <= 2e-5, f"{name}: o relative error {err:.2e}"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse), err_msg=f"{name}: empty rows differ")
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], rtol=1e-4, atol=1e-4, err_msg=name)
+    print(f"{name}: o rel err {err:.1e} ({time.perf_counter() - _START:.1f} s)", flush=True)
+
+
+def _mesh(tp, cp):
+    import jax
+    devices = np.asarray(jax.devices()[: tp * cp])
+    if cp == 1:
+        return jax.sharding.Mesh(devices, ("tp",))
+    if tp == 1:
+        return jax.sharding.Mesh(devices, ("cp",))
+    return jax.sharding.Mesh(devices.reshape(tp, cp), ("tp", "cp"))
+
+
+def _check_tp(case, tp):
+    import jax
+    from jax.sharding import NamedSharding
+    mesh = _mesh(tp, 1)
+    hs = sharding.split_heads(case.hq, case.hkv, tp)
+    w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
+    cache = case.cache()
+    if hs.kv_replicas > 1:
+        cache = sharding.replicate_kv_heads(cache, hs.kv_replicas)
+    cache = sharding.put(cache, NamedSharding(mesh, sharding.cache_spec(case.layout, tp_axis="tp")))
+    q = sharding.put(case.q, NamedSharding(mesh, sharding.head_spec("tp")))
+    run = jax.jit(sharding.head_parallel(w, mesh, return_lse=True))
+    _compare(f"TP{tp} {case.kind} {case.layout} Hq{case.hq}/Hkv{case.hkv}", run(q, cache, case.plan(w)),
+             case.reference())
+
+
+def _check_cp(case, tp, cp, ref=None):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = _mesh(tp, cp)
+    tp_axis = "tp" if tp > 1 else None
+    hs = sharding.split_heads(case.hq, case.hkv, tp)
+    w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
+    split = sharding.split_page_table(*case.table, case.page, cp, qo_indptr=case.qo_indptr, causal=case.causal,
+                                      pages_per_shard=case.pages_per_shard)
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages), NamedSharding(mesh, P("cp")))
+    cache = case.cache()
+    if hs.kv_replicas > 1:
+        cache = sharding.replicate_kv_heads(cache, hs.kv_replicas)
+    shard_pages = case.pages_per_shard is not None
+    spec_c = sharding.cache_spec(case.layout, tp_axis=tp_axis, cp_axis="cp" if shard_pages else None)
+    cache = sharding.put(cache, NamedSharding(mesh, spec_c))
+    q = sharding.put(case.q, NamedSharding(mesh, sharding.head_spec(tp_axis)))
+    run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=shard_pages, return_lse=True))
+    empty = int((split.share_lens == 0).sum())
+    _compare(f"TP{tp}xCP{cp} {case.kind} causal={case.causal} {case.layout} "
+             f"{'page-sharded' if shard_pages else 'replicated'} cache ({empty} empty shares)",
+             run(q, cache, plan), case.reference() if ref is None else ref)
+
+
+def _check_cp_scan(rng, cp, steps=3):
+    """A CP decode loop: one horizon plan, lax.scan over steps with plan.kv_lens_at-style lengths."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.lax import scan
+    from jax.sharding import PartitionSpec as P
+    case = _Case(rng, "decode", 4, 2, "NHD", cp, [1, 9, 23, 40], None, sharded=True)
+    mesh = _mesh(1, cp)
+    w = case.wrapper(4, 2)
+    split = sharding.split_page_table(*case.table, case.page, cp, pages_per_shard=case.pages_per_shard)
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, horizon=steps),
+                        NamedSharding(mesh, P("cp")))
+    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp")))
+    run = sharding.context_parallel(w, mesh, return_lse=True)
+    final = jnp.asarray(case.kv_lens)
+
+    @jax.jit
+    def loop(q, cache, plan):
+        def step(carry, s):
+            lens = jnp.maximum(final - (steps - 1 - s), 0)
+            state = run(q * (1.0 + s), cache, plan, kv_lens=lens)
+            return carry, state
+        return scan(step, 0, jnp.arange(steps))[1]
+
+    states = loop(case.q, cache, plan)
+    one = case.wrapper(4, 2)
+    one_plan = one.plan(*case.table, num_pages=case.num_pages, horizon=steps)
+    for s in range(steps):
+        ref = one.run(case.q * (1.0 + s), case.cache(), one_plan, kv_lens=one_plan.kv_lens_at(s), return_lse=True)
+        _compare(f"CP{cp} decode lax.scan step {s}", jax.tree.map(lambda x: x[s], states), ref)
+
+
+def _check_ragged_tp(rng, tp, hq=8, hkv=2):
+    """TP ragged_paged_attention (writes the new K/V too) against one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    d, page, pages_per_seq = 32, 4, 4
+    q_lens = np.array([1, 1, 5, 9], np.int32)
+    kv_lens = np.array([3, 16, 5, 14], np.int32)
+    s = q_lens.shape[0]
+    num_pages = s * pages_per_seq + 2
+    page_indices = rng.permutation(num_pages)[: s * pages_per_seq].astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 2
+    dist = np.array([2, 2, s], np.int32)
+    mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    q, kn, vn = mk((t, hq, d)), mk((t, hkv, d)), mk((t, hkv, d))
+    cache = ji.PagedKVCache(mk((num_pages, page, hkv, d)), mk((num_pages, page, hkv, d)))
+    meta = tuple(jnp.asarray(x) for x in (kv_lens, page_indices, cu, dist))
+    ref_o, ref_cache = ji.ragged_paged_attention(q, kn, vn, cache, *meta)
+    mesh = _mesh(tp, 1)
+    hs = sharding.split_heads(hq, hkv, tp)
+    rep = lambda x: sharding.replicate_kv_heads(x, hs.kv_replicas)
+    heads = NamedSharding(mesh, sharding.head_spec("tp"))
+    run = jax.jit(sharding.head_parallel_ragged(mesh))
+    o, new_cache = run(sharding.put(q, heads), sharding.put(rep(kn), heads), sharding.put(rep(vn), heads),
+                       sharding.put(rep(cache), NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))),
+                       *meta)
+    err = np.linalg.norm(np.asarray(o) - np.asarray(ref_o)) / np.linalg.norm(np.asarray(ref_o))
+    assert err <= 2e-5, f"TP{tp} ragged: o relative error {err:.2e}"
+    np.testing.assert_array_equal(np.asarray(new_cache.k_pages), np.asarray(rep(ref_cache).k_pages))
+    print(f"TP{tp} ragged_paged_attention: o rel err {err:.1e}", flush=True)
+
+
+def _short_mix(kind):
+    """kv_lens, qo_lens with an empty request, requests shorter than a share, and long ones."""
+    kv = [0, 1, 6, 45, 70]
+    qo = [0, 1, 3, 17, 70] if kind != "decode" else None
+    return kv, qo
+
+
+def _main_fast():
+    rng = np.random.default_rng(1)
+    kv, qo = _short_mix("prefill")
+    _check_tp(_Case(rng, "prefill", 8, 2, "NHD", 1, kv, qo), 4)  # KV heads replicated 2x
+    _check_cp(_Case(rng, "decode", 4, 2, "NHD", 4, *_short_mix("decode"), sharded=True), 1, 4)
+    _check_cp(_Case(rng, "prefill", 4, 2, "HND", 4, kv, qo), 1, 4)
+    _check_cp(_Case(rng, "batch", 8, 2, "NHD", 4, kv, [0, 1, 2, 9, 30], sharded=True), 2, 4)
+    _check_cp_scan(rng, 4, steps=2)
+    _check_ragged_tp(rng, 2)
+
+
+def _main_grid():
+    rng = np.random.default_rng(2)
+    for kind in ("decode", "prefill", "batch"):
+        kv, qo = _short_mix(kind)
+        for layout in ("NHD", "HND"):
+            for n in (2, 4, 8):
+                _check_tp(_Case(rng, kind, 16, 4, layout, 1, kv, qo), n)
+                for causal in ((True, False) if kind != "decode" else (True,)):
+                    for sharded in (False, True):
+                        _check_cp(_Case(rng, kind, 4, 2, layout, n, kv, qo, causal, sharded), 1, n)
+            for tp, cp in ((2, 2), (2, 4), (4, 2)):
+                _check_cp(_Case(rng, kind, 8, 2, layout, cp, kv, qo, True, True), tp, cp)
+    for n in (2, 4, 8):
+        _check_ragged_tp(rng, n)
+        _check_cp_scan(rng, n)
+
+
+def _main_dist(port, process_id):
+    """One of two processes: a TP 2 x CP 2 decode step over both processes' devices."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    assert jax.device_count() == 4 and jax.local_device_count() == 2
+    rng = np.random.default_rng(3)  # the same inputs in both processes
+    case = _Case(rng, "decode", 8, 2, "NHD", 2, [1, 6, 21, 40], None, sharded=True)
+    with jax.default_device(jax.local_devices()[0]):
+        ref = case.reference()
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 2), ("tp", "cp"))
+    w = case.wrapper(4, 1)
+    split = sharding.split_page_table(*case.table, case.page, 2, pages_per_shard=case.pages_per_shard)
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages), NamedSharding(mesh, P("cp")))
+    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp", cp_axis="cp")))
+    q = sharding.put(case.q, NamedSharding(mesh, sharding.head_spec("tp")))
+    o, lse = jax.jit(sharding.context_parallel(w, mesh, tp_axis="tp", return_lse=True))(q, cache, plan)
+    for out, full in ((o, ref.o), (lse, ref.lse)):  # this process's shards against the reference
+        for shard in out.addressable_shards:
+            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(full)[shard.index], rtol=1e-4,
+                                       atol=2e-5)
+    print(f"process {process_id}: {len(o.addressable_shards)} shards match", flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "fast":
+        _main_fast()
+    elif mode == "grid":
+        _main_grid()
+    else:
+        _main_dist(int(sys.argv[2]), int(sys.argv[3]))
+    print("OK")
