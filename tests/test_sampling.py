@@ -278,3 +278,22 @@ def test_chain_speculative_sampling_follows_the_target():
     second = out[emitted >= 1, 1]
     assert _chi2_pvalue(second, target1[0, 1], len(second)) > ALPHA
     assert 0 < np.mean(emitted) < SPEC_N
+
+
+def test_gpu_kernels_lower_for_cuda_on_any_host():
+    """The compiled kernels (backend="gpu") lower to Triton IR for an H100 without a GPU: every
+    filter combination in float32, one in bfloat16 (the Pallas-Triton rules run; Triton does not)."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    calls = [
+        lambda x, k: S.sampling_from_logits(x, key=k, temperature=0.7, backend="gpu"),
+        lambda x, k: S.top_k_top_p_sampling_from_logits(x, 5, 0.9, key=k, backend="gpu"),
+        lambda x, k: S.top_k_top_p_sampling_from_probs(x, 5, 0.9, filter_apply_order="joint", key=k, backend="gpu"),
+        lambda x, k: S.min_p_sampling_from_probs(x, 0.1, key=k, backend="gpu"),
+        lambda x, k: S.top_k_mask_logits(x, 5, backend="gpu"),
+    ]
+    for dtype, call in [(jnp.float32, c) for c in calls] + [(jnp.bfloat16, calls[1])]:
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(call).trace(jnp.ones((4, 1000), dtype), jax.random.key(0)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
