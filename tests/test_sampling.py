@@ -292,8 +292,9 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
         lambda x, k: S.min_p_sampling_from_probs(x, 0.1, key=k, backend="gpu"),
         lambda x, k: S.top_k_mask_logits(x, 5, backend="gpu"),
     ]
+    key = jax.random.key(0)
     for dtype, call in [(jnp.float32, c) for c in calls] + [(jnp.bfloat16, calls[1])]:
+        x = jnp.ones((4, 1000), dtype)  # concrete arrays are made outside the abstract mesh
         with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(call).trace(jnp.ones((4, 1000), dtype), jax.random.key(0)).lower(
-                lowering_platforms=("cuda",)).as_text()
+            text = jax.jit(call).trace(x, key).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
