@@ -103,7 +103,7 @@ class BatchMLAPagedAttention:
         self.max_num_tokens = _capacity("max_num_tokens", max_num_tokens)
         self.max_num_pages = _capacity("max_num_pages", max_num_pages)
         self.interpret = _backend.use_interpret(backend)
-        self.num_cells = self.config.num_cells or _backend.num_sms()
+        self.num_sms = _backend.num_sms()
         self.facts = WrapperFacts(type(self).__name__, self.num_heads, 1, self.head_dim_ckv, self.page_size,
                                   "NHD", (self.max_batch_size, self.max_num_tokens, self.max_num_pages))
 
@@ -124,9 +124,10 @@ class BatchMLAPagedAttention:
         are rejected, and run() rejects a smaller cache)."""
         num_pages = validate.check_num_pages(num_pages)
         qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
+        block_rows = self._block_rows(qo_lens)
         layout, buf, info = mla_planner.plan(
             qo_indptr, kv_indptr, kv_indices, kv_len, page_size=self.page_size, num_heads=self.num_heads,
-            num_cells=self.num_cells, block_rows=self._block_rows(qo_lens), causal=self.causal,
+            num_cells=self.config.cells(block_rows, self.num_sms), block_rows=block_rows, causal=self.causal,
             num_pages=num_pages, max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
             max_num_pages=self.max_num_pages, block_kv=self.config.block_kv, min_chunk=self.config.min_chunk)
         spec = self.facts.spec(num_pages, IMPL)

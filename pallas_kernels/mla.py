@@ -26,18 +26,23 @@ from pallas_kernels import _attention, _common
 class MLAConfig:
     """Tuning of the MLA kernel. block_rows (None: the planner's choice, 16-64 query rows per
     tile); num_warps None: 4 for tiles of up to 16 rows, else 8 (a [64, 512] float32 accumulator
-    takes 128 registers a thread at 8 warps); num_cells None: one cell per SM (a stage of ckv and
-    kpe tiles is 72 KB of shared memory at block_kv 64); min_chunk: the planner splits a tile's
-    keys into chunks of at least this many."""
+    takes 128 registers a thread at 8 warps); num_stages 3, as the decode kernel (the page-id
+    gather takes a stage; a stage of ckv and kpe is 72 KB of shared memory at block_kv 64);
+    num_cells None: two cells per SM for tiles of up to 16 rows (memory-bound decode), else one;
+    min_chunk: the planner splits a tile's keys into chunks of at least this many. Untuned on
+    hardware so far: benchmarks/bench_mla.py --sweep times the alternatives."""
     block_kv: int = 64
     block_rows: Optional[int] = None
     num_warps: Optional[int] = None
-    num_stages: int = 2
+    num_stages: int = 3
     num_cells: Optional[int] = None
     min_chunk: int = 256
 
     def warps(self, block_rows):
         return self.num_warps or (4 if block_rows <= 16 else 8)
+
+    def cells(self, block_rows, num_sms):
+        return self.num_cells or num_sms * (2 if block_rows <= 16 else 1)
 
 
 def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,

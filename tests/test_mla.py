@@ -227,10 +227,10 @@ def test_bad_plan_and_run_inputs(rng):
     qo_indptr, kv_indptr, kv_indices, kv_len = step(rng, *DECODE, 64)
     n = _num_pages(64)
     bad_plans = [
-        (dict(qo_indptr=qo_indptr.astype(np.int64)), "qo_indptr"), (dict(kv_indptr=kv_indptr[::-1].copy()), "kv_indptr"),
+        (dict(qo_indptr=qo_indptr.astype(np.int64)), "qo_indptr"), (dict(qo_indptr=qo_indptr[:-1]), "qo_indptr"),
+        (dict(kv_indptr=kv_indptr[::-1].copy()), "kv_indptr"), (dict(kv_indices=list(kv_indices)), "kv_indices"),
         (dict(kv_indices=np.full_like(kv_indices, n)), "kv_indices"), (dict(kv_len=kv_len + 64), "kv_len"),
-        (dict(kv_len=kv_len[:-1]), "kv_len"), (dict(qo_indptr=qo_indptr[:-1]), "qo_indptr"),
-        (dict(qo_indptr=(np.arange(6) * 4).astype(np.int32)), "max_num_tokens"), (dict(kv_indices=list(kv_indices)), "kv_indices")]
+        (dict(kv_len=kv_len[:-1]), "kv_len"), (dict(qo_indptr=(np.arange(6) * 4).astype(np.int32)), "max_num_tokens")]
     for bad, match in bad_plans:
         args = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len=kv_len) | bad
         with pytest.raises(ValueError, match=match):

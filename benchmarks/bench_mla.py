@@ -1,0 +1,182 @@
+"""MLA on the GPU: BatchMLAPagedAttention beside FlashInfer 0.5.3's BatchMLAPagedAttentionWrapper.
+
+    PYTHONPATH=. python3 benchmarks/bench_mla.py [--sweep] [--smoke]
+
+Rows (bf16, ckv 512 + kpe 64, page 64, sm_scale 0.1352): decode 16 heads B64 kv4096 (and page 1),
+128 heads B64 kv4096 and B16 kv8192, causal prefill 16 heads B4 S4096 (absorbed). Each row is
+checked against jaxinfer.reference.mla_reference first, then timed (median; `CALLS` calls per
+program so host dispatch hides no GPU time). FlashInfer (fa3, fa2) runs on the same inputs through
+DLPack when torch and flashinfer import (../shared/anchors/README.md), else its columns stay
+blank. --sweep times MLAConfig variants; --smoke runs tiny shapes in interpret mode (CPU).
+"""
+import argparse
+import dataclasses
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # room for torch beside jax
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import bench, record, rel_err, save  # noqa: E402
+from jaxinfer.mla import BatchMLAPagedAttention  # noqa: E402
+from jaxinfer.reference import mla_reference  # noqa: E402
+from pallas_kernels.mla import MLAConfig  # noqa: E402
+
+CKV, KPE, SCALE, CALLS = 512, 64, 0.1352337747812271, 10
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    name: str
+    heads: int
+    qo_lens: tuple
+    kv_lens: tuple
+    page_size: int = 64
+    causal: bool = False
+
+
+ROWS = (
+    Row(name="decode H16 B64 kv4096", heads=16, qo_lens=(1,) * 64, kv_lens=(4096,) * 64),
+    Row(name="decode H16 B64 kv4096 p1", heads=16, qo_lens=(1,) * 64, kv_lens=(4096,) * 64, page_size=1),
+    Row(name="decode H128 B64 kv4096", heads=128, qo_lens=(1,) * 64, kv_lens=(4096,) * 64),
+    Row(name="decode H128 B16 kv8192", heads=128, qo_lens=(1,) * 16, kv_lens=(8192,) * 16),
+    Row(name="prefill H16 B4 S4096 causal", heads=16, qo_lens=(4096,) * 4, kv_lens=(4096,) * 4, causal=True),
+)
+SMOKE_ROWS = (
+    Row(name="smoke decode H16 B3", heads=16, qo_lens=(1, 1, 1), kv_lens=(1, 130, 77), page_size=16),
+    Row(name="smoke prefill H8 B2 causal", heads=8, qo_lens=(9, 4), kv_lens=(9, 40), page_size=16, causal=True),
+)
+SWEEP = (MLAConfig(), MLAConfig(num_stages=2), MLAConfig(num_stages=4, block_kv=32),
+         MLAConfig(num_stages=3, block_kv=32), MLAConfig(num_warps=4), MLAConfig(num_warps=8),
+         MLAConfig(num_cells=132), MLAConfig(num_cells=264), MLAConfig(block_rows=32), MLAConfig(block_rows=16))
+
+
+def inputs(row, rng):
+    """(q_nope, q_pe, ckv, kpe) bf16 on the device and the host page table (random page order)."""
+    kv = np.asarray(row.kv_lens, np.int32)
+    pages = -(-kv // row.page_size)
+    n = int(pages.sum())
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    kv_indices = rng.permutation(n).astype(np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(row.qo_lens)]).astype(np.int32)
+    t = int(qo_indptr[-1])
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    shapes = ((t, row.heads, CKV), (t, row.heads, KPE), (n, row.page_size, CKV), (n, row.page_size, KPE))
+    arrays = [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes)]
+    return arrays, (qo_indptr, kv_indptr, kv_indices, kv)
+
+
+def work(row):
+    """(FLOPs, bytes of latent cache read once): 2 H (ckv + kpe + ckv) per visible key."""
+    vis = sum(int(np.clip(np.arange(q) + (k - q) + 1, 0, k).sum()) if row.causal else q * k
+              for q, k in zip(row.qo_lens, row.kv_lens))
+    return 2 * row.heads * (CKV + KPE + CKV) * vis, int(np.sum(row.kv_lens)) * (CKV + KPE) * 2
+
+
+def time_jaxinfer(row, arrays, table, config, want, backend):
+    mla = BatchMLAPagedAttention(row.heads, CKV, KPE, row.page_size, causal=row.causal, sm_scale=SCALE,
+                                 config=config, backend=backend)
+    plan = mla.plan(*table, num_pages=arrays[2].shape[0])
+    start = time.perf_counter()
+    for _ in range(10):
+        plan = mla.plan(*table, num_pages=arrays[2].shape[0])
+    plan_us = (time.perf_counter() - start) / 10 * 1e6
+    o = jax.jit(mla.run)(*arrays, plan)
+    err = rel_err(o, want)
+    qs = jnp.stack([arrays[0]] * CALLS)  # CALLS calls in one program
+    many = jax.jit(lambda qs, q_pe, ckv, kpe, p: [mla.run(qs[i], q_pe, ckv, kpe, p) for i in range(CALLS)])
+    iters = 2 if backend == "interpret" else 20
+    t = bench(many, qs, *arrays[1:], plan, iters=iters, reps=3 if backend == "interpret" else 7) / CALLS
+    return t, err, dict(plan.info, plan_us=plan_us)
+
+
+class FlashInfer:
+    """FlashInfer's MLA wrapper on jaxinfer's arrays (zero-copy through DLPack)."""
+
+    def __init__(self):
+        import flashinfer
+        import torch
+        self.torch, self.fi = torch, flashinfer
+        self.ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def time(self, row, arrays, table, backend):
+        torch = self.torch
+        q_nope, q_pe, ckv, kpe = (torch.from_dlpack(x) for x in arrays)
+        ints = [torch.as_tensor(a, device="cuda") for a in table]
+        w = self.fi.mla.BatchMLAPagedAttentionWrapper(self.ws, backend=backend)
+        w.plan(ints[0], ints[1], ints[2], ints[3], row.heads, CKV, KPE, row.page_size, row.causal, SCALE,
+               torch.bfloat16, torch.bfloat16)
+        o = jnp.from_dlpack(w.run(q_nope, q_pe, ckv, kpe).contiguous())
+        w.run(q_nope, q_pe, ckv, kpe)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                w.run(q_nope, q_pe, ckv, kpe)
+            end.record()
+            torch.cuda.synchronize()
+            ts.append(start.elapsed_time(end) / 20 / 1e3)
+        return float(np.median(ts)), o
+
+
+def load_flashinfer():
+    try:
+        return FlashInfer()
+    except Exception as e:  # no torch, no flashinfer, no GPU: the columns stay blank
+        print(f"FlashInfer unavailable ({type(e).__name__}: {e}); its columns stay blank", flush=True)
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="time MLAConfig variants on every row")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    args = ap.parse_args()
+    backend = "interpret" if args.smoke else None
+    print("jax", jax.__version__, jax.devices(), flush=True)
+    fi = None if args.smoke else load_flashinfer()
+    rng = np.random.default_rng(0)
+    table_rows = []
+    for row in SMOKE_ROWS if args.smoke else ROWS:
+        arrays, table = inputs(row, rng)
+        flops, nbytes = work(row)
+        want = jax.jit(lambda *a: mla_reference(*a, *table, causal=row.causal, sm_scale=SCALE).o)(*arrays)
+        best = None
+        for config in SWEEP if args.sweep else (MLAConfig(),):
+            try:
+                t, err, info = time_jaxinfer(row, arrays, table, config, want, backend)
+            except Exception as e:  # a sweep config that does not compile (shared memory, registers)
+                record("jaxinfer_mla", row=row.name, config=repr(config), error=f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            record("jaxinfer_mla", row=row.name, config=repr(config), us=t * 1e6, GBps=nbytes / t / 1e9,
+                   TFLOPs=flops / t / 1e12, rel_err=err, items=info["num_items"], split_tiles=info["num_split"],
+                   chunk=info["chunk"], plan_us=info["plan_us"])
+            if best is None or t < best[0]:
+                best = (t, err, config)
+        fi_us = {}
+        for fb in ("fa3", "fa2") if fi is not None else ():
+            try:
+                t, o = fi.time(row, arrays, table, fb)
+                fi_us[fb] = t * 1e6
+                record("flashinfer_mla", row=row.name, backend=fb, us=t * 1e6, GBps=nbytes / t / 1e9,
+                       TFLOPs=flops / t / 1e12, rel_err=rel_err(o, want))
+            except Exception as e:
+                record("flashinfer_mla", row=row.name, backend=fb, error=f"{type(e).__name__}: {str(e)[:300]}")
+        table_rows.append((row, best, fi_us, flops, nbytes))
+    save("mla_sweep" if args.sweep else "mla")
+    print("\n| row | jaxinfer µs | GB/s | TFLOP/s | rel err | FlashInfer fa3 µs | fa2 µs | config |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row, best, fi_us, flops, nbytes in table_rows:
+        t, err, config = best or (float("nan"), float("nan"), None)
+        fa = " | ".join(f"{fi_us[b]:.1f}" if b in fi_us else "" for b in ("fa3", "fa2"))
+        print(f"| {row.name} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {flops / t / 1e12:.1f} | {err:.1e} | {fa} | "
+              f"{config} |")
+
+
+if __name__ == "__main__":
+    main()
