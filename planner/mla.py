@@ -116,6 +116,8 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    if num_cells < 1:
+        raise ValueError(f"num_cells must be >= 1, got {num_cells}")
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if block_kv < 1 or block_kv & (block_kv - 1):
