@@ -7,17 +7,12 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.runners import run_mixed_sections, run_short_sections
-from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, kv_scales
+from jaxinfer.formats import AttentionState, check_layout, check_paged_cache, check_q, kv_scales
 from jaxinfer.plans import BatchPlan, WrapperFacts
-from jaxinfer.prefill import BatchPrefillWithPagedKVCache, _check_q
+from jaxinfer.prefill import BatchPrefillWithPagedKVCache
 from planner import batch as batch_planner
 from planner import scheduler, validate
 
-
-# With every capacity given, short requests are those whose tokens x group fit 16 rows (decode,
-# verify of 16 / group tokens): one decode-kernel (or packed-tile) program serves every step;
-# longer ones take prefill tiles.
-FIXED_SHORT_ROWS = 16
 
 
 class BatchAttention:
@@ -34,7 +29,7 @@ class BatchAttention:
     picks Triton or Mosaic GPU from their lengths). At most two launches plus the merges;
     deterministic. With max_batch_size, max_num_tokens and max_num_pages all given, every plan has
     one pytree structure and the same shapes, whatever the step (run() compiles once): short
-    requests are those of up to 16 rows (tokens x group; FIXED_SHORT_ROWS), the decode kernel and
+    requests are those of up to 16 rows (tokens x group; dispatch.FIXED_SHORT_ROWS), the decode kernel and
     the Triton prefill kernel (64-row tiles) both launch every step, empty or not (impl="mosaic"
     pins the Mosaic one; impl="mixed" makes every step one mixed launch). That costs time for one compilation: on an H200, decode B64 kv4096 258.5
     -> 288.3 µs, q4 B64 263.2 -> 291.4, the mixed step 4 x 512 + 60 decode 326.0 -> 457.3 (its
@@ -56,12 +51,11 @@ class BatchAttention:
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  variant=None, sm_scale=None, max_batch_size=None, max_num_tokens=None, max_num_pages=None,
                  num_ctas=None, backend=None, impl="auto", config=None, fixed_shapes=None):
-        if impl not in ("auto", "triton", "mosaic", "mixed"):
-            raise ValueError(f"impl must be 'auto', 'triton', 'mosaic' or 'mixed', got {impl!r}")
+        impls = dispatch.batch_impls(impl)
         self.prefill = BatchPrefillWithPagedKVCache(
             num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal, layout=layout,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
-            sm_scale=sm_scale, backend=backend, variant=variant, impl="mosaic" if impl == "mixed" else impl,
+            sm_scale=sm_scale, backend=backend, variant=variant, impl=impls.long,
             config=config, num_ctas=num_ctas, fixed_shapes=fixed_shapes)
         self.prefill.often_empty = True  # (plans of fixed shapes launch it on every step)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
@@ -77,7 +71,7 @@ class BatchAttention:
         # Steps with both short and long requests: two classes, or one mixed launch (impl "mixed"
         # forces it; "auto" lets the cost model choose when plan() is told the dtypes).
         self.mixed_problem = dataclasses.replace(self.problem, family="batch")
-        self.mixed_impl = {"auto": "auto", "mixed": "mixed"}.get(impl, "classes")
+        self.mixed_impl = impls.both
         dispatch.check(self.mixed_problem, self.mixed_impl)
         # The mixed launch's static facts: a persistent grid of one cell per SM, its query tile height.
         self.mixed_cells = _backend.num_sms()
@@ -111,21 +105,14 @@ class BatchAttention:
                 raise ValueError(f"the step has {n} {what}, over {name}={cap}")
         fixed = self.prefill.fixed_shapes  # every plan of one structure and shapes
         live = qo_lens > 0
-        if fixed:  # the short class is the wrapper's, not the step's
-            tokens = batch_planner.short_cap(self.group, FIXED_SHORT_ROWS)
-            is_short = qo_lens <= tokens
-            mixed = self.mixed_impl == "mixed"
-        else:
-            tokens, is_short = batch_planner.short_tokens(qo_lens, self.group)
-            mixed = (dtypes is not None or self.mixed_impl == "mixed") and (
-                0 < np.count_nonzero(is_short & live) < np.count_nonzero(live))  # short and long rows
+        tokens, is_short = dispatch.batch_classes(qo_lens, self.group, fixed_shapes=fixed)
         page_base = kv_indptr[:-1]
-        if mixed:
+        if dispatch.batch_tries_mixed(self.mixed_impl, dtypes, is_short, live, fixed_shapes=fixed):
             rows = self.__dict__.setdefault("_mixed_rows", {})  # candidates by dtypes: made once
             if dtypes not in rows:
                 rows[dtypes] = dispatch.candidates(self.mixed_problem, self.mixed_impl, dtypes)
-            choice = (rows[dtypes][0] if fixed else
-                      dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows[dtypes]))
+            choice = dispatch.choose(self.mixed_problem, qo_lens, kv_lens, self.causal, rows=rows[dtypes],
+                                     fixed_shapes=fixed)
             if choice.name == "batch_mosaic":
                 layout, buf, info = batch_planner.plan_mixed(
                     qo_indptr, kv_lens, page_base, kv_indices[:num_listed], is_short, page_size=self.page_size,
@@ -177,7 +164,7 @@ class BatchAttention:
         plan.spec.check(self.facts)
         variants.check_variant(self.variant, return_lse)
         params = None if self.variant is None else self.variant.check_params(variant_params)
-        _check_q(q)
+        check_q(q)
         lay = plan.layout
         if tuple(q.shape) != (lay.num_tokens, self.num_qo_heads, self.head_dim):
             raise ValueError(f"q must have shape {(lay.num_tokens, self.num_qo_heads, self.head_dim)}, got {q.shape}")

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.cascade import MultiLevelCascadeAttention
-from jaxinfer.formats import (AttentionState, PagedKVCache, check_int32, check_layout, check_paged_cache,
+from jaxinfer.formats import (AttentionState, PagedKVCache, check_int32, check_layout, check_paged_cache, check_q,
                               default_sm_scale, is_concrete, kv_scales)
 from jaxinfer.plans import CascadePlan, DecodePlan, WrapperFacts
 from jaxinfer.prefill import auto_cascade_levels
@@ -202,8 +202,7 @@ class BatchDecodeWithPagedKVCache:
         if not isinstance(plan, DecodePlan):
             raise ValueError("plan must be a DecodePlan from BatchDecodeWithPagedKVCache.plan()")
         plan.spec.check(self.facts)
-        if not hasattr(q, "dtype") or jnp.dtype(q.dtype) not in (jnp.float32, jnp.float16, jnp.bfloat16):
-            raise ValueError(f"q must be float32, float16 or bfloat16, got {getattr(q, 'dtype', type(q))}")
+        check_q(q)
         heads = self.num_qo_heads + (2 * self.num_kv_heads if fused else 0)
         expect_q = (plan.layout.batch, heads, self.head_dim)
         if tuple(q.shape) != expect_q:

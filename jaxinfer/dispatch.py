@@ -19,6 +19,9 @@ import numpy as np
 
 from jaxinfer import _backend, variants
 from pallas_kernels.decode import DecodeConfig
+from pallas_kernels import mla as mla_kernels
+from pallas_kernels import prefill as prefill_kernels
+from pallas_kernels import sampling as sampling_kernels
 from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
 from planner import batch as batch_planner
 from planner import prefill as prefill_planner
@@ -33,7 +36,7 @@ MOSAIC_FLOPS_PER_US = 5.3e8     # the same row on the Mosaic GPU kernel: 539-572
 LAUNCH_US = 8.0                 # one kernel launch plus its merge (decode (16, 1024): 37 µs total)
 KV_ITEMSIZE = 2                 # bf16 K/V (plans are made before dtypes are known)
 
-FAMILIES = ("decode", "prefill", "batch")  # batch: BatchAttention's steps with short and long requests
+FAMILIES = ("decode", "prefill", "batch", "mla", "sampling")  # batch: BatchAttention's mixed steps
 KV_FORMATS = ("paged", "ragged", "bsr")
 
 
@@ -80,6 +83,9 @@ class Implementation:
     cost_us: Callable[[Problem, np.ndarray, np.ndarray, bool], float]
     # Why it cannot take q / K/V of these dtypes (None when it can).
     dtypes_unsupported: Callable[[np.dtype, np.dtype], Optional[str]] = lambda q_dtype, kv_dtype: None
+    takes_scales: bool = True    # fp8 K/V with k_scale / v_scale
+    whole_tiles: bool = False    # stores whole query tiles: its plans start requests at aligned rows (tails)
+    kernel: Optional[Callable] = None  # a prefill row's entry point (pallas_kernels.prefill.run_*)
 
     def default_config(self, problem):
         if self.config_type is MosaicPrefillConfig:
@@ -173,9 +179,7 @@ def _always(problem, explicit):
 
 
 def _mosaic_dtypes_unsupported(q_dtype, kv_dtype):
-    if np.dtype(q_dtype) not in (np.dtype("bfloat16"), np.dtype("float16")) or np.dtype(kv_dtype) != np.dtype(q_dtype):
-        return f"q and K/V must both be bfloat16 or float16, got {np.dtype(q_dtype)} / {np.dtype(kv_dtype)}"
-    return None
+    return prefill_kernels.mosaic_limits(q_dtype=q_dtype, kv_dtype=kv_dtype)
 
 
 def _mosaic_unsupported(problem, explicit):
@@ -183,18 +187,15 @@ def _mosaic_unsupported(problem, explicit):
     _mosaic_dtypes_unsupported: a plan made without dtypes carries a Triton plan for the others)."""
     if not explicit and not problem.hopper:
         return "needs a Hopper GPU (compiled; interpret mode runs it only with impl='mosaic')"
-    if problem.layout != "NHD":
-        return f"layout must be 'NHD', got {problem.layout!r}"
-    if problem.head_dim % 64:
-        return f"head_dim must be a multiple of 64, got {problem.head_dim}"
     if problem.kv_format == "bsr":
         return "block-sparse attention runs on Triton only"
     if problem.custom_mask:
         return "custom masks run on Triton only"
-    block_kv = mosaic_default_config(problem).block_kv
-    ps = problem.page_size
-    if problem.kv_format == "paged" and (ps % 8 or (block_kv % ps and ps % block_kv)):
-        return f"page_size must be a multiple of 8 dividing {block_kv} (or a multiple of it), got {ps}"
+    why = prefill_kernels.mosaic_limits(
+        head_dim=problem.head_dim, page_size=problem.page_size if problem.kv_format == "paged" else None,
+        block_kv=mosaic_default_config(problem).block_kv, layout=problem.layout)
+    if why is not None:
+        return why
     v = problem.variant
     if v is not None and (v.has_query_transform or v.has_key_transform):
         return f"variant {v.name!r} has query / key transforms (RoPE runs on Triton)"
@@ -276,11 +277,37 @@ def _batch_mosaic_unsupported(problem, explicit):
     return _mosaic_unsupported(problem, explicit)
 
 
+def _mla_unsupported(problem, explicit):
+    if problem.kv_format != "paged" or problem.num_kv_heads != 1:
+        return "reads one paged latent cache (num_kv_heads 1)"
+    return None
+
+
+def _mla_dtypes_unsupported(q_dtype, kv_dtype):
+    if np.dtype(q_dtype) not in (np.dtype("float32"), np.dtype("float16"), np.dtype("bfloat16")) or (
+            np.dtype(kv_dtype) != np.dtype(q_dtype)):
+        return f"q and the latent cache must share float32, float16 or bfloat16, got {q_dtype} / {kv_dtype}"
+    return None
+
+
+MLA_FLOPS_PER_US = 3.0e8  # a Triton MLA tile's dots (estimate: not yet measured on hardware)
+
+
+def _mla_cost(problem, qo_lens, kv_lens, causal):
+    """The latent cache read once, or the dots of every head over its visible keys."""
+    latent = KV_ITEMSIZE * problem.head_dim * float(kv_lens.sum()) / HBM_BYTES_PER_US
+    keys = float(_visible_keys(qo_lens, kv_lens, 1, causal).sum())
+    flops = 2.0 * problem.num_qo_heads * (2 * problem.head_dim) * keys
+    return LAUNCH_US + max(latent, flops / MLA_FLOPS_PER_US)
+
+
 IMPLEMENTATIONS = (
     Implementation("decode_triton", "decode", "triton", DecodeConfig, _always, _decode_cost),
-    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost),
+    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost,
+                   kernel=prefill_kernels.run_triton),
     Implementation("prefill_mosaic", "prefill", "mosaic", MosaicPrefillConfig, _mosaic_unsupported,
-                   _mosaic_prefill_cost, _mosaic_dtypes_unsupported),
+                   _mosaic_prefill_cost, _mosaic_dtypes_unsupported, takes_scales=False, whole_tiles=True,
+                   kernel=prefill_kernels.run_mosaic),
     # Prefill steps whose every request is short (speculative verify, small appends): the decode
     # kernel with each request's tokens x head group in one tile, split-KV (planner.batch).
     Implementation("prefill_short", "prefill", "short", DecodeConfig, _short_unsupported, _short_cost),
@@ -289,9 +316,22 @@ IMPLEMENTATIONS = (
     Implementation("batch_classes", "batch", "classes", DecodeConfig, _short_unsupported, _batch_classes_cost),
     # ... or both in one persistent Mosaic GPU launch.
     Implementation("batch_mosaic", "batch", "mixed", MosaicPrefillConfig, _batch_mosaic_unsupported,
-                   _batch_mosaic_cost, _mosaic_dtypes_unsupported),
+                   _batch_mosaic_cost, _mosaic_dtypes_unsupported, takes_scales=False),
+    # Multi-head latent attention (BatchMLAPagedAttention): every head of a request over one
+    # latent cache, decode and multi-token rows in one kernel, split-KV merged.
+    Implementation("mla_triton", "mla", "triton", mla_kernels.MLAConfig, _mla_unsupported, _mla_cost,
+                   _mla_dtypes_unsupported, takes_scales=False, kernel=mla_kernels.mla_paged),
+    # Token sampling (jaxinfer.sampling): one program per row, threshold search without sorting.
+    Implementation("sampling_pallas", "sampling", "pallas", sampling_kernels.SamplingConfig, _always,
+                   lambda problem, qo_lens, kv_lens, causal: 0.0, kernel=sampling_kernels.filtered_sample),
 )
 IMPLEMENTATIONS_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
+WHOLE_TILE_ROWS = tuple(i.name for i in IMPLEMENTATIONS if i.whole_tiles)
+
+
+def sampling_row():
+    """The sampling kernel's row (one implementation: every vocabulary, dtype and backend)."""
+    return IMPLEMENTATIONS_BY_NAME["sampling_pallas"]
 
 
 def implementations(problem, impl="auto"):
@@ -333,6 +373,30 @@ def candidates(problem, impl="auto", dtypes=None):
     return rows
 
 
+def explain(problem, qo_lens=None, kv_lens=None, causal=True, impl="auto", dtypes=None):
+    """Why choose() picks what it picks, as lines of text: each row of the problem's family, with
+    the reason it cannot run (or the dtypes it cannot take), else its estimated cost for the step
+    (qo_lens, kv_lens), then the choice."""
+    lines = [f"{problem.family} problem: Hq {problem.num_qo_heads}, Hkv {problem.num_kv_heads}, head_dim "
+             f"{problem.head_dim}, {problem.kv_format}, page {problem.page_size}, {problem.layout}, "
+             f"{'interpret' if problem.interpret else 'compiled'}" + ("" if problem.hopper else " (no Hopper)")]
+    for row, reason in implementations(problem, impl):
+        if reason is None and dtypes is not None:
+            reason = row.dtypes_unsupported(*dtypes)
+        if reason is not None:
+            lines.append(f"  {row.name}: cannot run: {reason}")
+        elif qo_lens is None:
+            lines.append(f"  {row.name}: can run")
+        else:
+            cost = row.cost_us(problem, np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64), causal)
+            lines.append(f"  {row.name}: {cost:.1f} µs (cost model)")
+    try:
+        lines.append(f"choice: {choose(problem, qo_lens, kv_lens, causal, impl, candidates(problem, impl, dtypes)).name}")
+    except ValueError as err:
+        lines.append(f"choice: none ({err})")
+    return "\n".join(lines)
+
+
 def plan_dtypes(q_data_type, kv_data_type):
     """plan()'s q_data_type / kv_data_type (kv defaults to q, as FlashInfer's) as a (q, kv) pair of
     NumPy dtypes, or None when q_data_type is None (the plan then serves any dtypes)."""
@@ -349,14 +413,24 @@ def plan_dtypes(q_data_type, kv_data_type):
     return q, kv
 
 
-def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
-    """The Implementation expected fastest for one step (qo_lens, kv_lens: host int arrays).
-    rows: candidates(problem, impl), when the caller has it. Costs are computed only where there
-    is a choice: those that may be infinite first (a length the kernel cannot take), the rest
-    only while more than one candidate is left (the result is the same: the cheapest, ties to
-    the first in table order)."""
+def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None, *, fixed_shapes=False,
+           often_empty=False, without=()):
+    """The Implementation that runs one step (qo_lens, kv_lens: host int arrays; None for a
+    static choice, as decode's: one kernel serves every length). rows: candidates(problem, impl),
+    when the caller has it. fixed_shapes: the wrapper's plans keep one structure for every step
+    (capacities given): _fixed_choice. without: names of rows the caller cannot plan for (a
+    pinned tile height or cascade positions rule out the short path's own tiles).
+    Otherwise the cheapest by the cost model, ties to the first in table order; costs are
+    computed only where there is a choice: those that may be infinite first (a length the
+    kernel cannot take), the rest only while more than one candidate is left."""
     rows = candidates(problem, impl) if rows is None else rows
-    if qo_lens is None:  # static choice (decode): one kernel serves every length
+    if without:
+        rows = tuple(i for i in rows if i.name not in without)
+        if not rows:
+            raise ValueError(f"impl={impl!r}: no kernel left for this plan (not {', '.join(without)})")
+    if fixed_shapes:
+        return _fixed_choice(rows, often_empty)
+    if qo_lens is None:
         return min(rows, key=lambda i: i.name)
     costs = {}
     if len(rows) > 1 or rows[0].cost_us is _short_cost:
@@ -376,19 +450,101 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None):
     return min(finite, key=lambda i: costs[i.name])
 
 
-def choose_fixed(rows, often_empty=False):
-    """The one prefill kernel of a wrapper whose plans keep their shapes for every step
-    (capacities given): Mosaic where it runs, else Triton. Never the short path: its program
-    depends on the step's longest request. rows: candidates(problem, impl, dtypes). often_empty:
-    the kernel launches on steps with no rows for it (BatchAttention's long requests): Triton
-    first, whose empty grid costs a few µs, where the Mosaic kernel's (one CTA per SM, a CTA per
-    tile slot and head) cost ~170 µs a step (H200, decode B64 kv4096)."""
+def _fixed_choice(rows, often_empty):
+    """The one kernel of a wrapper whose plans keep their shapes for every step. A batch
+    problem's: its first row. A prefill problem's: Mosaic where it runs, else Triton; never the
+    short path (its program depends on the step's longest request). often_empty: the kernel
+    launches on steps with no rows for it (BatchAttention's long requests): Triton first, whose
+    empty grid costs a few µs, where the Mosaic kernel's (one CTA per SM, a CTA per tile slot
+    and head) cost ~170 µs a step (H200, decode B64 kv4096)."""
+    if rows[0].family == "batch":
+        return rows[0]
     order = ("prefill_triton", "prefill_mosaic") if often_empty else ("prefill_mosaic", "prefill_triton")
     for name in order:
         if any(i.name == name for i in rows):
             return IMPLEMENTATIONS_BY_NAME[name]
     raise ValueError(f"impl={rows[0].short_name!r} cannot serve plans of fixed shapes "
                      "(max_batch_size, max_num_tokens and max_num_pages given); use 'auto', 'triton' or 'mosaic'")
+
+
+def fallback(choice, impl, dtypes):
+    """The row whose plan a plan for `choice` carries beside it, or None: impl="auto" plans for
+    Mosaic made without dtypes keep a Triton plan for the dtypes Mosaic cannot take."""
+    if choice.name == "prefill_mosaic" and impl == "auto" and dtypes is None:
+        return IMPLEMENTATIONS_BY_NAME["prefill_triton"]
+    return None
+
+
+def runs_on_fallback(impl_name, q_dtype, kv_dtype, scaled):
+    """Whether a plan made for impl_name must run its fallback plan on these inputs (its kernel
+    cannot take the dtypes, or fp8 scales)."""
+    row = IMPLEMENTATIONS_BY_NAME[impl_name]
+    return row.dtypes_unsupported(q_dtype, kv_dtype) is not None or (scaled and not row.takes_scales)
+
+
+BATCH_IMPLS = ("auto", "triton", "mosaic", "mixed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchImpls:
+    """What BatchAttention's impl= asks of each class: its long requests' prefill impl, and how
+    steps with both classes run ("classes": two launches, "mixed": one, "auto": the cost model)."""
+    long: str
+    both: str
+
+
+def batch_impls(impl):
+    if impl not in BATCH_IMPLS:
+        raise ValueError(f"impl must be one of {BATCH_IMPLS}, got {impl!r}")
+    return BatchImpls(long="mosaic" if impl == "mixed" else impl,
+                      both={"auto": "auto", "mixed": "mixed"}.get(impl, "classes"))
+
+
+# With every capacity given, BatchAttention's short requests are those whose tokens x group fit
+# 16 rows (decode, verify of 16 / group tokens): one decode-kernel (or packed-tile) program
+# serves every step; longer ones take prefill tiles.
+FIXED_SHORT_ROWS = 16
+
+
+def batch_classes(qo_lens, group, *, fixed_shapes):
+    """BatchAttention's split of a step: (tokens per short item, is_short bool[B]). Short
+    requests run on the decode kernel (or the mixed launch's packed tiles); the rest on prefill
+    tiles. Under fixed shapes the class is the wrapper's (FIXED_SHORT_ROWS), not the step's."""
+    if fixed_shapes:
+        tokens = batch_planner.short_cap(group, FIXED_SHORT_ROWS)
+        return tokens, qo_lens <= tokens
+    return batch_planner.short_tokens(qo_lens, group)
+
+
+RAGGED_PREFILL_ROWS = 128  # ragged_paged_attention's Triton prefill tiles: rows (tokens x group), as BatchAttention's chunks
+
+
+def ragged_prefill_rows(group):
+    return max(RAGGED_PREFILL_ROWS, 1 << (group - 1).bit_length())
+
+
+def ragged_class_bounds(group, num_tokens, *, mixed):
+    """ragged_paged_attention's q_len classes, shortest first: (min_q, max_q, on prefill tiles,
+    tokens per item or tile). q_len <= T_s on the decode kernel's 16-row tiles of T_s tokens x
+    the group (decode, speculative verify: BatchAttention's fixed short rows), q_len <= T_l on
+    64-row decode tiles (when T_l > T_s), the rest on prefill tiles (not with the mixed launch,
+    which runs them). Classes that no sequence of num_tokens rows can reach are left out."""
+    t_short = batch_planner.short_cap(group, FIXED_SHORT_ROWS)
+    t_long = batch_planner.short_cap(group, SHORT_MAX_ROWS)
+    bounds = [(1, t_short, False, t_short)]
+    if t_long > t_short:
+        bounds.append((t_short + 1, t_long, False, t_long))
+    if not mixed:
+        bounds.append((bounds[-1][1] + 1, num_tokens, True, ragged_prefill_rows(group) // group))
+    return tuple(x for x in bounds if x[0] <= num_tokens)
+
+
+def batch_tries_mixed(both, dtypes, is_short, live, *, fixed_shapes):
+    """Whether a BatchAttention step weighs the mixed launch: forced (both="mixed"), or with "auto"
+    when plan() was told the dtypes and the step has short and long requests."""
+    if fixed_shapes:
+        return both == "mixed"
+    return (dtypes is not None or both == "mixed") and 0 < np.count_nonzero(is_short & live) < np.count_nonzero(live)
 
 
 def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
@@ -408,10 +564,10 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     def why_not(name):
         row = IMPLEMENTATIONS_BY_NAME[name]
         why = row.unsupported(problem, impl != "auto") or row.dtypes_unsupported(q_dtype, kv_dtype)
-        if why is None and scaled:
+        if why is None and scaled and not row.takes_scales:
             why = "fp8 K/V scales run on Triton only"
-        if why is None and not sm_scale > 0:
-            why = f"sm_scale must be > 0, got {sm_scale}"
+        if why is None:
+            why = prefill_kernels.mosaic_limits(sm_scale=sm_scale)
         return why
 
     for name in {"auto": ("batch_mosaic", "prefill_mosaic"), "mixed": ("batch_mosaic",),

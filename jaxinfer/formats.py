@@ -216,6 +216,15 @@ def check_paged_cache(kv_cache, q, page_size, num_kv_heads, head_dim, layout):
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+Q_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+def check_q(q, name="q"):
+    """q (or another query-side array) is an array of a dtype the kernels compute in."""
+    if not hasattr(q, "dtype") or jnp.dtype(q.dtype) not in Q_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {getattr(q, 'dtype', type(q))}")
+
+
 def check_kv_dtype(q_dtype, kv_dtype, name):
     """K/V in q's dtype, or fp8 (e4m3fn / e5m2) under a float16 or bfloat16 q."""
     if kv_dtype == q_dtype:

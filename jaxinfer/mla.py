@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _backend, transfer
+from jaxinfer import _backend, dispatch, transfer
 from jaxinfer.formats import AttentionState, FP8_DTYPES
 from jaxinfer.plans import PlanSpec, WrapperFacts
 from pallas_kernels import merge as merge_kernels
@@ -21,7 +21,6 @@ from pallas_kernels import mla as mla_kernels
 from planner import mla as mla_planner
 from planner import validate
 
-IMPL = "mla_triton"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -104,6 +103,9 @@ class BatchMLAPagedAttention:
         self.max_num_pages = _capacity("max_num_pages", max_num_pages)
         self.interpret = _backend.use_interpret(backend)
         self.num_sms = _backend.num_sms()
+        self.problem = dispatch.Problem("mla", self.num_heads, 1, self.head_dim_ckv + self.head_dim_kpe, "paged",
+                                        self.page_size, interpret=self.interpret)
+        self.implementation = dispatch.choose(self.problem, None, None, causal)  # (one row: no step choice)
         self.facts = WrapperFacts(type(self).__name__, self.num_heads, 1, self.head_dim_ckv, self.page_size,
                                   "NHD", (self.max_batch_size, self.max_num_tokens, self.max_num_pages))
 
@@ -130,7 +132,7 @@ class BatchMLAPagedAttention:
             num_cells=self.config.cells(block_rows, self.num_sms), block_rows=block_rows, causal=self.causal,
             num_pages=num_pages, max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
             max_num_pages=self.max_num_pages, block_kv=self.config.block_kv, min_chunk=self.config.min_chunk)
-        spec = self.facts.spec(num_pages, IMPL)
+        spec = self.facts.spec(num_pages, self.implementation.name)
         return MLAPlan(parts=transfer.plan_sections(buf, layout), layout=layout, spec=spec, causal=self.causal,
                        info=info)
 
@@ -145,7 +147,7 @@ class BatchMLAPagedAttention:
             o = jnp.zeros((0, h, dc), q_nope.dtype)
             return AttentionState(o, jnp.zeros((0, h), jnp.float32)) if return_lse else o
         sec = plan.sections()
-        o, lse, o_part, lse_part = mla_kernels.mla_paged(
+        o, lse, o_part, lse_part = self.implementation.kernel(
             q_nope.reshape(t * h, dc), q_pe.reshape(t * h, dr), ckv_cache.reshape(-1, dc),
             kpe_cache.reshape(-1, dr), sec["kv_indices"], sec["items"], sec["cell_indptr"],
             columns=mla_planner.COLUMNS, num_parts=layout.part_cap, num_heads=h, page_size=self.page_size,

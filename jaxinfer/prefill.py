@@ -6,13 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
-from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_kv_dtype,
+from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, check_kv_dtype, check_q,
                               check_layout, check_paged_cache, check_qkv, default_sm_scale, kv_scales,
                               two_level_cascade)
 from jaxinfer.plans import BatchPlan, CascadePlan, PrefillPlan, WrapperFacts
 from jaxinfer.runners import run_prefill_sections, run_short_sections
 from jaxinfer.state import merge_state
-from pallas_kernels import prefill as prefill_kernels
 from planner import batch as batch_planner
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
@@ -42,11 +41,6 @@ def _flat_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, max_mask_len):
 
 
 PREFILL_CTAS_PER_SM = 16
-
-
-def _check_q(q, name="q"):
-    if not hasattr(q, "dtype") or jnp.dtype(q.dtype) not in (jnp.float32, jnp.float16, jnp.bfloat16):
-        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {getattr(q, 'dtype', type(q))}")
 
 
 class _Prefill:
@@ -87,7 +81,7 @@ class _Prefill:
         self.fixed_shapes = all_caps if fixed_shapes is None else bool(fixed_shapes)
         if self.fixed_shapes and tile_rows is None:
             self.tile_rows = prefill_planner.fixed_tile_rows(self.group)
-        self.often_empty = False  # BatchAttention's long class: steps often have none (dispatch.choose_fixed)
+        self.often_empty = False  # BatchAttention's long class: steps often have none (dispatch._fixed_choice)
         self.variant, self.impl = variant, impl
         self.configs = dispatch.check_configs(config)
         self.problem = dispatch.Problem("prefill", num_qo_heads, num_kv_heads, head_dim, kv_format,
@@ -116,16 +110,13 @@ class _Prefill:
         rows = self._candidates.get((problem.custom_mask, dtypes))  # static per wrapper, mask, dtypes
         if rows is None:
             rows = self._candidates[problem.custom_mask, dtypes] = dispatch.candidates(problem, self.impl, dtypes)
-        if self.fixed_shapes:
-            choice = dispatch.choose_fixed(rows, self.often_empty)
-        else:
-            choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows)
-        # Cascade levels need their positions; a pinned tile_rows pins one Triton program.
-        if choice.name == "prefill_short" and (positions or self.tile_rows is not None):
-            choice = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
+        # Cascade levels need their positions, a pinned tile_rows one Triton program: no short path.
+        choice = dispatch.choose(problem, qo_lens, kv_lens, causal, self.impl, rows=rows,
+                                 fixed_shapes=self.fixed_shapes, often_empty=self.often_empty,
+                                 without=("prefill_short",) if positions or self.tile_rows is not None else ())
         if choice.name == "prefill_short":
             return self._plan_short(qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal, dtypes)
-        tails = choice.name == "prefill_mosaic"
+        tails = choice.whole_tiles
         specs = self.__dict__.setdefault("_specs", {})  # PlanSpec by (num_pages, impl, dtypes): made once
         if len(specs) > 16:
             specs.clear()
@@ -146,9 +137,8 @@ class _Prefill:
             return PrefillPlan(transfer.plan_sections(buf, layout), dev_mask, layout, causal, spec, alt,
                                info=info)
 
-        # impl="auto" plans for Mosaic made without dtypes keep a Triton plan beside, for dtypes
-        # Mosaic cannot run (on a GPU host that doubles plan()'s cost).
-        alt = plan_for(False, "prefill_triton") if tails and self.impl == "auto" and dtypes is None else None
+        fallback = dispatch.fallback(choice, self.impl, dtypes)  # (on a GPU host: twice plan()'s cost)
+        alt = None if fallback is None else plan_for(False, fallback.name)
         return plan_for(tails, choice.name, alt)
 
     def _plan_short(self, qo_indptr, qo_lens, kv_lens, page_base, kv_indices, num_pages, causal, dtypes=None):
@@ -175,7 +165,7 @@ class _Prefill:
         plan.spec.check(facts or self.facts)
         plan.spec.check_rows(num_rows, kv_name)
         plan.spec.check_dtypes(q.dtype, k_rows.dtype, kv_name)
-        _check_q(q)
+        check_q(q)
         expect = (plan.layout.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
@@ -190,18 +180,15 @@ class _Prefill:
                 causal=plan.causal, scales=scales, variant=self.variant, params=variant_params,
                 config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["prefill_short"], self.problem,
                                            self.configs))
-        impl = plan.spec.impl
-        if impl == "prefill_mosaic":  # 16-bit q/K/V only; else the Triton plan beside it
-            mosaic = dispatch.IMPLEMENTATIONS_BY_NAME[impl]
-            fits = mosaic.dtypes_unsupported(q.dtype, k_rows.dtype) is None and scales is None
-            if not fits and plan.alt is not None:
-                plan, impl = plan.alt, plan.alt.spec.impl
-        implementation = dispatch.IMPLEMENTATIONS_BY_NAME[impl]
+        if plan.alt is not None and dispatch.runs_on_fallback(plan.spec.impl, q.dtype, k_rows.dtype,
+                                                              scales is not None):
+            plan = plan.alt
+        implementation = dispatch.IMPLEMENTATIONS_BY_NAME[plan.spec.impl]
         return run_prefill_sections(
             q, k_rows, v_rows, plan, None if cache_kw.get("contiguous") else plan.page_ids(plan.sections(), num_rows),
             page_size=cache_kw["page_size"], num_kv_heads=self.num_kv_heads,
             cache_layout=cache_kw["cache_layout"], sm_scale=self.sm_scale, interpret=self.interpret,
-            impl=implementation.short_name,
+            kernel=implementation.kernel,
             config=dispatch.config_for(implementation, self.problem, self.configs), scales=scales,
             variant=self.variant, params=variant_params, global_kv_pos=cache_kw.get("global_kv_pos", False))
 
@@ -214,7 +201,7 @@ class _Prefill:
         return AttentionState(*out) if return_lse else out
 
     def _check_kv(self, q, k, v, name="k"):
-        _check_q(q)
+        check_q(q)
         if not hasattr(k, "shape") or not hasattr(v, "shape"):
             raise ValueError(f"{name} and v must be arrays [n, {self.num_kv_heads}, {self.head_dim}]")
         if k.shape != v.shape or k.dtype != v.dtype:
@@ -335,7 +322,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
             v_scale=None):
         """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
         params = self._params(variant_params, return_lse)
-        _check_q(q)
+        check_q(q)
         check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         return self._finish(self.run_raw(q, kv_cache, plan, params, scales), params, return_lse)

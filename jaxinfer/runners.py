@@ -7,12 +7,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
-from pallas_kernels import prefill as prefill_kernels
+from planner.work_items import DECODE, DECODE_MULTI
 
 
 def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, page_size, num_kv_heads,
                         cache_layout, sm_scale, interpret, config, scales=None, variant=None, params=None,
-                        columns=decode_kernels.ITEM_COLUMNS, tokens_per_item=1, causal=True, out=None,
+                        columns=DECODE, tokens_per_item=1, causal=True, out=None,
                         append=None):
     """Decode kernel + split-KV merge over unpacked plan sections. Returns (o [N,Hq,D], lse [N,Hq]),
     before any variant output transform. out (optional): (o [N, Hq, D], lse [N, Hq]) whose rows the
@@ -37,18 +37,18 @@ def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, 
     return (o, lse, *rows)
 
 
-def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, page_size, num_kv_heads, cache_layout,
-                         sm_scale, interpret, impl="triton", config=None, scales=None, variant=None,
-                         params=None, global_kv_pos=False):
-    """Prefill kernel + per-token merge of split tiles. kv_indices: the plan's page ids (None for
-    contiguous K/V). Returns (o [nnz, Hq, D], lse [nnz, Hq]), before any variant output transform."""
+def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, kernel, page_size, num_kv_heads, cache_layout,
+                         sm_scale, interpret, config=None, scales=None, variant=None, params=None,
+                         global_kv_pos=False):
+    """Prefill kernel (dispatch's row's: pallas_kernels.prefill.run_triton or run_mosaic) + per-token
+    merge of split tiles. kv_indices: the plan's page ids (None for contiguous K/V). Returns
+    (o [nnz, Hq, D], lse [nnz, Hq]), before any variant output transform."""
     nnz, hq, d = q.shape
     lay, sec = plan.layout, plan.sections()
-    o, lse, o_part, lse_part = prefill_kernels.prefill(
+    o, lse, o_part, lse_part = kernel(
         q, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], mask=plan.mask,
         num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
-        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, impl=impl,
-        config=config, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
+        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, config=config, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
         global_kv_pos=global_kv_pos,
         **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}))
     return merge_kernels.merge_varlen(
@@ -69,7 +69,7 @@ def run_short_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
         q, k_rows, v_rows, sec, kv_indices, sec["kv_lens"], layout, page_size=page_size,
         num_kv_heads=num_kv_heads, cache_layout=cache_layout, sm_scale=sm_scale, interpret=interpret,
         config=config, scales=scales, variant=variant, params=params,
-        columns=decode_kernels.MULTI_ITEM_COLUMNS, tokens_per_item=layout.tokens_per_item, causal=causal,
+        columns=DECODE_MULTI, tokens_per_item=layout.tokens_per_item, causal=causal,
         out=out)
 
 
@@ -82,7 +82,7 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
     n, hq, d = q.shape
     group, T = hq // num_kv_heads, layout.tile_tokens
     o, lse_items, _ = prefill_mosaic.prefill_mosaic(  # (no tail slots: its o_tail is 8 unused rows)
-        q, k_rows, v_rows, kv_indices, sec["items"].reshape(-1, layout.ITEM_FIELDS), sec["cell_indptr"], 8,
+        q, k_rows, v_rows, kv_indices, sec["items"].reshape(-1, layout.ITEMS.width), sec["cell_indptr"], 8,
         page_size=page_size, num_kv_heads=num_kv_heads, layout="NHD", sm_scale=sm_scale, causal=causal,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, interpret=interpret,

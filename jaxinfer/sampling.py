@@ -1,33 +1,19 @@
 """Token sampling without sorting: FlashInfer's sampling API on Pallas kernels.
 
 Every function takes a jax.random key as the keyword `key` (in place of FlashInfer's torch
-generator) and is deterministic given it; each output row draws with its own stream. Per-request
-parameters are scalars or arrays [B] (B: output rows). All functions are pure: they work under
-jit and vmap, and one compilation serves every parameter value (parameters are data).
-
-Filters keep every token whose value y (probability, or logit / temperature) is at or above a
-per-row threshold; ties at the boundary are all kept:
-- top_k: keeps the tokens tied with or above the k-th largest value (more than k when the k-th
-  value is tied). top_k <= 0 or >= V: no filter.
-- top_p: keeps the smallest set of top values whose mass reaches top_p (of the row, or of the
-  top-k tokens with filter_apply_order="top_k_first"), with every token tied with its smallest
-  value. top_p = 1: no filter; must lie in (0, 1].
-- min_p: keeps p >= min_p * max p; min_p in [0, 1] (0: no filter).
-The draw is exact: the kept tokens renormalised (see pallas_kernels/sampling.py).
-
-Bad rows: eager (concrete) calls check their inputs and raise ValueError for NaN, +inf or rows
-with no finite logit (logits), and NaN, inf, negative entries or rows summing to 0 (probs).
-Under jit nothing is checked (no host synchronisation): such a row gives an unspecified token in
-[0, V) (a row with no finite logit gives 0), and renorm/mask outputs are unspecified on it.
+generator) and is deterministic given it. Per-request parameters are scalars or arrays [B]. All
+functions are pure (jit, vmap; one compilation serves every parameter value). Filters keep the
+tokens at or above a per-row threshold, ties at the boundary all kept: top_k <= 0 or >= V, top_p
+= 1 and min_p = 0 filter nothing. Eager calls reject NaN, +inf and rows with nothing to draw
+(ValueError); under jit such a row gives an unspecified token. docs/sampling.md has the details.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer import _backend
+from jaxinfer import _backend, dispatch
 from jaxinfer.formats import is_concrete
-from pallas_kernels import sampling as kernels
 from pallas_kernels.sampling import Filters, SamplingConfig
 
 FILTER_ORDERS = ("top_k_first", "joint")
@@ -120,9 +106,9 @@ def _run(name, x, *, filters, key=None, indices=None, top_k=None, top_p=None, mi
     seeds = _seeds(key, batch) if filters.sample else jnp.zeros((batch, 2), jnp.int32)
     if batch == 0:
         return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
-    return kernels.filtered_sample(x, rows, k, p, mp, inv_t, seeds, filters=filters,
-                                   interpret=_backend.use_interpret(backend),
-                                   config=config or SamplingConfig())
+    return dispatch.sampling_row().kernel(x, rows, k, p, mp, inv_t, seeds, filters=filters,
+                                          interpret=_backend.use_interpret(backend),
+                                          config=config or SamplingConfig())
 
 
 # --- sampling ----------------------------------------------------------------------------------

@@ -5,18 +5,14 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch
 from jaxinfer.runners import run_decode_sections, run_prefill_sections
-from jaxinfer.formats import AttentionState, check_qkv, default_sm_scale
+from jaxinfer.formats import AttentionState, check_q, check_qkv, default_sm_scale
 from jaxinfer.plans import PrefillPlan, WrapperFacts
 from planner import decode as decode_planner
 from planner import prefill as prefill_planner
 
-_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-
-
 def _check_kv(q, k, v, q_ndim):
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "dtype") or jnp.dtype(x.dtype) not in _DTYPES:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {getattr(x, 'dtype', type(x))}")
+        check_q(x, name)
     if q.ndim != q_ndim or k.ndim != 3:
         raise ValueError(f"q must be {q_ndim}-D and k [kv_len, Hkv, D], got {q.shape} and {k.shape}")
     if k.shape != v.shape:
@@ -72,8 +68,8 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
 
     causal is bottom-right aligned (query i sees keys j <= i + kv_len - qo_len);
     rows that see no key give o = 0 and lse = -inf. Runs the batch prefill
-    kernel on one request over contiguous K/V (no copy); the Triton kernel (the single-request
-    path plans no Mosaic tails).
+    kernel on one request over contiguous K/V (no copy), on the kernels that take a plan without
+    aligned tails (Triton).
     """
     _check_kv(q, k, v, 3)
     qo_len, hq, d = q.shape
@@ -82,7 +78,8 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
         return _no_keys(q, return_lse)
     interpret = _backend.use_interpret(backend)
     problem = _problem("prefill", q, k, interpret)
-    impl = dispatch.IMPLEMENTATIONS_BY_NAME["prefill_triton"]
+    # (its plan has no aligned tails: no whole-tile kernel)
+    impl = dispatch.choose(problem, np.array([qo_len]), np.array([kv_len]), causal, without=dispatch.WHOLE_TILE_ROWS)
     cells = max(1, (num_ctas or 2 * _backend.num_sms()) // hkv)
     layout, buf, _ = prefill_planner.plan_prefill(
         np.array([0, qo_len], np.int32), np.array([kv_len]), np.zeros(1, np.int64),
@@ -91,6 +88,6 @@ def single_prefill_with_kv_cache(q, k, v, *, causal=False, sm_scale=None, return
     o, lse = run_prefill_sections(
         q, k.reshape(kv_len * hkv, d), v.reshape(kv_len * hkv, d),
         PrefillPlan((jnp.asarray(buf),), None, layout, causal, spec), None, page_size=1, num_kv_heads=hkv,
-        cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), interpret=interpret,
+        cache_layout="NHD", sm_scale=default_sm_scale(d, sm_scale), interpret=interpret, kernel=impl.kernel,
         config=dispatch.config_for(impl, problem, dispatch.check_configs(config)))
     return AttentionState(o, lse) if return_lse else o

@@ -1,32 +1,12 @@
 """Attention variants: plain jnp functions traced into every kernel (and the reference).
 
-An AttentionVariant is static (hashable; it is part of the jit cache key, so
-the jit cache is the kernel cache). Its per-call parameters (slopes, window,
-caps, ...) are a dict of arrays passed to run(..., variant_params=...): data,
-so changing them never recompiles.
-
-Hooks, each a function of (params, ...) on 2-D tiles, positions absolute
-(query position = the token's index in its sequence, bottom-right aligned;
-key position = the key's index in its sequence):
-
-    query_transform(params, q [M, D] f32, qo_pos [M], qo_head [M]) -> [M, D]
-    key_transform(params, k [N, D] f32, kv_pos [N], kv_head scalar) -> [N, D]
-    logits_transform(params, s [M, N], qo_pos [M, 1], kv_pos [1, N], qo_head [M, 1]) -> [M, N]
-        (s = q . k * sm_scale, natural units)
-    logits_mask(params, qo_pos [M, 1], kv_pos [1, N], qo_head [M, 1]) -> bool [M, N]
-    kv_bounds(params, pos_min, pos_max) -> (lo, full_lo): for rows with positions in
-        [pos_min, pos_max], logits_mask hides every key < lo and shows every key >= full_lo;
-        lets kernels skip KV tiles outside the mask and run the rest unmasked (optional)
-    output_transform(params, o [..., Hq, D] f32, lse [..., Hq]) -> (o, lse), applied
-        once to the merged state (after split-KV and cascade merges)
-    use_softmax=False: o = sum_j f(s_ij) v_j with f the logits_transform (sigmoid
-        attention); run() then returns o only.
-
-Inside a kernel, a 0-d parameter arrives as a scalar and an array parameter as a
-ref: index it with integer arrays (params["alibi_slopes"][qo_head]); the
-reference passes arrays, which index the same way. Lowering-safe helpers:
-rotate_half. Kernels cannot concatenate along a tile's last axis, so avoid
-jnp.concatenate in hooks.
+An AttentionVariant is static (hashable; it is part of the jit cache key, so the jit cache is
+the kernel cache). Its per-call parameters (slopes, window, caps, ...) are a dict of arrays
+passed to run(..., variant_params=...): data, so changing them never recompiles. The hooks
+(query / key transforms, logits transform and mask, kv_bounds, output transform, use_softmax)
+and their tile shapes are in docs/variants.md. Inside a kernel a 0-d parameter arrives as a
+scalar and an array parameter as a ref: index it with integer arrays; kernels cannot
+concatenate along a tile's last axis, so avoid jnp.concatenate in hooks.
 """
 import dataclasses
 import math

@@ -1,34 +1,13 @@
-"""Paged decode attention: one query token per request, head-group fusion, split-KV.
+"""Paged decode attention: one query token per request (or a few: multi-token items), the
+head group fused into one tile, split-KV.
 
-Grid (Hkv, num_cells) with heads_fastest (the default; the launch order), else (num_cells,
-Hkv). Cell c processes the work items items[cell_indptr[c]:cell_indptr[c+1]] one after another (the
-planner balanced them with the paper's Algorithm 1). A work item is one KV chunk of one request:
-
-    items[w] = (request, page_base, tok_start, tok_end, part_slot)            (ITEM_COLUMNS)
-    items[w] = (..., part_slot, part_stride, q_start, qo_len)            (MULTI_ITEM_COLUMNS)
-
-page_base is the offset of the request's page list in kv_indices; the item
-covers the request's tokens [tok_start, min(tok_end, kv_lens[request])). All
-Hq / Hkv query heads of a KV head are processed together (paper App. A), so
-each K/V row is read once per head group. An item with part_slot < 0 is the
-whole request and writes the final (o, lse) (App. D.2 writethrough); otherwise
-it writes a float32 partial state to row part_slot of the partial buffers,
-which merge.merge_varlen combines afterwards.
-
-Multi-token items (BatchAttention's short rows: speculative verify, small chunks) fold up to
-tokens_per_item query tokens x the head group into the tile rows: row r is token r // G of
-query head kv_head * G + r % G, q rows q_start + t, causal bottom-right (token t sees keys
-<= kv_len - qo_len + t) unless causal=False; a split item's token t writes partial row part_slot + t * part_stride.
-
-Loads of tokens past the chunk's end are masked off, so the kernel only ever
-reads rows of pages in the request's own list; stale or NaN slots of a last
-page are never loaded.
-
-Fused append (append=(k_new, v_new), one-token items only): request b's new K/V row (this
-step's token, at position kv_lens[b] - 1) is written into the cache (aliased in and out) by
-the one item whose chunk holds that position, which attends to it from the new rows rather
-than the cache; no item reads that slot, so the write races with no load. One launch does
-what a scatter per cache and the decode kernel did.
+Grid (Hkv, num_cells) with heads_fastest, else (num_cells, Hkv). Cell c runs the work items
+items[cell_indptr[c]:cell_indptr[c+1]] in order (planner.work_items.DECODE or DECODE_MULTI):
+one KV chunk of one request each, all Hq / Hkv query heads of a KV head together, so each K/V
+row is read once per head group. An item with part_slot < 0 writes the final (o, lse);
+otherwise a float32 partial state that merge.merge_varlen combines. Loads past the chunk's
+end are masked off: only rows of the request's own pages are read. Fused append writes the
+step's new K/V row into the cache in the same launch. docs/design.md has the details.
 """
 import dataclasses
 import functools
@@ -39,10 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
+from planner.work_items import DECODE
 
-# Work-item columns (the planner writes them in this order; planner/decode.py, planner/batch.py).
-ITEM_COLUMNS = ("request", "page_base", "tok_start", "tok_end", "part_slot")
-MULTI_ITEM_COLUMNS = ITEM_COLUMNS + ("part_stride", "q_start", "qo_len")
+K_ROWS_ARG = 5  # the kernel's argument k_rows (v_rows next): aliased to outputs when appending
 
 
 def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
@@ -67,10 +45,10 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
     k_scale, v_scale = (None, None) if not has_scales else (scale_refs[0][head], scale_refs[1][head])
     params = None if variant is None else _common.unflatten_params(param_refs, *param_tree)
     block_kv = attend_kw["block_kv"]
-    multi = "q_start" in columns  # items carry their query rows (several tokens per request)
+    multi = "q_start" in columns.names  # items carry their query rows (several tokens per request)
 
     def item(w, carry):
-        f = {name: _common.uniform(items_ref[w, i]) for i, name in enumerate(columns)}
+        f = {name: _common.uniform(items_ref[w, i]) for i, name in enumerate(columns.names)}
         req, tok_start, tok_end, part_slot = f["request"], f["tok_start"], f["tok_end"], f["part_slot"]
         q_start, qo_len = (f["q_start"], f["qo_len"]) if multi else (req, 1)
         kv_len = _common.uniform(kv_lens_ref[req])
@@ -180,15 +158,15 @@ def tile_rows(group, tokens_per_item=1):
 
 
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
-                 page_size, num_kv_heads, layout, sm_scale, interpret, columns=ITEM_COLUMNS,
+                 page_size, num_kv_heads, layout, sm_scale, interpret, columns=DECODE,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
                  config=DecodeConfig(), out=None, parts=None, append=None, cells=None):
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
     [num_pages*page_size*Hkv, D] (q's dtype, or fp8); kv_indices int32[*]; kv_lens int32[B]
-    (live lengths); items int32[W, len(columns)], columns naming its fields (ITEM_COLUMNS, or
-    MULTI_ITEM_COLUMNS for items of up to tokens_per_item query tokens of one request, causal
+    (live lengths); items int32[W, columns.width], columns naming its fields (work_items.DECODE,
+    or DECODE_MULTI for items of up to tokens_per_item query tokens of one request, causal
     bottom-right unless causal=False); cell_indptr int32[num_cells + 1], or with cells=(offset,
     num_cells) (static) the launch's cells are cell_indptr[offset:offset + num_cells + 1] of a longer
     one (several launches over one work list, no slice copied); scales: (k_scale, v_scale) f32[Hkv] or None;
@@ -199,7 +177,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     (aliased): the partial states of another launch sharing one merge (ragged_paged_attention's
     decode classes); slots no item writes keep their values.
     append (optional): (k_new, v_new) [N, Hkv, D] in the cache's dtype (= q's), one token per
-    request (ITEM_COLUMNS), no variant or scales: request b's row is written at position
+    request (DECODE items), no variant or scales: request b's row is written at position
     kv_lens[b] - 1 of the cache (k_rows / v_rows aliased in and out) and attended to (see the
     module docstring). append="from_q": q is [N, Hq + 2 Hkv, D], each request's query heads
     then its new key heads then its new value heads (a fused QKV projection's output), read in
@@ -213,7 +191,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     if append_in_q and append != "from_q":
         raise ValueError(f"append must be a (k, v) pair or 'from_q', got {append!r}")
     num_qo_heads = q_stride - 2 * num_kv_heads if append_in_q else q_stride
-    if append is not None and (tuple(columns) != ITEM_COLUMNS or variant is not None or scales is not None
+    if append is not None and (columns != DECODE or variant is not None or scales is not None
                                or k_rows.dtype != q.dtype):
         raise ValueError("append needs one-token items, no variant, no K/V scales and K/V in q's dtype")
     heads_fastest = config.heads_fastest
@@ -224,13 +202,13 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
-        rows=tile_rows(group, tokens_per_item), columns=tuple(columns), causal=causal, cell_offset=cell_offset,
+        rows=tile_rows(group, tokens_per_item), columns=columns, causal=causal, cell_offset=cell_offset,
         has_scales=scales is not None,
         variant=variant, param_tree=(treedef, scalar), page_size=page_size, layout=layout,
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
         has_out=out is not None, has_parts=parts is not None, has_append=append is not None,
         append_in_q=append_in_q, q_stride=q_stride)
-    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), k_rows, v_rows,
+    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), k_rows, v_rows,  # (K_ROWS_ARG)
             *(scales or ()), *leaves]
     out_shape = [
         jax.ShapeDtypeStruct((n * num_qo_heads, d), q.dtype),  # o (writethrough)
@@ -239,10 +217,10 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32),  # partial lse
     ]
     aliases = {}
-    if append is not None:  # the cache, written in place: outputs 4 and 5
+    if append is not None:  # the cache, written in place: k_rows, v_rows (args 5, 6) are outputs 4, 5
         args += [] if append_in_q else [x.reshape(n * num_kv_heads, d) for x in append]
         out_shape += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
-        aliases = {5: 4, 6: 5}
+        aliases = {K_ROWS_ARG: 4, K_ROWS_ARG + 1: 5}
     extra = [*(out or ()), *(parts or ())]  # aliased in place: o, lse, then o_part, lse_part
     for i, slot in enumerate((0, 1) * (out is not None) + (2, 3) * (parts is not None)):
         aliases[len(args) + i] = slot

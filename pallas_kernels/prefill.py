@@ -1,31 +1,13 @@
 """Tiled prefill attention (many query tokens per request) on tensor-core dots.
 
-Grid (num_cells, Hkv). Cell c runs the work items items[cell_indptr[c]:
-cell_indptr[c+1]] (balanced by the planner's Algorithm 1). An item is one
-query tile of one request against one chunk of its KV:
-
-    items[w] = (q_row_start, tile_tok, qo_len, page_base, kv_len,
-                kv_start, kv_end, part_base, num_chunks, chunk, mask_base, kv_pos_offset, tail,
-                kv_first, q_pos_min, q_pos_max)
-
-(tail and kv_first serve impl="mosaic": see prefill_mosaic.py and planner/prefill.py;
-q_pos_min / q_pos_max bound the tile's query positions.)
-
-q_row_start is the request's first row in q [nnz, Hq, D]; the tile covers its
-query tokens [tile_tok, tile_tok + tokens_per_tile) and keys [kv_start, kv_end).
-GQA folds the head group into the tile rows: row r is query token
-tile_tok + r // G of query head kv_head * G + r % G, so each K/V row loaded
-serves the whole group. Causal (bottom-right: query i sees keys
-j <= i + kv_len - qo_len) stops the KV loop at the tile's last visible key and
-masks only the blocks that cross the diagonal. mask_base >= 0 points at the
-request's custom mask (row-major qo_len x kv_len, FlashInfer's layout).
-A variant sees query positions q_pos[token] and key positions kv_pos_offset + key
-(or, with global_kv_pos, the key's row in K: block-sparse attention).
-
-part_base < 0: the tile holds all of the keys and writes o, lse directly.
-Otherwise it writes float32 partial states to partial row
-part_base + t * num_chunks + chunk for its token t, so each token's partials
-are contiguous for merge.merge_varlen.
+run_triton: the Pallas-Triton kernel (every feature); run_mosaic: the Mosaic GPU kernel
+(prefill_mosaic.py, Hopper) behind the same outputs; mosaic_limits: what the latter cannot run.
+Grid (num_cells, Hkv). Cell c runs items[cell_indptr[c]:cell_indptr[c+1]] (planner.work_items
+.PREFILL): one query tile of one request against one chunk of its keys, the head group folded
+into the tile rows (row r: token tile_tok + r // G of query head kv_head * G + r % G). Causal is
+bottom-right; a custom mask, a variant and cascade key offsets ride on the item's columns.
+part_base < 0: the tile writes o, lse; else float32 partial rows part_base + t * num_chunks +
+chunk for merge.merge_varlen. docs/design.md has the details.
 """
 import dataclasses
 import functools
@@ -37,12 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
+from planner.work_items import PREFILL
 
-ITEM_COLUMNS = ("q_row_start", "tile_tok", "qo_len", "page_base", "kv_len", "kv_start", "kv_end",
-                "part_base", "num_chunks", "chunk", "mask_base", "kv_pos_offset", "tail", "kv_first",
-                "q_pos_min", "q_pos_max")  # = planner.prefill.ITEM_COLUMNS (tests check)
-ITEM_FIELDS = len(ITEM_COLUMNS)
-_COL = {name: i for i, name in enumerate(ITEM_COLUMNS)}
 
 
 def tile_rows(group, block_q):
@@ -62,7 +40,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     block_kv = attend_kw["block_kv"]
 
     def field(w, name):
-        return _common.uniform(items_ref[w, _COL[name]])
+        return _common.uniform(items_ref[w, getattr(PREFILL, name)])
 
     r = jnp.arange(rows)
     tokens_per_tile = rows // group
@@ -187,10 +165,22 @@ class MosaicPrefillConfig:
         return 64 * self.compute_wgs
 
 
-def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
-                    num_kv_heads, layout, sm_scale, causal, rows, interpret, config, scales=None,
-                    variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
-                    lse_src=None):
+def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
+               num_kv_heads, layout, sm_scale, causal, rows, interpret, config=None, scales=None,
+               variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None):
+    """Runs the prefill work list on the Pallas-Triton kernel (every feature).
+
+    q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
+    or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
+    is then each request's first row); mask int8[*] (custom masks, or None); items
+    int32[W, PREFILL.width]; cell_indptr int32[cells + 1]; rows: the tile height (see
+    tile_rows); config: a PrefillConfig; scales: (k_scale, v_scale) f32[Hkv] or None; variant /
+    params / q_pos int32[nnz]: an attention variant, its parameters and each query token's
+    position. tail_dest / lse_src: run_mosaic's (unused here).
+    Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
+    lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
+    """
+    config = _check_config(config, PrefillConfig)
     nnz, num_qo_heads, d = q.shape
     group = num_qo_heads // num_kv_heads
     num_stages = config.num_stages or (2 if kv_indices is None else 3)
@@ -224,13 +214,35 @@ def _prefill_triton(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
                     *extra)
 
 
-def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, num_parts, page_size,
-                    num_kv_heads, layout, sm_scale, causal, rows, interpret, config, scales=None,
-                    variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
-                    lse_src=None):
-    """The Mosaic GPU kernel (prefill_mosaic.py) behind the same outputs; its partial tiles are
-    scattered into o through tail_dest, its lse rows gathered through lse_src."""
+def mosaic_limits(*, head_dim=64, page_size=None, block_kv=128, layout="NHD", q_dtype=None, kv_dtype=None,
+                  sm_scale=None):
+    """Why the Mosaic GPU kernel cannot run these (None when it can): its one list of limits,
+    which jaxinfer.dispatch asks too. page_size None: contiguous K/V; dtypes, sm_scale None: not
+    known yet."""
+    if layout != "NHD":
+        return f"layout must be 'NHD', got {layout!r}"
+    if head_dim % 64:
+        return f"head_dim must be a multiple of 64, got {head_dim}"
+    if page_size is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
+        return f"page_size must be a multiple of 8 dividing {block_kv} (or a multiple of it), got {page_size}"
+    if q_dtype is not None:
+        q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
+        if q_dtype not in (jnp.bfloat16, jnp.float16) or kv_dtype != q_dtype:
+            return f"q and K/V must both be bfloat16 or float16, got {q_dtype} / {kv_dtype}"
+    if sm_scale is not None and not sm_scale > 0:
+        return f"sm_scale must be > 0, got {sm_scale}"
+    return None
+
+
+def run_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
+               num_kv_heads, layout, sm_scale, causal, rows, interpret, config=None, scales=None,
+               variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None):
+    """The Mosaic GPU kernel (prefill_mosaic.py) behind run_triton's outputs (config a
+    MosaicPrefillConfig; a plan with tails, one unsplit item per cell, and tail_dest, lse_src):
+    its partial tiles are scattered into o through tail_dest, its lse rows gathered through
+    lse_src. Hopper: wgmma, TMA, warp-specialized; mosaic_limits, no custom mask, no fp8."""
     from pallas_kernels import prefill_mosaic
+    config = _check_config(config, MosaicPrefillConfig)
     nnz, num_qo_heads, d = q.shape
     unsupported = {"custom mask": mask is not None,
                    "fp8 / k_scale, v_scale": scales is not None, "block-sparse": global_kv_pos,
@@ -241,17 +253,12 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
     group = num_qo_heads // num_kv_heads
     if rows != config.tile_tokens * group:
         raise ValueError(f"prefill impl='mosaic': rows must be {config.tile_tokens * group}, got {rows}")
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_rows.dtype != q.dtype:
-        raise ValueError(f"prefill impl='mosaic': q, k, v must all be bfloat16 or float16, got "
-                         f"{q.dtype} / {k_rows.dtype}")
-    if d % 64:
-        raise ValueError(f"prefill impl='mosaic': head_dim must be a multiple of 64, got {d}")
-    if sm_scale <= 0:
-        raise ValueError(f"prefill impl='mosaic': sm_scale must be > 0, got {sm_scale}")
     block_kv = config.block_kv
-    if kv_indices is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
-        raise ValueError(f"prefill impl='mosaic': page_size must be a multiple of 8 dividing {block_kv} "
-                         f"(or a multiple of it), got {page_size}")
+    why = mosaic_limits(head_dim=d, page_size=None if kv_indices is None else page_size, block_kv=block_kv,
+                        layout=layout if kv_indices is not None else "NHD", q_dtype=q.dtype,
+                        kv_dtype=k_rows.dtype, sm_scale=sm_scale)
+    if why is not None:
+        raise ValueError(f"prefill impl='mosaic': {why}")
     o, lse_items, o_tail = prefill_mosaic.prefill_mosaic(
         q, k_rows, v_rows, kv_indices, items, cell_indptr, tail_dest.shape[0], page_size=page_size,
         num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, block_kv=block_kv,
@@ -265,32 +272,8 @@ def _prefill_mosaic(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, *, 
             jnp.zeros((num_parts * num_qo_heads,), jnp.float32))
 
 
-def prefill(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
-            num_kv_heads, layout, sm_scale, causal, rows, interpret, impl="triton", config=None,
-            scales=None, variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None,
-            lse_src=None):
-    """Runs the prefill work list.
-
-    q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
-    or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
-    is then each request's first row); mask int8[*] (custom masks, or None); items
-    int32[W, len(ITEM_COLUMNS)]; cell_indptr int32[cells + 1]; rows: the tile height (see
-    tile_rows); scales: (k_scale, v_scale) f32[Hkv] or None; variant / params / q_pos
-    int32[nnz]: an attention variant, its parameters and each query token's position.
-    impl: "triton" (every feature; config a PrefillConfig), or "mosaic" (Hopper: wgmma, TMA,
-    warp-specialized; 16-bit K/V, no custom mask, variants without query / key transforms;
-    needs a plan with tails, one item per cell, unsplit KV, and tail_dest= and lse_src=; config
-    a MosaicPrefillConfig).
-    Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
-    lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
-    """
-    impls = {"triton": (_prefill_triton, PrefillConfig), "mosaic": (_prefill_mosaic, MosaicPrefillConfig)}
-    fn, config_type = _common.dispatch(impls, impl, "prefill")
+def _check_config(config, config_type):
     config = config_type() if config is None else config
     if not isinstance(config, config_type):
-        raise ValueError(f"prefill impl={impl!r} takes a {config_type.__name__}, got {config!r}")
-    return fn(q, k_rows, v_rows, kv_indices, mask, items, cell_indptr, num_parts=num_parts,
-              page_size=page_size, num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale,
-              causal=causal, rows=rows, interpret=interpret, config=config, scales=scales,
-              variant=variant, params=params, q_pos=q_pos, global_kv_pos=global_kv_pos,
-              tail_dest=tail_dest, lse_src=lse_src)
+        raise ValueError(f"this prefill kernel takes a {config_type.__name__}, got {config!r}")
+    return config

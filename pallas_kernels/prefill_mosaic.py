@@ -1,45 +1,14 @@
 """Prefill attention on Mosaic GPU (Hopper): TMA loads, wgmma, warp specialization.
 
-The second implementation behind pallas_kernels.prefill (impl="mosaic"), after JAX's
-FlashAttention-3 kernel (jax/experimental/pallas/ops/gpu/attention_mgpu.py), reading
-the same work list as the Triton kernel (see prefill.py) with:
-- tiles of 64 x compute_wgs query tokens of one query head (compute warpgroups of 64 rows
-  each, two or three; plan with rows = tile tokens x group), KV never split; a cell runs its
-  work items in order (host plans: one per cell; ragged_paged_attention: runs of tiles, a
-  persistent grid); the warpgroups' matmuls ping-pong (two), run freely, or overlap each
-  one's softmax with its own matmuls (MosaicPrefillConfig.pipeline);
-- a memory warpgroup streaming K/V blocks of block_kv tokens through
-  max_concurrent_steps shared-memory slots: a paged block is block_kv / page_size TMA
-  copies of whole pages (only pages of the request's list: slots past its last page
-  copy the last page again, and the mask hides them), a contiguous block one copy;
-- TMA copies rows in groups of 8: the planner starts each request's tiles at the 8-aligned
-  row at or below its first row (tile_tok may be negative; those rows are computed and
-  dropped), and with contiguous K/V its keys likewise, masking the kv_first (item field
-  13) keys before its own;
-- whole-tile TMA stores: a tile that is not wholly the request's rows goes to its tail slot
-  (item field 12) of a side buffer, which the caller scatters into o; lse rows go to the
-  work item's slot (TMA's plain bulk copies need 16-byte aligned addresses), which the
-  caller gathers. With row_stores (requests at 8-aligned rows, tiles from their first row) a
-  tile stores its own rows instead, a partial 64-row half 8 rows at a time.
-
-Grid (Hq, num_cells). Keys past the item's range, or causally hidden, are masked to
--inf; rows that see no key give o = 0, lse = -inf. Unused slots of a listed page are
-loaded and masked, and their V rows zeroed in shared memory before P @ V (they may hold NaN);
-mixed launches skip that zeroing, so there they must hold finite values. (Contiguous K/V has
-no such slots.)
-
-Variants (jaxinfer.variants): logits transforms, logits masks and use_softmax=False, not
-query / key transforms (they would need q and K in registers). Hooks see full [64, BK] tiles
-of query and key positions and the query head as a scalar. A mask with kv_bounds (a sliding
-window) moves the tile's first KV block to the block holding the first key any of its rows
-sees (item fields 14, 15 bound its query positions); blocks before full_lo are masked.
-
-Mixed launches (packed_tokens > 0; BatchAttention impl="mixed", planner.batch.plan_mixed): one
-persistent grid whose items name their head (MIXED_ITEM_COLUMNS). Besides query tiles, an item
-may be a packed tile: up to packed_tokens tokens of one request x the G query heads of one KV
-head in the first warpgroup's 64 rows (row t * G + g), its q copied and its o stored a token
-at a time through an unswizzled buffer; causal masks map row r to token r // G. Query tiles
-store only their request's rows (64, 8 or 1 at a time), so requests need no aligned start.
+After JAX's FlashAttention-3 kernel (jax/experimental/pallas/ops/gpu/attention_mgpu.py), on
+the prefill work list (planner.work_items.PREFILL, or MIXED for the mixed launch): tiles of
+64 x compute_wgs query tokens of one query head, KV never split. A memory warpgroup streams
+K/V blocks (whole pages by TMA) through max_concurrent_steps shared-memory slots; the compute
+warpgroups ping-pong, run freely or overlap their softmax with their matmuls. Grid (Hq,
+num_cells). Keys outside an item's range are masked, and a listed page's stale V rows are
+zeroed in shared memory before P @ V (not in the mixed launch). docs/design.md tells how
+tiles align to TMA's 8-row groups, how partial tiles are stored, and how packed tiles of the
+mixed launch work.
 """
 import functools
 import inspect
@@ -55,13 +24,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common
+from planner.work_items import MIXED, PREFILL
 
 WG_ROWS = 64  # query rows per compute warpgroup
 LOG2E = math.log2(math.e)
-ITEM_FIELDS = 16  # = prefill.ITEM_FIELDS
-# Mixed launches (packed_tokens > 0): items carry their head, lse slot and kind in fields the
-# Triton kernel's split uses (part_base, num_chunks, chunk).
-MIXED_ITEM_COLUMNS = ("head", "lse_slot", "packed")  # fields 7, 8, 9 (= planner.batch's)
 MEMORY_REGISTERS = {2: 40, 3: 24}  # per thread of the memory warpgroup, by compute warpgroups
 # plgpu.load takes an index argument up to jax 0.11 (the empty index: the whole ref); 0.12
 # dropped it (load the ref itself).
@@ -85,7 +51,7 @@ def _warn_if_interpreter_pool_too_small(num_warpgroups):
 
 
 class _Item(NamedTuple):
-    """One work item's fields (prefill.ITEM_COLUMNS) and the KV blocks of its tile."""
+    """One work item's fields (work_items.PREFILL) and the KV blocks of its tile."""
     q_row_start: jax.Array
     tile_tok: jax.Array
     qo_len: jax.Array
@@ -145,8 +111,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
     def item_fields(w, has_item=True):
         """Work item w's fields and the KV blocks of its tile (both branches compute them); none
         (tile_steps 0) where has_item is false."""
-        load = lambda i: items_ref[w * ITEM_FIELDS + i]  # items flattened: 1-D scalar loads
-        q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end = (load(i) for i in range(7))
+        load = lambda col: items_ref[w * PREFILL.width + col]  # items flattened: 1-D scalar loads
+        q_row_start, tile_tok, qo_len = load(PREFILL.q_row_start), load(PREFILL.tile_tok), load(PREFILL.qo_len)
+        page_base, kv_len = load(PREFILL.page_base), load(PREFILL.kv_len)
+        kv_start, kv_end = load(PREFILL.kv_start), load(PREFILL.kv_end)
         offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
         kv_hi = kv_end
         if causal:
@@ -155,17 +123,18 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         # first key, or at the first key the variant's mask shows to any of its rows.
         kv_begin, full_lo = kv_start, None
         if bounded:
-            lo, full_lo = variant.kv_bounds(params, load(14), load(15))
-            kv_begin = jnp.clip(lo - load(11), kv_start, kv_hi)
+            lo, full_lo = variant.kv_bounds(params, load(PREFILL.q_pos_min), load(PREFILL.q_pos_max))
+            kv_begin = jnp.clip(lo - load(PREFILL.kv_pos_offset), kv_start, kv_hi)
         kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
         if mixed:  # the item's head and kind
-            head, lse_slot, packed = load(7), load(8), load(9) != 0
+            head, lse_slot, packed = load(MIXED.head), load(MIXED.lse_slot), load(MIXED.packed) != 0
             kv_head = jnp.where(packed, head, lax.div(head, jnp.int32(group)))
         else:  # the grid's head
             head, lse_slot, packed = lax.axis_index("heads"), w, False
             kv_head = lax.div(head, jnp.int32(group))
-        return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end, load(11), load(12),
-                     offset, kv_begin, jnp.maximum(kv_start, load(13)), full_lo,
+        return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end,
+                     load(PREFILL.kv_pos_offset), load(PREFILL.tail), offset, kv_begin,
+                     jnp.maximum(kv_start, load(PREFILL.kv_first)), full_lo,
                      jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0),
                      head, kv_head, lse_slot, packed)
 
@@ -206,36 +175,58 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 def _():
                     plgpu.copy_smem_to_gmem(qp.at[pl.ds(i, 1)], o_ref.at[pl.ds(row0 + i, 1), f.head])
 
-    def _compute_item(w, f, has_item=True):
-        q_row_start, tile_tok, qo_len, kv_start, kv_end = f.q_row_start, f.tile_tok, f.qo_len, f.kv_start, f.kv_end
-        offset, kv_begin, kv_visible, tile_steps, pos_offset = (
-            f.offset, f.kv_begin, f.kv_visible, f.tile_steps, f.pos_offset)
-        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
-        first_tok = tile_tok + wg * WG_ROWS  # this warpgroup's first query token
-        wg_hi = kv_end
+    iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
+            functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+
+    def clean_v(f, step, slot):
+        """Zeroes the V rows of block `step` (in `slot`) outside item f's keys [kv_visible,
+        kv_end): a last page's slots past kv_len (a freed page keeps its last owner's values,
+        NaN included) would make P @ V NaN where P is 0. Only blocks at the range's ends have
+        such rows; every warpgroup that reads the block writes the same zeros (no race)."""
+        if mixed or contiguous:  # mixed launches: it cost 24% there (H100; docs/safety.md); contiguous
+            return               # K/V has no stale slots (rows past a request are the next one's)
+        start = f.kv_begin + step * block_kv
+        lo, hi = jnp.clip(f.kv_visible - start, 0, block_kv), jnp.clip(f.kv_end - start, 0, block_kv)
+        for h in range(0, block_kv, WG_ROWS):  # 64-row halves: one WGMMA-layout tile each
+            @pl.when((lo > h) | (hi < h + WG_ROWS))
+            def _():
+                rows = v_smem.at[slot, pl.ds(h, WG_ROWS)]  # [64, D]
+                x = rows[...] if interpret else plgpu.load(rows, *_LOAD_IDX, layout=plgpu.Layout.WGMMA,
+                                                            optimized=False)
+                r = iota(x.shape, 0) + h
+                rows[...] = jnp.where((r >= lo) & (r < hi), x, jnp.zeros((), x.dtype))
+        plgpu.commit_smem()
+
+    def wg_blocks(f, has_item):
+        """This warpgroup's share of item f: (its first query token, its KV blocks, the blocks
+        wholly visible to all its rows, the leading blocks that need the mask)."""
+        first_tok = f.tile_tok + wg * WG_ROWS
+        wg_hi = f.kv_end
         if causal:
-            last = jnp.minimum(first_tok + WG_ROWS, qo_len) - 1
-            wg_hi = jnp.clip(last + offset + 1, kv_start, kv_end)
-        has_rows = has_item & (first_tok < qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
-        steps = jnp.where(has_rows, pl.cdiv(jnp.maximum(wg_hi - kv_begin, 0), jnp.int32(block_kv)), 0)
+            last = jnp.minimum(first_tok + WG_ROWS, f.qo_len) - 1
+            wg_hi = jnp.clip(last + f.offset + 1, f.kv_start, f.kv_end)
+        has_rows = has_item & (first_tok < f.qo_len) & (first_tok + WG_ROWS > 0)  # rows of the request
+        steps = jnp.where(has_rows, pl.cdiv(jnp.maximum(wg_hi - f.kv_begin, 0), jnp.int32(block_kv)), 0)
         # Blocks wholly visible to every row of the warpgroup (and inside the range).
-        full_end = jnp.minimum(kv_end, first_tok + offset + 1) if causal else kv_end
-        n_full = jnp.clip(lax.div(full_end - kv_begin, jnp.int32(block_kv)), 0, steps)
+        full_end = jnp.minimum(f.kv_end, first_tok + f.offset + 1) if causal else f.kv_end
+        n_full = jnp.clip(lax.div(full_end - f.kv_begin, jnp.int32(block_kv)), 0, steps)
         # Leading blocks that need the mask: keys before kv_visible, or not all inside the variant's.
-        lead = jnp.where(kv_visible > kv_begin, 1, 0)
+        lead = jnp.where(f.kv_visible > f.kv_begin, 1, 0)
         if bounded:
-            lead = jnp.maximum(lead, pl.cdiv(f.full_lo - pos_offset - kv_begin, jnp.int32(block_kv)))
+            lead = jnp.maximum(lead, pl.cdiv(f.full_lo - f.pos_offset - f.kv_begin, jnp.int32(block_kv)))
         elif masked_variant:
             lead = steps  # no bounds: every block masked
-        lead = jnp.clip(lead, 0, steps)
+        return first_tok, steps, n_full, jnp.clip(lead, 0, steps)
 
-        head, packed = f.head, f.packed
+    def load_q(f, first_tok):
+        """The warpgroup's 64 query rows of item f into q_smem (a packed tile's tokens x head group)."""
+        q_smem = q_smem2.at[wg]
 
         def load_rows():  # the warpgroup's 64 query tokens of one head
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], q_smem,
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(f.q_row_start + first_tok, WG_ROWS), f.head], q_smem,
                                     q_bar.at[wg])
             if variant is not None:  # the rows' query positions, by the same barrier
-                plgpu.copy_gmem_to_smem(q_pos_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS)],
+                plgpu.copy_gmem_to_smem(q_pos_ref.at[pl.ds(f.q_row_start + first_tok, WG_ROWS)],
                                         pos_smem2.at[wg], q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
 
@@ -243,7 +234,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             """load_rows through the unswizzled buffer: TMA into a tiled buffer views q's rows in
             8-row tiles (so q would need padding to a multiple of 8 rows: a copy of q); into an
             untiled one it reads any row count (rows past q's end read as zeros)."""
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row_start + first_tok, WG_ROWS), head], qp_smem.at[wg],
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(f.q_row_start + first_tok, WG_ROWS), f.head], qp_smem.at[wg],
                                     q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             q_smem[...] = qp_smem[wg] if interpret else plgpu.load(
@@ -251,52 +242,105 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             plgpu.commit_smem()
 
         if mixed:
-            pl.when(~packed)(load_rows_unpadded)
+            pl.when(~f.packed)(load_rows_unpadded)
 
-            @pl.when(packed & (wg == 0))
+            @pl.when(f.packed & (wg == 0))
             def _():  # row t * G + g: token t, query head kv_head * G + g; a token past qo_len
                 # only arrives (its rows, like those past packed_tokens x G, are never stored)
                 for t in range(packed_tokens):
-                    @pl.when(t < qo_len)
+                    @pl.when(t < f.qo_len)
                     def _():
-                        plgpu.copy_gmem_to_smem(q_ref.at[q_row_start + t, pl.ds(f.kv_head * group, group)],
+                        plgpu.copy_gmem_to_smem(q_ref.at[f.q_row_start + t, pl.ds(f.kv_head * group, group)],
                                                 qp_smem.at[0, pl.ds(t * group, group)], qp_bar[0])
 
                     if t:  # (a packed tile has a token)
-                        pl.when(t >= qo_len)(lambda: plgpu.barrier_arrive(qp_bar[0]))
+                        pl.when(t >= f.qo_len)(lambda: plgpu.barrier_arrive(qp_bar[0]))
                 plgpu.barrier_wait(qp_bar[0])
                 q_smem[...] = qp_smem[0] if interpret else plgpu.load(
                     qp_smem.at[0], *_LOAD_IDX, layout=plgpu.Layout.WGMMA, optimized=False)
                 plgpu.commit_smem()
         else:
             load_rows()
+
+    def drain(step, _):
+        """Releases block `step`, loaded for the other warpgroup's longer range: every load is
+        awaited once by each warpgroup, so each sees every barrier phase (block 0's K was awaited
+        before the loop)."""
+        slot = lax.rem(step, jnp.int32(slots))
+
+        @pl.when(step > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[slot])
+
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        if pipeline == "pingpong":
+            schedule_barrier()
+            schedule_barrier()
+
+    def store_item(f, first_tok, has_item, acc, m_i, l_i):
+        """The warpgroup's finished state (acc [64, D], m_i, l_i [64]) of item f: o normalized and
+        stored (whole tile, its own rows, or its tail slot), lse by the item's slot."""
+        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+        if softmax:
+            nonempty = l_i > 0
+            l_safe = jnp.where(nonempty, l_i, 1.0)
+            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
+        else:  # plain sums: lse 0 (see _attention.finalize)
+            o, lse = acc, l_i
+        (qp_smem.at[wg] if mixed else q_smem)[...] = o.astype(q_ref.dtype)
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        row0 = f.q_row_start + first_tok
+        if mixed:
+            store_mixed(has_item, f, first_tok, row0)
+        elif row_stores:  # the tile starts at the request's first row: store its rows, 8 at a time where partial
+            n_rows = jnp.clip(f.qo_len - first_tok, 0, WG_ROWS)
+
+            @pl.when(has_item & (n_rows == WG_ROWS))
+            def _():
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
+
+            for j in range(0, WG_ROWS, 8):  # rows past the request up to its next 8-aligned row: nobody's
+                @pl.when(has_item & (n_rows < WG_ROWS) & (j < n_rows))
+                def _():
+                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), f.head])
+        else:
+            tail = f.tail
+
+            @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
+            def _():
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
+
+            @pl.when(has_item & (tail >= 0))
+            def _():
+                plgpu.copy_smem_to_gmem(
+                    q_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), f.head])
+
+        # lse rows by slot (a contiguous TMA store needs a 16-byte aligned destination); a packed
+        # tile's rows in token-major order
+        lse_row = 0 if mixed else f.head
+
+        @pl.when((has_item | (f.packed & (wg == 0))) if mixed else has_item)
+        def _():
+            plgpu.copy_smem_to_gmem(
+                lse_smem, lse_ref.at[lse_row, pl.ds(f.lse_slot * tile_tokens + wg * WG_ROWS, WG_ROWS)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def _compute_item(w, f, has_item=True):
+        kv_end, offset, kv_begin, kv_visible, tile_steps, pos_offset = (
+            f.kv_end, f.offset, f.kv_begin, f.kv_visible, f.tile_steps, f.pos_offset)
+        head, packed, q_smem = f.head, f.packed, q_smem2.at[wg]
+        first_tok, steps, n_full, lead = wg_blocks(f, has_item)
+        load_q(f, first_tok)
         # (The interpreter has no register layouts: plain arrays there.)
         cast = (lambda x, _: x) if interpret else plgpu.layout_cast
         m_i = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = cast(jnp.full((WG_ROWS, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
-        iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
-                functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
-
-        def clean_v(step, slot):
-            """Zeroes the V rows of block `step` (in `slot`) outside the item's keys [kv_visible,
-            kv_end): a last page's slots past kv_len (a freed page keeps its last owner's values,
-            NaN included) would make P @ V NaN where P is 0. Only blocks at the range's ends have
-            such rows; every warpgroup that reads the block writes the same zeros (no race)."""
-            if mixed or contiguous:  # mixed launches: it cost 24% there (H100; docs/safety.md); contiguous
-                return               # K/V has no stale slots (rows past a request are the next one's)
-            start = kv_begin + step * block_kv
-            lo, hi = jnp.clip(kv_visible - start, 0, block_kv), jnp.clip(kv_end - start, 0, block_kv)
-            for h in range(0, block_kv, WG_ROWS):  # 64-row halves: one WGMMA-layout tile each
-                @pl.when((lo > h) | (hi < h + WG_ROWS))
-                def _():
-                    rows = v_smem.at[slot, pl.ds(h, WG_ROWS)]  # [64, D]
-                    x = rows[...] if interpret else plgpu.load(rows, *_LOAD_IDX, layout=plgpu.Layout.WGMMA,
-                                                                optimized=False)
-                    r = iota(x.shape, 0) + h
-                    rows[...] = jnp.where((r >= lo) & (r < hi), x, jnp.zeros((), x.dtype))
-            plgpu.commit_smem()
-
         if variant is not None:  # the rows' query positions [64]
             q_pos = (pos_smem2[wg] if interpret else plgpu.load(
                 pos_smem2.at[wg], *_LOAD_IDX, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
@@ -386,7 +430,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 plgpu.barrier_arrive(sched)  # done with softmax
             plgpu.barrier_wait(v_bar.at[slot])
             if masked:  # (blocks at the range's ends are masked ones)
-                clean_v(step, slot)
+                clean_v(f, step, slot)
             if pingpong:
                 plgpu.barrier_wait(sched)  # the tensor cores are free
 
@@ -433,7 +477,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 if interpret:
                     s = qk_dot(slot)
                     plgpu.barrier_wait(v_bar.at[prev])
-                    clean_v(j - 1, prev)
+                    clean_v(f, j - 1, prev)
                     acc = rescale(acc, alpha_prev) + jnp.dot(p16_prev, v_smem[prev],
                                                              preferred_element_type=jnp.float32)
                 else:
@@ -442,7 +486,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                         if alpha_prev is not None:  # (block j-2's PV is done)
                             o_ref[...] = rescale(plgpu.wgmma_accumulator_load(o_ref, wait_n=None), alpha_prev)
                         plgpu.barrier_wait(v_bar.at[prev])
-                        clean_v(j - 1, prev)
+                        clean_v(f, j - 1, prev)
                         plgpu.wgmma(o_ref, p16_prev, v_smem.at[prev])
                         return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T done, PV may run
                     s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
@@ -457,7 +501,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
             acc_j, m_j, l_j, p16, alpha = segments(step_j, 1, carry)
             last = lax.rem(steps - 1, jnp.int32(slots))
             plgpu.barrier_wait(v_bar.at[last])
-            clean_v(steps - 1, last)
+            clean_v(f, steps - 1, last)
             if interpret:
                 acc_j = rescale(acc_j, alpha) + jnp.dot(p16, v_smem[last], preferred_element_type=jnp.float32)
             else:
@@ -475,71 +519,11 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
                 lambda _: pl.run_scoped(overlapped, plgpu.ACC((WG_ROWS, q_ref.shape[-1]), jnp.float32)))
             acc, m_i, l_i = lax.cond(steps > 0, lambda: run(None), lambda: (acc, m_i, l_i))
 
-        def drain(step, _):  # release the blocks loaded for the other warpgroup's longer range
-            slot = lax.rem(step, jnp.int32(slots))
-            # Every load is awaited once by each warpgroup, so each sees every barrier phase (block
-            # 0's K was awaited before the loop).
-            @pl.when(step > 0)
-            def _():
-                plgpu.barrier_wait(k_bar.at[slot])
-
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            if pingpong:
-                schedule_barrier()
-                schedule_barrier()
-
         lax.fori_loop(steps, tile_steps, drain, None)
         if pingpong:
             pl.when(wg == 0)(schedule_barrier)
 
-        if softmax:
-            nonempty = l_i > 0
-            l_safe = jnp.where(nonempty, l_i, 1.0)
-            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
-        else:  # plain sums: lse 0 (see _attention.finalize)
-            o, lse = acc, l_i
-        (qp_smem.at[wg] if mixed else q_smem)[...] = o.astype(q_ref.dtype)
-        lse_smem[...] = lse
-        plgpu.commit_smem()
-        row0 = q_row_start + first_tok
-        if mixed:
-            store_mixed(has_item, f, first_tok, row0)
-        elif row_stores:  # the tile starts at the request's first row: store its rows, 8 at a time where partial
-            n_rows = jnp.clip(qo_len - first_tok, 0, WG_ROWS)
-
-            @pl.when(has_item & (n_rows == WG_ROWS))
-            def _():
-                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), head])
-
-            for j in range(0, WG_ROWS, 8):  # rows past the request up to its next 8-aligned row: nobody's
-                @pl.when(has_item & (n_rows < WG_ROWS) & (j < n_rows))
-                def _():
-                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), head])
-        else:
-            tail = f.tail
-
-            @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
-            def _():
-                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), head])
-
-            @pl.when(has_item & (tail >= 0))
-            def _():
-                plgpu.copy_smem_to_gmem(
-                    q_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), head])
-
-        # lse rows by slot (a contiguous TMA store needs a 16-byte aligned destination); a packed
-        # tile's rows in token-major order
-        lse_row = 0 if mixed else head
-
-        @pl.when((has_item | (packed & (wg == 0))) if mixed else has_item)
-        def _():
-            plgpu.copy_smem_to_gmem(
-                lse_smem, lse_ref.at[lse_row, pl.ds(f.lse_slot * tile_tokens + wg * WG_ROWS, WG_ROWS)])
-
-        plgpu.wait_smem_to_gmem(0)
+        store_item(f, first_tok, has_item, acc, m_i, l_i)
 
     def _memory_item(f):
         page_base, kv_len, kv_begin, tile_steps, kv_head = f.page_base, f.kv_len, f.kv_begin, f.tile_steps, f.kv_head
@@ -628,7 +612,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     o_tail [num_tail_rows, Hq, D]).
 
     packed_tokens > 0: a mixed launch (one persistent grid of cells, no variant). Items name their
-    head and lse slot (MIXED_ITEM_COLUMNS); a packed item is a request of at most packed_tokens
+    head and lse slot (work_items.MIXED); a packed item is a request of at most packed_tokens
     tokens whose G = Hq / Hkv query heads of KV head `head` share one 64-row tile (row t * G + g:
     token t, query head head * G + g), loaded and stored a token at a time; the others are
     query tiles of one query head as above. lse_items is then [1, num_lse_slots * T]: slot s's

@@ -1,8 +1,8 @@
 """BatchAttention plan: one step's requests of any query length, split into two classes.
 
 Short requests (qo_len <= tokens_per_item, the query tokens times the head group fitting one
-decode tile) run on the decode kernel: items of up to tokens_per_item tokens x the group, split-KV
-balanced by Algorithm 1 (MULTI_ITEM_COLUMNS). Longer requests (chunks, prompts) run on the
+decode tile) run on the decode kernel: items (DECODE_MULTI) of up to tokens_per_item tokens x the
+group, split-KV balanced by Algorithm 1. Longer requests (chunks, prompts) run on the
 prefill kernel over their own rows, gathered from q through prefill_rows. Shapes are fixed by the
 capacities, so one compiled run() serves every composition with the same tokens_per_item.
 """
@@ -13,12 +13,12 @@ import numpy as np
 
 from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
+from planner.work_items import DECODE_MULTI, MIXED
 
-ITEM_COLUMNS = ("request", "page_base", "tok_start", "tok_end", "part_slot", "part_stride", "q_start",
-                "qo_len")  # = pallas_kernels.decode.MULTI_ITEM_COLUMNS (tests check)
 SHORT_TOKENS = (1, 2, 4, 8, 16)  # tokens_per_item choices (static: one program each)
 SHORT_MAX_ROWS = 64  # a short request's tokens x head group fill at most one decode tile
-_WRITETHROUGH = np.array([0, 0, -1, 1], np.int32)  # columns 2-5 of an unsplit request's item (3: its length)
+MIN_SPLIT_TOKENS = 256  # no short request's KV splits into chunks below this
+MIXED_ITEM_COST = 256  # keys: a mixed-launch item's fixed cost (plan_mixed's cell balance)
 _max = np.maximum.reduce
 
 
@@ -41,7 +41,7 @@ def short_cap(group, max_rows=SHORT_MAX_ROWS):
 @dataclass(frozen=True)
 class ShortLayout(PackedLayout):
     """Static sizes of the short-request (decode-kernel) plan buffer."""
-    ITEM_FIELDS = len(ITEM_COLUMNS)
+    ITEMS = DECODE_MULTI
     num_tokens: int  # rows of q and o
     batch: int       # requests (kv_lens entries)
     index_cap: int
@@ -59,7 +59,7 @@ class ShortLayout(PackedLayout):
 
     def sections(self):
         return (("kv_indices", self.index_cap), ("kv_lens", self.batch),
-                ("items", self.item_cap * self.ITEM_FIELDS), ("cell_indptr", self.num_cells + 1),
+                ("items", self.item_cap * self.ITEMS.width), ("cell_indptr", self.num_cells + 1),
                 ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap),
                 ("prefill_rows", self.num_tokens))
 
@@ -71,7 +71,7 @@ def short_layout(num_tokens, batch, index_cap, num_cells, tokens_per_item):
 
 
 def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size, num_cells, tokens_per_item,
-               num_tokens, batch_cap, index_cap, min_split_tokens=256, item_cost=32.0):
+               num_tokens, batch_cap, index_cap, min_split_tokens=MIN_SPLIT_TOKENS, item_cost=32.0):
     """Work list of the short requests (is_short) on the decode kernel, and the rows of the others
     (prefill_rows: their q rows in order, padded with num_tokens). Returns (layout, buffer, info).
 
@@ -88,15 +88,17 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     np.maximum(nchunks, 1, out=nchunks)
     num_short = reqs.shape[0]
     # Items in request order, in int32 (the buffer's type: values wrap as its cast would).
-    work = np.empty((int(np.add.reduce(nchunks)), len(ITEM_COLUMNS)), np.int32)
+    work = np.empty((int(np.add.reduce(nchunks)), DECODE_MULTI.width), np.int32)
     if not num_short or int(validate.largest(nchunks)) == 1:  # nothing split: one writethrough item per request
         n_items, n_parts, n_merge = num_short, 0, 0
-        work[:, 0] = reqs
-        work[:, 1] = kv_indptr.take(reqs)
-        work[:, 2:6] = _WRITETHROUGH  # tok_start 0, part_slot -1, part_stride 1
-        work[:, 3] = lens_r
-        work[:, 6] = qo_indptr.take(reqs)
-        work[:, 7] = qo_lens.take(reqs)
+        work[:, DECODE_MULTI.request] = reqs
+        work[:, DECODE_MULTI.page_base] = kv_indptr.take(reqs)
+        work[:, DECODE_MULTI.tok_start] = 0
+        work[:, DECODE_MULTI.part_slot] = -1  # writethrough
+        work[:, DECODE_MULTI.part_stride] = 1
+        work[:, DECODE_MULTI.tok_end] = lens_r
+        work[:, DECODE_MULTI.q_start] = qo_indptr.take(reqs)
+        work[:, DECODE_MULTI.qo_len] = qo_lens.take(reqs)
         spans = lens_r
     else:
         split = nchunks > 1
@@ -109,15 +111,15 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
         part_first -= parts
         req = reqs.take(local)
         tok_start = chunk_idx * (chunk * page_size)
-        work[:, 0] = req
-        work[:, 1] = kv_indptr.take(req)
-        work[:, 2] = tok_start
-        work[:, 3] = np.minimum(tok_start + chunk * page_size, lens_r.take(local))
-        work[:, 4] = np.where(split.take(local), part_first.take(local) + chunk_idx, -1)
-        work[:, 5] = nchunks.take(local)
-        work[:, 6] = qo_indptr.take(req)
-        work[:, 7] = qo_lens.take(req)
-        spans = work[:, 3] - tok_start
+        work[:, DECODE_MULTI.request] = req
+        work[:, DECODE_MULTI.page_base] = kv_indptr.take(req)
+        work[:, DECODE_MULTI.tok_start] = tok_start
+        work[:, DECODE_MULTI.tok_end] = np.minimum(tok_start + chunk * page_size, lens_r.take(local))
+        work[:, DECODE_MULTI.part_slot] = np.where(split.take(local), part_first.take(local) + chunk_idx, -1)
+        work[:, DECODE_MULTI.part_stride] = nchunks.take(local)
+        work[:, DECODE_MULTI.q_start] = qo_indptr.take(req)
+        work[:, DECODE_MULTI.qo_len] = qo_lens.take(req)
+        spans = work[:, DECODE_MULTI.tok_end] - tok_start
         # Merge groups: one per token of a split request, its nchunks partials contiguous.
         sreq = split.nonzero()[0]
         tokens = qo_lens.take(reqs.take(sreq))
@@ -138,7 +140,7 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     i0, l0, t0, c0, m0, d0, p0 = layout.starts
     buf[i0:i0 + kv_indices.shape[0]] = kv_indices
     buf[l0:l0 + batch] = kv_lens
-    items = buf[t0:t0 + n_items * len(ITEM_COLUMNS)].reshape(n_items, len(ITEM_COLUMNS))
+    items = buf[t0:t0 + n_items * DECODE_MULTI.width].reshape(n_items, DECODE_MULTI.width)
     work.take(order, axis=0, out=items, mode="clip")  # (clip: in range; no buffered copy)
     buf[c0:c0 + layout.num_cells + 1] = cell_indptr
     merge_dest = buf[d0:d0 + layout.merge_cap]
@@ -167,15 +169,13 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     return layout, buf, info
 
 
-MIXED_ITEM_FIELDS = 16          # = pallas_kernels.prefill_mosaic.ITEM_FIELDS
-MIXED_ITEM_COLUMNS = ("head", "lse_slot", "packed")  # fields 7-9 (= prefill_mosaic's)
 
 
 @dataclass(frozen=True)
 class MixedLayout(PackedLayout):
     """Static sizes of a mixed plan: one persistent launch of query tiles (one query head each,
     tile_tokens tokens) and packed tiles (one short request x one KV head)."""
-    ITEM_FIELDS = MIXED_ITEM_FIELDS
+    ITEMS = MIXED
     num_tokens: int
     batch: int
     index_cap: int
@@ -203,7 +203,7 @@ class MixedLayout(PackedLayout):
         return self.packed_slot0 + self.batch * self.num_kv_heads
 
     def sections(self):
-        return (("kv_indices", self.index_cap), ("items", self.num_lse_slots * self.ITEM_FIELDS),
+        return (("kv_indices", self.index_cap), ("items", self.num_lse_slots * self.ITEMS.width),
                 ("cell_indptr", self.num_cells + 1), ("lse_src", self.num_tokens))
 
 
@@ -215,7 +215,7 @@ def mixed_layout(*args):
 
 def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size, num_qo_heads, num_kv_heads,
                num_cells, tile_tokens, tokens_per_item, num_tokens, batch_cap, index_cap, causal,
-               item_cost=256):
+               item_cost=MIXED_ITEM_COST):
     """One persistent work list for a mixed step (pallas_kernels.prefill_mosaic, packed_tokens):
     each short request (is_short) is one packed tile per KV head over all its keys; each other
     request is query tiles of tile_tokens tokens per query head from its first row (the kernel
@@ -255,27 +255,27 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
     # packed_slot0 + short index * Hkv + KV head): each tile's fields, repeated per head.
     n_q, n_p = num_tiles * num_qo_heads, short.shape[0] * num_kv_heads
-    tiles = np.zeros((num_tiles + short.shape[0], MIXED_ITEM_FIELDS), np.int32)
+    tiles = np.zeros((num_tiles + short.shape[0], MIXED.width), np.int32)
     q_tiles, p_tiles = tiles[:num_tiles], tiles[num_tiles:]
-    q_tiles[:, 0] = start_l.take(tile_req)
-    q_tiles[:, 1] = tile_tok
-    q_tiles[:, 2] = qo_t
-    q_tiles[:, 3] = page_base.take(long_.take(tile_req))
-    q_tiles[:, 4] = kv_t
-    q_tiles[:, 6] = kv_hi
-    p_tiles[:, 0] = p_start
-    p_tiles[:, 2] = p_qo
-    p_tiles[:, 3] = page_base.take(short)
-    p_tiles[:, 4] = p_kv
-    p_tiles[:, 6] = p_kv
-    p_tiles[:, 9] = 1
-    tiles[:, 12] = -1
+    q_tiles[:, MIXED.q_row_start] = start_l.take(tile_req)
+    q_tiles[:, MIXED.tile_tok] = tile_tok
+    q_tiles[:, MIXED.qo_len] = qo_t
+    q_tiles[:, MIXED.page_base] = page_base.take(long_.take(tile_req))
+    q_tiles[:, MIXED.kv_len] = kv_t
+    q_tiles[:, MIXED.kv_end] = kv_hi
+    p_tiles[:, MIXED.q_row_start] = p_start
+    p_tiles[:, MIXED.qo_len] = p_qo
+    p_tiles[:, MIXED.page_base] = page_base.take(short)
+    p_tiles[:, MIXED.kv_len] = p_kv
+    p_tiles[:, MIXED.kv_end] = p_kv
+    p_tiles[:, MIXED.packed] = 1
+    tiles[:, MIXED.tail] = -1
     items = tiles.repeat(np.repeat([num_qo_heads, num_kv_heads], [num_tiles, short.shape[0]]), axis=0)
-    items[:n_q, 7].reshape(num_tiles, num_qo_heads)[:] = scheduler.arange(num_qo_heads)
-    items[n_q:, 7].reshape(-1, num_kv_heads)[:] = scheduler.arange(num_kv_heads)
-    items[:, 8] = scheduler.arange(n_q + n_p)
-    items[n_q:, 8] += layout.packed_slot0 - n_q
-    costs = np.add(items[:, 6], item_cost, dtype=np.int64)  # keys (field 6) + item_cost
+    items[:n_q, MIXED.head].reshape(num_tiles, num_qo_heads)[:] = scheduler.arange(num_qo_heads)
+    items[n_q:, MIXED.head].reshape(-1, num_kv_heads)[:] = scheduler.arange(num_kv_heads)
+    items[:, MIXED.lse_slot] = scheduler.arange(n_q + n_p)
+    items[n_q:, MIXED.lse_slot] += layout.packed_slot0 - n_q
+    costs = np.add(items[:, MIXED.kv_end], item_cost, dtype=np.int64)  # keys + item_cost
     cell = scheduler.cells_of(costs, layout.num_cells)  # [items]
     # A cell runs its items by kind: even cells their query tiles first, odd cells their packed
     # tiles first, so about half the SMs stream K/V while the others compute (H100, the mixed

@@ -12,8 +12,8 @@ import numpy as np
 
 from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
+from planner.work_items import DECODE
 
-ITEM_FIELDS = 5  # (request, page_base, tok_start, tok_end, part_slot); see pallas_kernels/decode.py
 # What one more work item costs a decode cell, in KV tokens: an H100 timeline of the kernel
 # put it at ~2 µs at batch 16, 50-80 tokens' worth of streaming.
 # Contiguous cells charge it per item when they balance their costs.
@@ -24,7 +24,7 @@ PARTITIONS = ("auto", "greedy", "contiguous")
 @dataclass(frozen=True)
 class DecodeLayout(PackedLayout):
     """Static sizes of the packed plan buffer; hashable, part of the jit cache key."""
-    ITEM_FIELDS = ITEM_FIELDS
+    ITEMS = DECODE
     batch: int       # B: rows of q and o
     index_cap: int   # entries of kv_indices
     num_cells: int   # persistent grid cells (grid = (num_cells, Hkv))
@@ -44,7 +44,7 @@ class DecodeLayout(PackedLayout):
     def sections(self):
         """(name, size) of each int32 section, in buffer order."""
         return (("kv_indices", self.index_cap), ("kv_lens", self.batch),
-                ("items", self.item_cap * ITEM_FIELDS), ("cell_indptr", self.num_cells + 1),
+                ("items", self.item_cap * DECODE.width), ("cell_indptr", self.num_cells + 1),
                 ("merge_indptr", self.merge_cap + 1), ("merge_dest", self.merge_cap))
 
 
@@ -120,7 +120,7 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
     buf[l0:l0 + batch] = kv_lens
     buf[l0 + batch:t0] = 0
     lens = buf[l0:l0 + bcap]  # int32[bcap]: kv_lens, 0 for padding rows
-    items = buf[t0:t0 + layout.item_cap * ITEM_FIELDS].reshape(-1, ITEM_FIELDS)
+    items = buf[t0:t0 + layout.item_cap * DECODE.width].reshape(-1, DECODE.width)
     used = "greedy"
 
     if not batch or int(validate.largest(pages)) <= chunk:  # no request is split: one item per row, all writethrough
@@ -129,11 +129,11 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
         if bcap > batch:
             base = np.concatenate([base, np.zeros(bcap - batch, np.int32)])
         n_items = bcap
-        items[:n_items, 0] = order
-        items[:n_items, 1] = base.take(order)
-        items[:n_items, 2] = 0  # tok_start
-        items[:n_items, 4] = -1  # part_slot: writethrough (two fills: a broadcast row is slower)
-        items[:n_items, 3] = lens.take(order)
+        items[:n_items, DECODE.request] = order
+        items[:n_items, DECODE.page_base] = base.take(order)
+        items[:n_items, DECODE.tok_start] = 0
+        items[:n_items, DECODE.part_slot] = -1  # writethrough (two fills: a broadcast row is slower)
+        items[:n_items, DECODE.tok_end] = lens.take(order)
         buf[c1:d0] = 0  # cell_indptr's gap, merge_indptr (no split request), its gap
         buf[d0:d0 + layout.merge_cap] = -1
         num_split = num_parts = 0
@@ -147,7 +147,7 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
             used = "contiguous"
         else:
             work, part_end, split = _split_items(pages, kv_indptr, lens, chunk, chunk * page_size, batch, bcap)
-            tokens = np.subtract(work[:, 3], work[:, 2], dtype=np.int64)
+            tokens = np.subtract(work[:, DECODE.tok_end], work[:, DECODE.tok_start], dtype=np.int64)
             order, _ = scheduler.assign_positive(_costs(tokens, item_cost), layout.num_cells, out=buf[c0:c1])
         n_items = work.shape[0]
         split_reqs = np.flatnonzero(split)
@@ -166,7 +166,7 @@ def plan_decode_checked(table, *, page_size, num_cells, num_pages, max_batch_siz
         merge_dest = buf[d0:d0 + layout.merge_cap]
         merge_dest[:num_split] = split_reqs
         merge_dest[num_split:] = -1
-    buf[t0 + n_items * ITEM_FIELDS:c0] = 0  # unused items, the gap after them
+    buf[t0 + n_items * DECODE.width:c0] = 0  # unused items, the gap after them
     info = dict(chunk_pages=chunk, num_items=n_items, num_split=int(num_split), num_parts=num_parts,
                 partition=used)
     return layout, buf, info
@@ -185,7 +185,7 @@ def _contiguous_items(pages, kv_indptr, lens, page_size, num_cells, alpha, min_p
     cost, then its pages), requests in order, is cut into num_cells ranges of equal width (at
     least min_pages + alpha); a cut inside a request's pages splits it there, a cut in its
     alpha zone moves to its start. Empty requests and padding rows (batch..bcap) take no part of
-    the stream: their items go to the cells in turn. Returns (items int32[n, ITEM_FIELDS] in
+    the stream: their items go to the cells in turn. Returns (items int32[n, DECODE.width] in
     cell order, part_end int64[bcap], split bool[batch], cell_indptr int32[num_cells + 1])."""
     batch = pages.shape[0]
     p = np.zeros(bcap, np.int64)
@@ -214,15 +214,16 @@ def _contiguous_items(pages, kv_indptr, lens, page_size, num_cells, alpha, min_p
     split = nparts > 1
     part_end = np.add.accumulate(nparts * split)
     first_item = np.add.accumulate(nparts) - nparts  # each request's first item
-    work = np.empty((n, ITEM_FIELDS), np.int32)
-    work[:, 0] = item_req
+    work = np.empty((n, DECODE.width), np.int32)
+    work[:, DECODE.request] = item_req
     base = np.zeros(bcap, np.int64)
     base[:batch] = kv_indptr[:-1]
-    work[:, 1] = base.take(item_req)
-    work[:, 2] = item_first * page_size
-    work[:, 3] = np.minimum(lens.take(item_req), item_end * page_size)
+    work[:, DECODE.page_base] = base.take(item_req)
+    work[:, DECODE.tok_start] = item_first * page_size
+    work[:, DECODE.tok_end] = np.minimum(lens.take(item_req), item_end * page_size)
     piece = scheduler.arange(n) - first_item.take(item_req)
-    work[:, 4] = np.where(split.take(item_req), part_end.take(item_req) - nparts.take(item_req) + piece, -1)
+    work[:, DECODE.part_slot] = np.where(split.take(item_req),
+                                         part_end.take(item_req) - nparts.take(item_req) + piece, -1)
     return work.take(by_cell, axis=0), part_end, split[:batch], cell_indptr
 
 
@@ -236,7 +237,7 @@ def _integer_cost(item_cost):
 def _split_items(pages, kv_indptr, lens, chunk_pages, chunk_tokens, batch, bcap):
     """The work items of a plan with split requests, in request order: request b's chunks in
     order (consecutive partial slots if it has more than one, else writethrough), then one empty
-    item per padding row (batch..bcap). Returns (items int32[n, ITEM_FIELDS], part_end
+    item per padding row (batch..bcap). Returns (items int32[n, DECODE.width], part_end
     int64[bcap]: each request's partial slots end (cumulative), split bool[batch])."""
     nchunks = np.ones(bcap, np.int64)
     np.floor_divide(pages + (chunk_pages - 1), chunk_pages, out=nchunks[:batch])
@@ -246,17 +247,17 @@ def _split_items(pages, kv_indptr, lens, chunk_pages, chunk_tokens, batch, bcap)
     item_end = np.add.accumulate(nchunks)
     # Per request, the item columns' values at its first chunk; tok_start holds -first item
     # (chunk index = item index + it) and part_slot the first partial slot (-1: writethrough).
-    per_req = np.zeros((bcap, ITEM_FIELDS), np.int32)
-    per_req[:, 0] = scheduler.arange32(bcap)
-    per_req[:batch, 1] = kv_indptr[:-1]
-    np.subtract(nchunks, item_end, out=per_req[:, 2], casting="unsafe")
-    per_req[:, 3] = lens
-    per_req[:, 4] = np.where(split, part_end - nchunks, -1)
+    per_req = np.zeros((bcap, DECODE.width), np.int32)
+    per_req[:, DECODE.request] = scheduler.arange32(bcap)
+    per_req[:batch, DECODE.page_base] = kv_indptr[:-1]
+    np.subtract(nchunks, item_end, out=per_req[:, DECODE.tok_start], casting="unsafe")
+    per_req[:, DECODE.tok_end] = lens
+    per_req[:, DECODE.part_slot] = np.where(split, part_end - nchunks, -1)
     req = scheduler.arange(bcap).repeat(nchunks)
-    items = per_req.take(req, axis=0)  # [n, ITEM_FIELDS]
-    chunk_idx = items[:, 2]
+    items = per_req.take(req, axis=0)  # [n, DECODE.width]
+    chunk_idx = items[:, DECODE.tok_start]
     chunk_idx += scheduler.arange32(items.shape[0])
-    items[:, 4] += chunk_idx
+    items[:, DECODE.part_slot] += chunk_idx
     np.multiply(chunk_idx, chunk_tokens, out=chunk_idx)  # now tok_start
-    np.minimum(items[:, 3], chunk_idx + chunk_tokens, out=items[:, 3])
+    np.minimum(items[:, DECODE.tok_end], chunk_idx + chunk_tokens, out=items[:, DECODE.tok_end])
     return items, part_end, split[:batch]

@@ -24,12 +24,12 @@ def new_buffer(size):
 
 
 class PackedLayout:
-    """Base for plan layouts: subclasses list (name, size) sections and their item width.
+    """Base for plan layouts: subclasses list (name, size) sections and their items' schema.
 
     Layouts are frozen dataclasses; the section offsets are computed once per instance
     (cached_property writes the instance __dict__, which frozen dataclasses allow)."""
 
-    ITEM_FIELDS = 1
+    ITEMS = None  # the work-item schema (planner.work_items)
 
     def sections(self):
         raise NotImplementedError
@@ -63,5 +63,5 @@ class PackedLayout:
     def named(self, parts):
         """{name: section} of the sections given in sections() order (items as rows)."""
         out = dict(zip(self.offsets, parts))
-        out["items"] = out["items"].reshape(-1, self.ITEM_FIELDS)
+        out["items"] = out["items"].reshape(-1, self.ITEMS.width)
         return out

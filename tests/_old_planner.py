@@ -7,10 +7,11 @@ import heapq
 
 import numpy as np
 
-from planner.batch import ITEM_COLUMNS, MIXED_ITEM_FIELDS, MixedLayout, ShortLayout
-from planner.decode import ITEM_FIELDS as DECODE_FIELDS, DecodeLayout
+from planner.batch import MixedLayout, ShortLayout
+from planner.decode import DecodeLayout
 from planner.packing import new_buffer
-from planner.prefill import ITEM_FIELDS as PREFILL_FIELDS, ROW_ALIGN, PrefillLayout, choose_tile_rows
+from planner.prefill import ROW_ALIGN, PrefillLayout, choose_tile_rows
+from planner.work_items import DECODE, DECODE_MULTI, MIXED, PREFILL
 
 
 def kv_chunk_size(kv_pages, num_cells, min_chunk_pages=1):
@@ -133,7 +134,7 @@ def plan_decode(kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_cells
     else:
         chunk = kv_chunk_size(pages, num_cells, -(-min_split_tokens // page_size))
     nchunks = np.maximum(-(-pages // chunk), 1)  # an empty request gets one (empty) item
-    items = np.zeros((int(nchunks.sum()) + bcap - batch, DECODE_FIELDS), np.int64)
+    items = np.zeros((int(nchunks.sum()) + bcap - batch, DECODE.width), np.int64)
     if int(nchunks.max(initial=1)) == 1:  # no request is split: one item per row, all writethrough
         split_reqs = np.zeros(0, np.int64)
         items[:, 0] = np.arange(bcap)
@@ -269,7 +270,7 @@ def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, nu
         raise ValueError("the split needs more partial states or work items than the plan holds; "
                          "use a larger fixed_split_tokens (or no capacities)")
 
-    items = np.zeros((tile_of.shape[0], PREFILL_FIELDS), np.int64)
+    items = np.zeros((tile_of.shape[0], PREFILL.width), np.int64)
     r_of = req[tile_of]
     items[:, 0] = qo_start[r_of]
     items[:, 1] = tile_tok[tile_of]
@@ -444,7 +445,7 @@ def plan_short(qo_indptr, kv_lens, kv_indptr, kv_indices, is_short, *, page_size
     chunk_idx = np.arange(n_items) - (np.cumsum(nchunks) - nchunks)[local]
     parts = np.where(split, nchunks * qo_lens[reqs], 0)  # partial rows of each request
     part_first = np.cumsum(parts) - parts
-    items = np.zeros((n_items, len(ITEM_COLUMNS)), np.int64)
+    items = np.zeros((n_items, DECODE_MULTI.width), np.int64)
     tok_start = chunk_idx * chunk * page_size
     items[:, 0] = req
     items[:, 1] = kv_indptr[req]
@@ -526,8 +527,8 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     # Items: query tiles x query heads (slot tile * Hq + head), then packed tiles (slot
     # packed_slot0 + short index * Hkv + KV head).
     n_q, n_p = num_tiles * num_qo_heads, short.shape[0] * num_kv_heads
-    items = np.zeros((n_q + n_p, MIXED_ITEM_FIELDS), np.int32)
-    q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED_ITEM_FIELDS)
+    items = np.zeros((n_q + n_p, MIXED.width), np.int32)
+    q_items = items[:n_q].reshape(num_tiles, num_qo_heads, MIXED.width)
     q_items[:, :, 0] = start_l.take(tile_req)[:, None]
     q_items[:, :, 1] = tile_tok[:, None]
     q_items[:, :, 2] = qo_t[:, None]
@@ -537,7 +538,7 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     q_items[:, :, 7] = np.arange(num_qo_heads)
     q_items[:, :, 8] = np.arange(n_q).reshape(num_tiles, num_qo_heads)
     q_items[:, :, 12] = -1
-    p_items = items[n_q:].reshape(short.shape[0], num_kv_heads, MIXED_ITEM_FIELDS)
+    p_items = items[n_q:].reshape(short.shape[0], num_kv_heads, MIXED.width)
     p_items[:, :, 0] = p_start[:, None]
     p_items[:, :, 2] = p_qo[:, None]
     p_items[:, :, 3] = page_base.take(short)[:, None]

@@ -8,7 +8,6 @@ import pytest
 import jaxinfer as ji
 from helpers import TOL, assert_lse_close, page_table, randn, random_cache, rel_err
 from jaxinfer import reference as ref
-from pallas_kernels import decode as decode_kernels
 from planner import batch as batch_planner
 
 # qo lengths 0, 1, 4, 37 and others; kv past split and page boundaries.
@@ -88,11 +87,18 @@ def test_plan_is_bound_to_wrapper_and_cache(rng):
         ji.BatchAttention(hq, hkv, d, page).plan(*table)
 
 
-def test_item_columns_agree():
-    from pallas_kernels import prefill_mosaic
-    assert batch_planner.ITEM_COLUMNS == decode_kernels.MULTI_ITEM_COLUMNS
-    assert batch_planner.MIXED_ITEM_COLUMNS == prefill_mosaic.MIXED_ITEM_COLUMNS
-    assert batch_planner.MIXED_ITEM_FIELDS == prefill_mosaic.ITEM_FIELDS
+def test_work_item_schema():
+    """One schema: layouts name theirs; the mixed launch's items are prefill items, renamed."""
+    from planner import work_items
+    assert batch_planner.ShortLayout.ITEMS is work_items.DECODE_MULTI
+    assert batch_planner.MixedLayout.ITEMS is work_items.MIXED
+    assert work_items.MIXED.width == work_items.PREFILL.width
+    assert work_items.MIXED.head == work_items.PREFILL.part_base and work_items.DECODE_MULTI.qo_len == 7
+    assert work_items.PREFILL.ordered(**{n: i * 10 for i, n in enumerate(work_items.PREFILL.names)})[3] == 30
+    with pytest.raises(ValueError, match="exactly the columns"):
+        work_items.DECODE.ordered(request=0)
+    with pytest.raises(AttributeError, match="no column 'kv_end'"):
+        work_items.DECODE.kv_end
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -201,7 +207,7 @@ def test_mixed_plan_covers_every_row_once(rng, hq, hkv, qo):
         page_size=page, num_qo_heads=hq, num_kv_heads=hkv, num_cells=5, tile_tokens=T, tokens_per_item=tokens,
         num_tokens=nnz + 5, batch_cap=8, index_cap=int(pages.sum()), causal=True)
     sec = layout.unpack(buf)
-    items = sec["items"].reshape(-1, layout.ITEM_FIELDS)[:info["num_items"]]
+    items = sec["items"].reshape(-1, layout.ITEMS.width)[:info["num_items"]]
     assert sec["cell_indptr"][0] == 0 and sec["cell_indptr"][-1] == info["num_items"]
     for c in range(5):  # even cells run their query tiles first, odd cells their packed tiles
         kinds = items[sec["cell_indptr"][c]:sec["cell_indptr"][c + 1], 9]

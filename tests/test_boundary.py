@@ -9,8 +9,8 @@ the grid follows the constants when they change:
 - "short_tokens": planner.batch.SHORT_TOKENS below the cut (the tokens_per_item of a short step);
 - "tile_rows": planner.prefill.TILE_ROWS // group (choose_tile_rows' 16/32/64/128-row tiles; past
   the largest, a second tile);
-- "ragged_class": jaxinfer.ragged._classes, the q_len classes of ragged_paged_attention (T_s on
-  16-row and T_l on 64-row decode tiles, then PREFILL_ROWS // group tokens per prefill tile);
+- "ragged_class": jaxinfer.ragged_plan.classes, the q_len classes of ragged_paged_attention (T_s on
+  16-row and T_l on 64-row decode tiles, then dispatch.ragged_prefill_rows(group) // group tokens per prefill tile);
 - "dispatch": the lengths where jaxinfer.dispatch's choice for a one-request step flips (there
   prefill_short -> prefill_triton on the cost model, before or at the cut).
 Key lengths: page edges (k * page - 1, k * page, k * page + 1) and the split-KV edges
@@ -48,7 +48,7 @@ import pytest
 
 import jaxinfer as ji
 from helpers import TOL, assert_lse_close, rel_err
-from jaxinfer import dispatch, ragged
+from jaxinfer import dispatch, ragged_plan
 from jaxinfer import reference as ref
 from planner import batch as batch_planner
 from planner import decode as decode_planner
@@ -72,7 +72,7 @@ SPLIT_TOKENS = tuple(sorted({
     _default(decode_planner.plan_decode, "min_split_tokens"),  # BatchDecode
     _default(batch_planner.plan_short, "min_split_tokens"),    # short requests (decode kernel items)
     _default(prefill_planner.plan_prefill, "min_split_tokens"),  # prefill tiles
-    ragged.MIN_CHUNK_UNITS * ragged.CHUNK_UNIT}))               # ragged_paged_attention blocks
+    ragged_plan.MIN_CHUNK_UNITS * ragged_plan.CHUNK_UNIT}))               # ragged_paged_attention blocks
 
 
 # ---------------------------------------------------------------- boundaries, from the code
@@ -92,7 +92,7 @@ def edge_classes(group):
     bounds = [("short_cut", cap)]
     bounds += [("short_tokens", t) for t in batch_planner.SHORT_TOKENS if t < cap]
     bounds += [("tile_rows", rows // group) for rows in prefill_planner.TILE_ROWS if rows >= group]
-    for c in ragged._classes(1 << 12, 64, 4, group):
+    for c in ragged_plan.classes(1 << 12, 64, 4, group):
         bounds.append(("ragged_class", c.tokens_per_item if c.prefill else c.max_q))
     bounds += [("dispatch", b) for b in _dispatch_flips(group)]
     out = collections.defaultdict(set)
@@ -477,7 +477,7 @@ def rpa_steps(cfg, slow):
 def run_rpa(cfg, steps, rng):
     """One jitted ragged_paged_attention for every step (fixed T, S, pages): the written cache
     exact, each sequence's rows against the reference, padding rows 0; which q_len class
-    (ragged._classes) each length took."""
+    (ragged_plan.classes) each length took."""
     hq, hkv = cfg.heads
     page = cfg.page
     s_cap = max(len(s.qo) for s in steps) + 1           # + a padding sequence
@@ -486,7 +486,7 @@ def run_rpa(cfg, steps, rng):
     cache = PagedCache(rng, _num_pages(steps, page), page, hkv, cfg.layout)
     long_impl = dispatch.ragged_long_impl(dispatch.Problem("prefill", hq, hkv, D, "paged", page, cfg.layout),
                                           "auto", jnp.float32, jnp.float32, False, 1.0)
-    classes = ragged._classes(t_cap, s_cap, NUM_CTAS // hkv, cfg.group)
+    classes = ragged_plan.classes(t_cap, s_cap, NUM_CTAS // hkv, cfg.group)
     fn = _jit_counted(lambda *a: ji.ragged_paged_attention(*a, causal=cfg.causal, num_ctas=NUM_CTAS))
     fails, taken = Failures(), set()
     for step in steps:
@@ -940,5 +940,5 @@ def test_edges_follow_the_constants():
             assert prefill_planner.choose_tile_rows(np.array([n]), group) <= rows
             if rows < prefill_planner.TILE_ROWS[-1]:
                 assert prefill_planner.choose_tile_rows(np.array([n + 1]), group) > rows
-        for c in ragged._classes(1 << 12, 64, 4, group):
+        for c in ragged_plan.classes(1 << 12, 64, 4, group):
             assert (c.tokens_per_item if c.prefill else c.max_q) + 1 in edges

@@ -31,7 +31,7 @@ import pytest
 
 import jaxinfer as ji
 from helpers import TOL, page_table, randn, random_cache
-from jaxinfer import _backend, dispatch, ragged
+from jaxinfer import _backend, dispatch, ragged_plan
 from jaxinfer import reference as ref
 
 HQ, HKV, D = 4, 2, 32               # Triton rows: float32, GQA group 2
@@ -366,10 +366,10 @@ def test_ragged_paged_attention(rng, impl, row, poison):
     problem = dispatch.Problem("prefill", hq, hkv, d, "paged", page)
     assert dispatch.ragged_long_impl(problem, impl, dtype, dtype, False, 0.1).name == row
     if impl == "mosaic":  # the long sequence (20 tokens) is on the Mosaic class
-        base = ragged._classes(tok_cap, len(q_lens) + 1, 1, hq // hkv, mosaic_cells=1)[0]
+        base = ragged_plan.classes(tok_cap, len(q_lens) + 1, 1, hq // hkv, mosaic_cells=1)[0]
         assert base.mosaic and base.min_q <= 20
     if impl == "mixed":  # ... and a query tile of the mixed launch
-        assert ragged._mixed_sizes(tok_cap, len(q_lens) + 1, hq // hkv, 128, 1).long_min <= 20
+        assert ragged_plan.mixed_sizes(tok_cap, len(q_lens) + 1, hq // hkv, 128, 1).long_min <= 20
     out, new_cache = ji.ragged_paged_attention(*args, num_ctas=num_ctas, impl=impl)
     for got, want in ((new_cache.k_pages, want_cache.k_pages), (new_cache.v_pages, want_cache.v_pages)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

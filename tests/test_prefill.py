@@ -233,7 +233,7 @@ def test_mosaic_kernel_one_item_per_cell(rng):
     k, v = randn(rng, (kv, h, d), jnp.bfloat16), randn(rng, (kv, h, d), jnp.bfloat16)
     pre = ji.BatchPrefillWithRaggedKVCache(h, h, d, causal=True, impl="mosaic", config=ji.MosaicPrefillConfig())
     plan = pre.plan(_indptr([qo]), _indptr([kv]))
-    items = np.asarray(plan.sections()["items"])[:1]  # [1, ITEM_FIELDS]
+    items = np.asarray(plan.sections()["items"])[:1]  # [1, PREFILL.width]
     o, lse_items, _ = prefill_mosaic.prefill_mosaic(
         q, k.reshape(-1, d), v.reshape(-1, d), None, jnp.asarray(items, jnp.int32),
         jnp.array([0, 1, 1], jnp.int32), 8, page_size=1, num_kv_heads=h, layout="NHD",

@@ -7,7 +7,8 @@ import pytest
 
 import jaxinfer as ji
 from helpers import TOL, np64_attention, randn, rel_err
-from jaxinfer import ragged
+from jaxinfer import ragged, ragged_plan
+from planner import batch as batch_planner
 from jaxinfer import reference as ref
 from jaxinfer import variants
 
@@ -72,7 +73,7 @@ def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.flo
     np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
 
 
-_plan = jax.jit(ragged._plan, static_argnames=("pages_per_seq", "classes", "causal", "window_left", "num_rows"))
+_plan = jax.jit(ragged_plan.plan_classes, static_argnames=("pages_per_seq", "classes", "causal", "window_left", "num_rows"))
 
 
 def _plan_stats(args, causal=True):
@@ -80,7 +81,7 @@ def _plan_stats(args, causal=True):
     block's KV splits into several chunks)."""
     q, _, _, cache, kv_lens, page_indices, cu, dist = args
     stats = []
-    for cls in ragged._classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
+    for cls in ragged_plan.classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
         sec, _ = _plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], classes=(cls,),
                        causal=causal, window_left=None, num_rows=q.shape[0])
         items = np.asarray(sec["items"])[: int(sec["cell_indptr"][-1])]
@@ -172,15 +173,15 @@ def test_decode_only_and_prefill_only(rng, kind):
     _check(args, want_cache, table, out, new_cache)
 
 
-@pytest.mark.parametrize("n", [1, 7, ragged.DENSE_PREFIX_MAX, ragged.DENSE_PREFIX_MAX + 3])
+@pytest.mark.parametrize("n", [1, 7, ragged_plan.DENSE_PREFIX_MAX, ragged_plan.DENSE_PREFIX_MAX + 3])
 def test_device_plan_prefix_sums(rng, n):
     """The device plan's prefix sums (one masked row sum up to DENSE_PREFIX_MAX, XLA's scan past
     it) equal NumPy's, on int32 counts and float32 costs."""
     counts = rng.integers(0, 1000, n).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(ragged._cumsum(jnp.asarray(counts))), np.cumsum(counts))
-    np.testing.assert_array_equal(np.asarray(ragged._excl_cumsum(jnp.asarray(counts))), np.cumsum(counts) - counts)
+    np.testing.assert_array_equal(np.asarray(ragged_plan.cumsum(jnp.asarray(counts))), np.cumsum(counts))
+    np.testing.assert_array_equal(np.asarray(ragged_plan.excl_cumsum(jnp.asarray(counts))), np.cumsum(counts) - counts)
     costs = counts.astype(np.float32)  # integers well under 2^24: exact in float32 either way
-    np.testing.assert_array_equal(np.asarray(ragged._cumsum(jnp.asarray(costs))), np.cumsum(costs))
+    np.testing.assert_array_equal(np.asarray(ragged_plan.cumsum(jnp.asarray(costs))), np.cumsum(costs))
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16, 64])
@@ -188,7 +189,7 @@ def test_classes_cover_every_q_len(group):
     """The static classes partition q_len 1..T: decode tiles of 16 rows, then up to 64, then the
     prefill kernel's (tiles of 128 rows or one token's group: the base), the last zeroes padding."""
     t = 300
-    classes = ragged._classes(t, 40, 4, group)
+    classes = ragged_plan.classes(t, 40, 4, group)
     assert classes[0].base and classes[-1].pad and sum(c.base for c in classes) == sum(c.pad for c in classes) == 1
     spans = sorted((c.min_q, c.max_q) for c in classes)
     assert spans[0][0] == 1 and spans[-1][1] == t and all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:]))
@@ -198,7 +199,7 @@ def test_classes_cover_every_q_len(group):
     assert decode[0].tokens_per_item == max(1, 16 // group)
     prefill = classes[0]
     assert prefill.prefill and prefill.rows == max(128, group) and prefill.tokens_per_item == prefill.rows // group
-    assert [c.min_q for c in ragged._classes(8, 40, 4, group)] == [c.min_q for c in classes if c.min_q <= 8]
+    assert [c.min_q for c in ragged_plan.classes(8, 40, 4, group)] == [c.min_q for c in classes if c.min_q <= 8]
 
 
 def test_jit_donated_one_compilation(rng):
@@ -213,7 +214,7 @@ def test_jit_donated_one_compilation(rng):
     fn = jax.jit(step, donate_argnums=(3,))
     for q_lens, cached, dist in (([1, 1, 6], [30, 4, 9], (2, 2, 3)), ([12, 1], [3, 50], (0, 2, 2))):
         args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **dict(SMALL, tok_cap=16))
-        assert [c.prefill for c in ragged._classes(16, 7, NUM_CTAS // HKV, HQ // HKV)] == [False, False]
+        assert [c.prefill for c in ragged_plan.classes(16, 7, NUM_CTAS // HKV, HQ // HKV)] == [False, False]
         k_before = args[3].k_pages
         out, new_cache = fn(*args)
         assert k_before.is_deleted()  # donated
@@ -279,7 +280,7 @@ def test_mosaic_class_matches_reference(rng):
     NaN, the written cache exact, padding rows zero. (Tiles crossing 128 tokens: the slow test.)"""
     args, want_cache, table = _mosaic_step(rng, [1, 0, 4, 20, 21], [300, 5, 60, 30, 50], (1, 1, 5), heads=(1, 1, 64),
                                            tok_cap=56, seq_cap=6, num_pages=None)
-    classes = ragged._classes(56, 6, 1, 1, mosaic_cells=1)
+    classes = ragged_plan.classes(56, 6, 1, 1, mosaic_cells=1)
     assert [(c.min_q, c.mosaic, c.pad) for c in classes] == [(17, True, True), (1, False, False)]
     out, new_cache = ji.ragged_paged_attention(*args, num_ctas=1, impl="mosaic")
     _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16])
@@ -352,9 +353,9 @@ def test_mosaic_plan_matches_numpy(rng):
     covering the tiles in order, and the row maps both ways. (No kernel runs: cheap.)"""
     s, t, pps, cells = 12, 600, 8, 3
     traces = []
-    mosaic_plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged._mosaic_plan(*a, **kw))[1],
+    mosaic_plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged_plan.plan_mosaic(*a, **kw))[1],
                           static_argnames=("pages_per_seq", "cls", "causal", "window_left"))
-    cls = ragged._classes(t, s, 4, 2, mosaic_cells=cells)[0]
+    cls = ragged_plan.classes(t, s, 4, 2, mosaic_cells=cells)[0]
     assert cls.mosaic and cls.items == (t + s * 127) // 128 and cls.sub_rows == t + s * 7 + (-(t + s * 7)) % 8
     for trial in range(4):
         n = int(rng.integers(1, s + 1))
@@ -366,7 +367,7 @@ def test_mosaic_plan_matches_numpy(rng):
         pad_cu[: n + 1] = cu
         kv_lens, dist = np.zeros(s, np.int32), jnp.asarray([0, 0, n], jnp.int32)
         kv_lens[:n] = kv
-        row_seq, row_live = ragged._row_seqs(jnp.asarray(pad_cu), dist, t)
+        row_seq, row_live = ragged_plan.row_seqs(jnp.asarray(pad_cu), dist, t)
         items, cell_indptr, src, pos = mosaic_plan(
             jnp.asarray(kv_lens), jnp.asarray(pad_cu), dist, row_seq, row_live, pages_per_seq=pps, cls=cls,
             causal=True, window_left=None)
@@ -424,19 +425,19 @@ def test_long_impl_dispatch(monkeypatch):
 
 
 def test_mixed_plan_matches_numpy(rng):
-    """The mixed launch's device prologue (ragged._mixed_plan) against a NumPy derivation for random
+    """The mixed launch's device prologue (ragged_plan.plan_mixed) against a NumPy derivation for random
     compositions of one shape under one compilation (per causal): each long sequence's rows x
     query heads in exactly one query tile, the padding rows too (tiles of no key), each packed
     sequence x KV head in one packed tile (only beside query tiles), unique lse slots, cells
     partitioning the items with their preferred kind first (each kind in slot order), and every
     cell's load within one item of the mean. (No kernel runs: cheap.)"""
     s, t, pps, hq, hkv, cells = 10, 700, 8, 4, 2, 5
-    mix = ragged._mixed_sizes(t, s, hq // hkv, 128, cells)
+    mix = ragged_plan.mixed_sizes(t, s, hq // hkv, 128, cells)
     assert (mix.long_min, mix.packed_tokens) == (17, 8)
     traces = []
-    plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged._mixed_plan(*a, **kw))[1],
+    plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged_plan.plan_mixed(*a, **kw))[1],
                    static_argnames=("pages_per_seq", "causal", "num_qo_heads", "num_kv_heads", "mix", "num_rows"))
-    cost = lambda kv_hi: kv_hi + ragged.MIXED_ITEM_COST
+    cost = lambda kv_hi: kv_hi + batch_planner.MIXED_ITEM_COST
     for trial in range(6):
         n = int(rng.integers(1, s + 1))
         q_lens = rng.choice([0, 1, 3, 8, 9, 17, 128, 129, 300], n) if trial else np.full(n, 1)
