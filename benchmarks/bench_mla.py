@@ -10,6 +10,7 @@ DLPack when torch and flashinfer import (../shared/anchors/README.md), else its 
 blank. --sweep times MLAConfig variants; --smoke runs tiny shapes in interpret mode (CPU).
 """
 import argparse
+import re
 import dataclasses
 import os
 import time
@@ -136,13 +137,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time MLAConfig variants on every row")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--rows", default="", help="a regular expression: only the rows it matches")
+    ap.add_argument("--no-flashinfer", action="store_true", help="jaxinfer alone")
     args = ap.parse_args()
     backend = "interpret" if args.smoke else None
     print("jax", jax.__version__, jax.devices(), flush=True)
-    fi = None if args.smoke else load_flashinfer()
+    fi = None if args.smoke or args.no_flashinfer else load_flashinfer()
     rng = np.random.default_rng(0)
     table_rows = []
     for row in SMOKE_ROWS if args.smoke else ROWS:
+        if not re.search(args.rows, row.name):
+            continue
         arrays, table = inputs(row, rng)
         flops, nbytes = work(row)
         want = jax.jit(lambda *a: mla_reference(*a, *table, causal=row.causal, sm_scale=SCALE).o)(*arrays)

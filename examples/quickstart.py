@@ -199,6 +199,33 @@ def main(argv=None):
     ref = ji.reference.attention(q1, k, v, mask=mask)  # the pure-jnp semantics kernels are tested against
     errors["single prefill, merge_state"] = max(rel_err(state.o, ref.o), rel_err(state.lse, ref.lse))
 
+    # Multi-head latent attention: every head over one latent cache (ckv + kpe), small widths here.
+    heads, dc, dr = 4, 64, 16
+    ckv, kpe = randn(num_pages, page, dc, dtype=jnp.float32), randn(num_pages, page, dr, dtype=jnp.float32)
+    mla_qo = np.array([0, 1, 4, 5], np.int32)  # a decode row and a 4-token append
+    mla_lens = np.array([1 + 2 * page, 3 * page, 5], np.int32)
+    mla_indptr, mla_indices, _ = table(mla_lens, page, rng.permutation(num_pages))
+    mla = ji.BatchMLAPagedAttention(heads, dc, dr, page, causal=True, sm_scale=0.2)
+    q_nope, q_pe = randn(5, heads, dc, dtype=jnp.float32), randn(5, heads, dr, dtype=jnp.float32)
+    o = mla.run(q_nope, q_pe, ckv, kpe, mla.plan(mla_qo, mla_indptr, mla_indices, mla_lens, num_pages=num_pages))
+    want = reference.mla_reference(q_nope, q_pe, ckv, kpe, mla_qo, mla_indptr, mla_indices, mla_lens,
+                                   causal=True, sm_scale=0.2)
+    errors["MLA"] = rel_err(o, want.o)
+
+    # Sampling without sorting: top-k then top-p over logits / temperature; every token drawn is
+    # one the filters keep (here: among each row's 3 largest logits).
+    logits = randn(4, 50, dtype=jnp.float32)
+    tokens = ji.sampling.top_k_top_p_sampling_from_logits(logits, 3, 0.9, key=jax.random.PRNGKey(0),
+                                                          temperature=0.7)
+    top3 = np.argsort(-np.asarray(logits), axis=1)[:, :3]
+    errors["sampling (drawn outside top 3)"] = float(np.mean([t not in r for t, r in zip(np.asarray(tokens), top3)]))
+
+    # Several devices: heads split over a mesh axis (here a mesh of this one device; see
+    # docs/sharding.md for more devices, context parallelism and both together).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    o_tp = jax.jit(ji.sharding.head_parallel(dec, mesh))(q, cache, plan)
+    errors["decode over a device mesh"] = rel_err(o_tp, dec.run(q, cache, plan))
+
     tol = 2e-2  # bf16 inputs (the float32 parts are ~1e-6)
     if not args.quiet:
         print(f"jaxinfer API tour on {jax.default_backend()} (Hq={hq}, Hkv={hkv}, D={d}, page={page}):")

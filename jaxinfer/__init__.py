@@ -2,9 +2,10 @@
 
 Formats (pytrees), plan/run wrappers backed by Pallas kernels, the exact
 attention-state merge, KV append, MLA, sorting-free sampling (jaxinfer.sampling),
-and a pure-jnp reference (jaxinfer.reference).
+attention over several devices (jaxinfer.sharding), and a pure-jnp reference
+(jaxinfer.reference).
 """
-from jaxinfer import dispatch, reference, sampling, variants
+from jaxinfer import dispatch, reference, sampling, sharding, variants
 from jaxinfer.batch import BatchAttention
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
@@ -24,7 +25,7 @@ from jaxinfer.variants import AttentionVariant
 
 __all__ = [
     "BatchAttention", "BatchMLAPagedAttention", "BatchPlan", "DecodeConfig", "MLAConfig", "MLAPlan",
-    "SamplingConfig", "sampling", "MosaicPrefillConfig", "PlanSpec", "PrefillConfig", "dispatch",
+    "SamplingConfig", "sampling", "sharding", "MosaicPrefillConfig", "PlanSpec", "PrefillConfig", "dispatch",
     "AttentionState", "AttentionVariant", "CascadeLevel", "CascadePlan", "MultiLevelCascadeAttention", "two_level_cascade", "BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache",
     "BatchPrefillWithRaggedKVCache", "BlockSparseAttention", "BlockSparseMatrix", "DecodePlan", "PrefillPlan",
     "PagedKVCache", "append_paged_kv_cache", "get_batch_indices_positions", "merge_state",

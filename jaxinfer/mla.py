@@ -93,7 +93,8 @@ class BatchMLAPagedAttention:
         self.config = mla_kernels.MLAConfig() if config is None else config
         if not isinstance(self.config, mla_kernels.MLAConfig):
             raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
-        _power_of_two("config.block_kv", self.config.block_kv)
+        if self.config.block_kv is not None:
+            _power_of_two("config.block_kv", self.config.block_kv)
         if self.config.block_rows is not None:
             _power_of_two("config.block_rows", self.config.block_rows)
         self.num_heads, self.page_size, self.causal = int(num_heads), int(page_size), causal
@@ -131,7 +132,7 @@ class BatchMLAPagedAttention:
             qo_indptr, kv_indptr, kv_indices, kv_len, page_size=self.page_size, num_heads=self.num_heads,
             num_cells=self.config.cells(block_rows, self.num_sms), block_rows=block_rows, causal=self.causal,
             num_pages=num_pages, max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
-            max_num_pages=self.max_num_pages, block_kv=self.config.block_kv, min_chunk=self.config.min_chunk)
+            max_num_pages=self.max_num_pages, block_kv=self.config.kv_block(block_rows), min_chunk=self.config.min_chunk)
         spec = self.facts.spec(num_pages, self.implementation.name)
         return MLAPlan(parts=transfer.plan_sections(buf, layout), layout=layout, spec=spec, causal=self.causal,
                        info=info)

@@ -25,21 +25,29 @@ from pallas_kernels import _attention, _common
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLAConfig:
     """Tuning of the MLA kernel. block_rows (None: the planner's choice, 16-64 query rows per
-    tile); num_warps None: 4 for tiles of up to 16 rows, else 8 (a [64, 512] float32 accumulator
-    takes 128 registers a thread at 8 warps); num_stages 3, as the decode kernel (the page-id
-    gather takes a stage; a stage of ckv and kpe is 72 KB of shared memory at block_kv 64);
-    num_cells None: two cells per SM for tiles of up to 16 rows (memory-bound decode), else one;
-    min_chunk: the planner splits a tile's keys into chunks of at least this many. Untuned on
-    hardware so far: benchmarks/bench_mla.py --sweep times the alternatives."""
-    block_kv: int = 64
+    tile); block_kv None: 64 keys per block for tiles of up to 16 rows, else 32 (a stage of ckv
+    and kpe is 72 KB of shared memory at 64 keys: beside a [32+, 512] q tile, 64-key blocks
+    overflow Hopper's 227 KB, measured); num_warps None: 4 for tiles of up to 16 rows, else 8
+    (a [64, 512] float32 accumulator takes 128 registers a thread at 8 warps); num_stages None: 3
+    (H200, 128 heads B16 kv8192: 251 µs, 2 stages at 64-key blocks 284); num_cells None: two cells per SM
+    for tiles of up to 16 rows (memory-bound decode), else one; min_chunk: the planner splits a
+    tile's keys into chunks of at least this many. benchmarks/bench_mla.py --sweep times the
+    alternatives."""
+    block_kv: Optional[int] = None
     block_rows: Optional[int] = None
     num_warps: Optional[int] = None
-    num_stages: int = 3
+    num_stages: Optional[int] = None
     num_cells: Optional[int] = None
     min_chunk: int = 256
 
     def warps(self, block_rows):
         return self.num_warps or (4 if block_rows <= 16 else 8)
+
+    def kv_block(self, block_rows):
+        return self.block_kv or (64 if block_rows <= 16 else 32)
+
+    def stages(self, block_rows):
+        return self.num_stages or 3
 
     def cells(self, block_rows, num_sms):
         return self.num_cells or num_sms * (2 if block_rows <= 16 else 1)
@@ -140,7 +148,7 @@ def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, 
     num_parts = max(int(num_parts), 1)
     kernel = functools.partial(
         _mla_kernel, columns=tuple(columns), num_heads=num_heads, block_rows=block_rows,
-        block_kv=config.block_kv, page_size=page_size, sm_scale=float(sm_scale), causal=causal)
+        block_kv=config.kv_block(block_rows), page_size=page_size, sm_scale=float(sm_scale), causal=causal)
     call = pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1,),
@@ -148,7 +156,7 @@ def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, 
                    jax.ShapeDtypeStruct((n,), jnp.float32),  # lse
                    jax.ShapeDtypeStruct((num_parts, dc), jnp.float32),  # partial o
                    jax.ShapeDtypeStruct((num_parts,), jnp.float32)),  # partial lse
-        compiler_params=_common.compiler_params(config.warps(block_rows), config.num_stages),
+        compiler_params=_common.compiler_params(config.warps(block_rows), config.stages(block_rows)),
         interpret=interpret,
         name="jaxinfer_mla_paged",
     )

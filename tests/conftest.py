@@ -28,10 +28,9 @@ def rng(request):
 LONG_TESTS = frozenset({
     "test_quickstart_runs_the_readme_api_tour", "test_mosaic_prefill_variants_match_reference",
     "test_auto_impl_plans_for_mosaic_and_falls_back_to_triton", "test_mosaic_class_matches_reference",
-    "test_fuzz_1000", "test_horizon_plan_in_lax_scan_equals_separate_steps", "test_cascade_variant_positions",
+    "test_fuzz_500", "test_horizon_plan_in_lax_scan_equals_separate_steps", "test_cascade_variant_positions",
     "test_changing_prefix_structure_compiles_once", "test_capacity_plans_compile_once",
-    "test_serve_chunked_prefill_equals_unchunked", "test_mixed_kernel_compiles_once_under_capacities",
-    "test_mixed_launch_matches_reference", "test_mixed_kernel_matches_reference",
+    "test_serve_chunked_prefill_equals_unchunked", "test_mixed_launch_matches_reference", "test_mixed_kernel_matches_reference",
     "test_paged_prefill_boundaries", "test_paged_prefill"})
 
 

@@ -128,7 +128,7 @@ def _f32(cache):
     return ji.PagedKVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_mixed_kernel_matches_reference(rng, causal):
     """impl="mixed": short requests (qo 1, 3; 0 too) as packed tiles and long ones (37, 140:
     several query tiles, unaligned first rows) in one persistent Mosaic launch (its interpreter),
@@ -146,6 +146,21 @@ def test_mixed_kernel_matches_reference(rng, causal):
     assert_lse_close(lse, want.lse, tol=2e-2)
 
 
+def test_mixed_plans_share_one_program_under_capacities(rng):
+    """Fixed capacities: mixed plans of different compositions have one pytree structure (static
+    data included) and the same leaf shapes, so a jitted run() traces once (run below, slow)."""
+    attn = ji.BatchAttention(4, 1, 64, 8, impl="mixed", max_batch_size=4, max_num_tokens=96, max_num_pages=48)
+    shapes = []
+    for qo, kv in ((np.array([2, 70]), np.array([30, 100])), (np.array([40, 1, 2, 20]), np.array([41, 9, 64, 20]))):
+        _, _, table, _ = _case(rng, qo, kv, 8, 4, 1, 64, poison=False)
+        plan = attn.plan(*table, num_pages=48, q_data_type="bfloat16")
+        assert plan.impl == "batch_mosaic"
+        leaves, treedef = jax.tree_util.tree_flatten(plan)
+        shapes.append((treedef, [(x.shape, x.dtype) for x in leaves]))
+    assert shapes[0] == shapes[1]
+
+
+@pytest.mark.slow
 def test_mixed_kernel_compiles_once_under_capacities(rng):
     """Fixed capacities: two mixed compositions share one program; rows past the step give 0."""
     hq, hkv, d, page = 4, 1, 64, 8

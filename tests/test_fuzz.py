@@ -1069,6 +1069,11 @@ def _check(num_cases, seed):
             assert edges[group, kind] > 0, (group, kind, edges)
 
 
+def test_fuzz_500():
+    _check(500, seed=20)
+
+
+@pytest.mark.slow
 def test_fuzz_1000():
     _check(1000, seed=20)
 
