@@ -1,0 +1,258 @@
+"""tpu-inference's ragged paged attention v3 (RPA v3) on jaxinfer: a model changes one import.
+
+Follows tpu_inference/kernels/ragged_paged_attention/v3/kernel.py at TPU_INFERENCE_COMMIT: its
+signature, defaults (sm_scale 1.0), input checks and fused KV cache [num_pages, page_size,
+align(2 Hkv, p) // p, p, align(D, 128)], K and V heads interleaved (K0, V0, K1, V1, ...), p the
+values per 32-bit word (1 for 32-bit, 2 for 16-bit, 4 for 8-bit dtypes).
+
+Each call splits the pages its sequences list out of the fused cache into a PagedKVCache (a copy
+of min(num_pages, S * pages_per_seq) pages: the cost of the layout), runs
+jaxinfer.ragged_paged_attention on it, and scatters the new tokens' K/V rows into the fused cache
+(donated, so in place). The TPU tuning arguments are accepted and ignored. docs/engines.md lists
+every remaining difference from RPA v3.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import ragged
+from jaxinfer.formats import PagedKVCache, check_int32, is_concrete
+
+TPU_INFERENCE_COMMIT = "b8692ff01fa191343836996c27a39dc95f008b88"  # vllm-project/tpu-inference
+LANE = 128  # RPA v3 pads head_dim to a multiple of the TPU lane width
+
+
+def packing(dtype):
+    """Values of `dtype` per 32-bit word: K/V heads packed along the fused cache's fourth axis."""
+    return 32 // (8 * jnp.dtype(dtype).itemsize)
+
+
+def _align(x, a):
+    return -(-x // a) * a
+
+
+def kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, dtype):
+    """RPA v3's fused cache shape (tpu-inference's get_kv_cache_shape)."""
+    p = packing(dtype)
+    return (num_pages, page_size, _align(2 * num_kv_heads, p) // p, p, _align(head_dim, LANE))
+
+
+get_kv_cache_shape = kv_cache_shape  # RPA v3's name
+
+
+def merge_kv(k, v):
+    """k, v [..., Hkv, D] -> fused rows [..., align(2 Hkv, p) // p, p, align(D, 128)] (heads K0,
+    V0, K1, V1, ..., zero padding). Tokens [T, Hkv, D] give RPA v3's merge_kv; NHD pages
+    [num_pages, page_size, Hkv, D] give a whole fused cache."""
+    if k.shape != v.shape or k.dtype != v.dtype or k.ndim < 2:
+        raise ValueError(f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must have one shape [..., Hkv, D] "
+                         "and one dtype")
+    *lead, hkv, d = k.shape
+    p = packing(k.dtype)
+    heads, dp = _align(2 * hkv, p), _align(d, LANE)
+    kv = jnp.stack([k, v], axis=-2).reshape(*lead, 2 * hkv, d)  # [..., 2 Hkv, D]
+    kv = jnp.pad(kv, [(0, 0)] * len(lead) + [(0, heads - 2 * hkv), (0, dp - d)])
+    return kv.reshape(*lead, heads // p, p, dp)
+
+
+def split_kv(kv_cache, num_kv_heads, head_dim):
+    """A fused cache -> PagedKVCache (NHD) [num_pages, page_size, Hkv, D] of its K and V heads,
+    padding dropped. Strided slices: XLA copies them unless it fuses them into their reader."""
+    if kv_cache.ndim != 5 or kv_cache.shape[2] * kv_cache.shape[3] < 2 * num_kv_heads \
+            or kv_cache.shape[4] < head_dim:
+        raise ValueError(f"kv_cache {kv_cache.shape} is not a fused cache of {num_kv_heads} KV heads of "
+                         f"head_dim {head_dim}")
+    n, page_size, words, p, dp = kv_cache.shape
+    heads = kv_cache.reshape(n, page_size, words * p, dp)  # [num_pages, page_size, align(2 Hkv, p), Dp]
+    return PagedKVCache(heads[:, :, 0:2 * num_kv_heads:2, :head_dim], heads[:, :, 1:2 * num_kv_heads:2, :head_dim])
+
+
+def ragged_paged_attention(
+        queries,  # [T, Hq, D]
+        keys,  # [T, Hkv, D], in the cache's dtype
+        values,  # [T, Hkv, D], in the cache's dtype
+        kv_cache,  # [num_pages, page_size, align(2 Hkv, p) // p, p, align(D, 128)]
+        kv_lens,  # i32[S], each including its sequence's new tokens
+        page_indices,  # i32[S * pages_per_seq]
+        cu_q_lens,  # i32[S + 1]
+        distribution,  # i32[3]: (decode_end, prefill_end, num_seqs)
+        *, use_causal_mask=True, update_kv_cache=True, skip_kv_mask=False, sm_scale=1.0, sliding_window=None,
+        soft_cap=None, out_dtype=None, mask_value=None, q_scale=None, k_scale=None, v_scale=None,
+        chunk_prefill_size=None, d_block_sizes=None, p_block_sizes=None, m_block_sizes=None,
+        vmem_limit_bytes=None, debug_mode=False, disable_bounds_checks=True, disable_semaphore_checks=True,
+        num_ctas=None, backend=None):
+    """RPA v3: writes the new K/V into the fused cache, then ragged paged attention over it.
+
+    Sequence i < distribution[2] has q rows [cu_q_lens[i], cu_q_lens[i + 1]), whose K/V land at
+    positions kv_lens[i] - q_len + j (unless update_kv_cache=False: KV sharing, the rows are
+    already in the cache and keys/values are not read); its queries attend over its kv_lens[i]
+    keys, causal (bottom-right) if use_causal_mask, within sliding_window (needs causal). Logits
+    are q.k * sm_scale * k_scale * q_scale, then soft_cap * tanh(s / soft_cap); q_scale first
+    quantizes q to the cache dtype (q / q_scale, clipped); v_scale scales the output.
+
+    out_dtype: the output's dtype (default queries'; jaxinfer accumulates in float32 always).
+    Ignored: mask_value (masked keys are excluded exactly), skip_kv_mask (checked as RPA v3 does)
+    and the TPU tuning (chunk_prefill_size, block sizes, vmem_limit_bytes, debug flags).
+    num_ctas, backend: jaxinfer's (ragged_paged_attention).
+    Metadata are checked (RPA v3's checks, ValueError) when concrete. Returns (out [T, Hq, D],
+    the updated fused cache); padding rows of out are 0. The cache is donated, as RPA v3 does.
+    """
+    del mask_value, chunk_prefill_size, d_block_sizes, p_block_sizes, m_block_sizes, vmem_limit_bytes
+    del debug_mode, disable_bounds_checks, disable_semaphore_checks
+    _check_static(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                  use_causal_mask=use_causal_mask, skip_kv_mask=skip_kv_mask, sliding_window=sliding_window,
+                  soft_cap=soft_cap)
+    if is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
+        _check_metadata(queries.shape[0], kv_cache.shape[0], kv_cache.shape[1], kv_lens, page_indices, cu_q_lens,
+                        distribution)
+    scale = float(sm_scale)
+    for s in (k_scale, q_scale):  # RPA v3 scales the logits by both
+        scale *= 1.0 if s is None else float(s)
+    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                causal=bool(use_causal_mask), update_kv_cache=bool(update_kv_cache), sm_scale=scale,
+                sliding_window=None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32),
+                soft_cap=None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32),
+                q_scale=None if q_scale is None else float(q_scale),
+                v_scale=None if v_scale is None else float(v_scale),
+                out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), num_ctas=num_ctas, backend=backend)
+
+
+def _check_static(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
+                  use_causal_mask, skip_kv_mask, sliding_window, soft_cap):
+    """RPA v3's static_validate_inputs (its messages), and what jaxinfer cannot run."""
+    if use_causal_mask and skip_kv_mask:
+        raise ValueError("Can not skip kv mask when using causal mask.")
+    if not queries.ndim == keys.ndim == values.ndim == 3:
+        raise ValueError(f"Expected 3D array for {queries.shape=}, {keys.shape=}, {values.shape=}")
+    if keys.shape != values.shape or queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
+        raise ValueError(f"queries {queries.shape}, keys {keys.shape} and values {values.shape} must be "
+                         "[T, Hq, D], [T, Hkv, D], [T, Hkv, D]")
+    hq, hkv, d = queries.shape[1], keys.shape[1], queries.shape[2]
+    if hq % hkv:
+        raise ValueError(f"Expected actual_num_q_heads={hq} to be divisible by actual_num_kv_heads={hkv}.")
+    if kv_cache.ndim != 5:
+        raise ValueError(f"kv_cache must be RPA v3's 5-D fused cache (kv_cache_shape), got shape {kv_cache.shape}")
+    want = kv_cache_shape(*kv_cache.shape[:2], hkv, d, kv_cache.dtype)
+    if tuple(kv_cache.shape) != want:
+        raise ValueError(f"Expected kv_cache.shape={tuple(kv_cache.shape)} to be equal to {want}")
+    if not kv_cache.dtype == keys.dtype == values.dtype:
+        raise ValueError(f"Expected kv_cache.dtype={kv_cache.dtype} to be equal to keys.dtype={keys.dtype} and "
+                         f"values.dtype={values.dtype}.")
+    if not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+        raise ValueError(f"Expected kv_cache.dtype={kv_cache.dtype} to be a floating point.")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("distribution", distribution)):
+        check_int32(name, x)
+        if jnp.ndim(x) != 1:
+            raise ValueError(f"Expected 1D array for {name}, got shape {jnp.shape(x)}")
+    s = kv_lens.shape[0]
+    if s < 1 or page_indices.shape[0] % s or page_indices.shape[0] == 0:
+        raise ValueError(f"Expected num_page_indices={page_indices.shape[0]} to be a positive multiple of "
+                         f"max_num_seqs={s}.")
+    if cu_q_lens.shape != (s + 1,) or distribution.shape != (3,):
+        raise ValueError(f"Expected cu_q_lens.shape={cu_q_lens.shape} to be ({s + 1},) and "
+                         f"distribution.shape={distribution.shape} to be (3,).")
+    if kv_cache.shape[1] % packing(kv_cache.dtype):
+        raise ValueError(f"page_size={kv_cache.shape[1]} must be divisible by kv_packing={packing(kv_cache.dtype)}.")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window={sliding_window} must be positive.")
+    if sliding_window is not None and not use_causal_mask:
+        raise ValueError("sliding_window needs use_causal_mask=True on jaxinfer")
+    if soft_cap is not None and soft_cap == 0.0:
+        raise ValueError(f"soft_cap={soft_cap} must not be 0.0.")
+    if soft_cap is not None and soft_cap < 0:
+        raise ValueError(f"soft_cap={soft_cap} must be positive (RPA v3 caps at |soft_cap|: tanh is odd)")
+
+
+def _check_metadata(num_tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, distribution):
+    """RPA v3's dynamic_validate_inputs (its messages), plus the order of distribution's values,
+    cu_q_lens[0] = 0 and q_len 1 for the decode sequences (jaxinfer's)."""
+    kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
+    s = kv.shape[0]
+    pages_per_seq = pi.shape[0] // s
+    i, j, k = (int(x) for x in dist)
+    if not 0 <= i <= j <= k:
+        raise ValueError(f"Invalid distribution: {dist.tolist()} (needs 0 <= d[0] <= d[1] <= d[2])")
+    if k > s:
+        raise ValueError(f"num_seqs={k} must be <= max_num_seqs={s}")
+    if cu[0] != 0:
+        raise ValueError(f"cu_q_lens[0] must be 0, got {cu[0]}")
+    if cu[k] > num_tokens:
+        raise ValueError(f"Total q tokens {cu[k]} must be <= max_num_tokens={num_tokens}.")
+    q_len, kv = np.diff(cu[: k + 1]), kv[:k]
+    bad = np.flatnonzero((q_len <= 0) | (q_len > kv))
+    if bad.size:
+        b = bad[0]
+        raise ValueError(f"Require 0 < q_len={q_len[b]} <= kv_len={kv[b]} at sequence {b}.")
+    bad = np.flatnonzero(q_len[:i] != 1)
+    if bad.size:
+        raise ValueError(f"Sequences [0, distribution[0]) are decode-only: require q_len=1, got "
+                         f"q_len={q_len[bad[0]]} at sequence {bad[0]}.")
+    page_cnt = -(-kv // page_size)
+    bad = np.flatnonzero(page_cnt > pages_per_seq)
+    if bad.size:
+        b = bad[0]
+        raise ValueError(f"Require page_cnt={page_cnt[b]} <= pages_per_seq={pages_per_seq} at sequence {b} where "
+                         f"kv_len={kv[b]} and page_size={page_size}.")
+    ids = pi[: k * pages_per_seq].reshape(k, pages_per_seq)
+    bad = np.argwhere((np.arange(pages_per_seq)[None, :] < page_cnt[:, None]) & ((ids < 0) | (ids >= num_pages)))
+    if bad.size:
+        b, p = bad[0]
+        raise ValueError(f"Require 0 <= page_idx={ids[b, p]} < total_num_pages={num_pages} at sequence {b} where "
+                         f"kv_len={kv[b]} and page_size={page_size}.")
+
+
+def _token_slots(kv_lens, cu_q_lens, distribution, num_rows, page_size, pages_per_seq):
+    """Per query row [T]: its entry of page_indices, its slot in that page, and whether it is a
+    valid sequence's row (entries and slots in range for any metadata)."""
+    s = kv_lens.shape[0]
+    n = jnp.clip(distribution[2], 0, s)
+    ends = jnp.where(jnp.arange(s) < n, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)  # [S]
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, row, side="right"), s - 1).astype(jnp.int32)  # [T]
+    pos = kv_lens[seq] - cu_q_lens[seq + 1] + row  # kv_len - q_len + (row - cu_q_lens[seq])
+    live = (row >= cu_q_lens[0]) & (row < cu_q_lens[n]) & (pos >= 0) & (pos < pages_per_seq * page_size)
+    pos = jnp.clip(pos, 0, pages_per_seq * page_size - 1)
+    return seq * pages_per_seq + pos // page_size, pos % page_size, live
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "update_kv_cache", "sm_scale", "q_scale", "v_scale",
+                                             "out_dtype", "num_ctas", "backend"),
+                   donate_argnames=("kv_cache",))
+def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *, causal,
+         update_kv_cache, sm_scale, sliding_window, soft_cap, q_scale, v_scale, out_dtype, num_ctas, backend):
+    """ragged_paged_attention after its checks (sm_scale: RPA v3's times k_scale and q_scale;
+    sliding_window, soft_cap: 0-d arrays or None, so that their values share one compilation)."""
+    t, _, d = queries.shape
+    hkv = keys.shape[1]
+    num_pages, page_size = kv_cache.shape[:2]
+    s = kv_lens.shape[0]
+    pages_per_seq = page_indices.shape[0] // s
+    entry, slot, live = _token_slots(kv_lens, cu_q_lens, distribution, t, page_size, pages_per_seq)
+    page = page_indices[entry]  # [T]
+    if s * pages_per_seq < num_pages:  # split only the listed pages, renumbered in listing order
+        cache = split_kv(kv_cache[jnp.clip(page_indices, 0, num_pages - 1)], hkv, d)
+        table, view_page = jnp.arange(s * pages_per_seq, dtype=jnp.int32), entry
+    else:
+        cache = split_kv(kv_cache, hkv, d)
+        table, view_page = page_indices, jnp.clip(page, 0, num_pages - 1)
+    k_new, v_new = keys, values
+    if not update_kv_cache:  # KV sharing: the rows are in the cache already; written back unchanged
+        k_new, v_new = cache.k_pages[view_page, slot], cache.v_pages[view_page, slot]
+    q = queries
+    if q_scale is not None:  # RPA v3 quantizes q to the cache dtype
+        info = jnp.finfo(kv_cache.dtype)
+        q = jnp.clip(q / q_scale, float(info.min), float(info.max)).astype(kv_cache.dtype).astype(queries.dtype)
+    out, _ = ragged.ragged_paged_attention(
+        q, k_new, v_new, cache, kv_lens, table, cu_q_lens, distribution, causal=causal, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, v_scale=v_scale, num_ctas=num_ctas, backend=backend)
+    out = out.astype(queries.dtype if out_dtype is None else out_dtype)
+    if not update_kv_cache:
+        return out, kv_cache
+    # The scatter after the reads of the cache (tied to out), so that it can write in place.
+    rows, out = jax.lax.optimization_barrier((merge_kv(keys, values), out))  # rows [T, words, p, Dp]
+    dest = jnp.where(live & (page >= 0) & (page < num_pages), page * page_size + slot, num_pages * page_size)
+    flat = kv_cache.reshape(num_pages * page_size, *kv_cache.shape[2:])
+    return out, flat.at[dest].set(rows, mode="drop").reshape(kv_cache.shape)
