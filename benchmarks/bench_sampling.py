@@ -25,29 +25,32 @@ from benchmarks.common import bench, record, save
 from jaxinfer import sampling as S
 
 SHAPES = [(1, 128256), (64, 128256), (256, 128256), (64, 32000)]
+CONFIG = S.SamplingConfig()  # --block-v, --num-warps, --track replace its fields
 SMOKE_SHAPES = [(3, 1000)]
 K, P, MIN_P = 50, 0.9, 0.1
 
 # name: (input, jaxinfer call, reference filters, FlashInfer call name and arguments)
 OPS = {
     "top-k 50 + top-p 0.9 from logits": (
-        "logits", lambda x, key, idx=None: S.top_k_top_p_sampling_from_logits(x, K, P, idx, key=key),
+        "logits", lambda x, key, idx=None: S.top_k_top_p_sampling_from_logits(x, K, P, idx, key=key,
+                                                                                config=CONFIG),
         dict(from_logits=True, top_k=K, top_p=P, filter_apply_order="top_k_first"),
         ("top_k_top_p_sampling_from_logits", (K, P))),
     "top-k 50 + top-p 0.9 from logits, joint": (
-        "logits", lambda x, key, idx=None: S.top_k_top_p_sampling_from_logits(x, K, P, idx, "joint", key=key),
+        "logits", lambda x, key, idx=None: S.top_k_top_p_sampling_from_logits(x, K, P, idx, "joint", key=key,
+                                                                                config=CONFIG),
         dict(from_logits=True, top_k=K, top_p=P, filter_apply_order="joint"), None),
     "top-p 0.9 from probs": (
-        "probs", lambda x, key, idx=None: S.top_p_sampling_from_probs(x, P, idx, key=key),
+        "probs", lambda x, key, idx=None: S.top_p_sampling_from_probs(x, P, idx, key=key, config=CONFIG),
         dict(from_logits=False, top_p=P), ("top_p_sampling_from_probs", (P,))),
     "min-p 0.1 from probs": (
-        "probs", lambda x, key, idx=None: S.min_p_sampling_from_probs(x, MIN_P, idx, key=key),
+        "probs", lambda x, key, idx=None: S.min_p_sampling_from_probs(x, MIN_P, idx, key=key, config=CONFIG),
         dict(from_logits=False, min_p=MIN_P), ("min_p_sampling_from_probs", (MIN_P,))),
     "top-k 50 from probs": (
-        "probs", lambda x, key, idx=None: S.top_k_sampling_from_probs(x, K, idx, key=key),
+        "probs", lambda x, key, idx=None: S.top_k_sampling_from_probs(x, K, idx, key=key, config=CONFIG),
         dict(from_logits=False, top_k=K), ("top_k_sampling_from_probs", (K,))),
     "sampling from logits": (
-        "logits", lambda x, key, idx=None: S.sampling_from_logits(x, idx, key=key),
+        "logits", lambda x, key, idx=None: S.sampling_from_logits(x, idx, key=key, config=CONFIG),
         dict(from_logits=True), ("sampling_from_logits", ())),
 }
 
@@ -135,13 +138,18 @@ def flashinfer_timer():
 
 
 def main():
+    global CONFIG
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few repeats (CPU interpret mode)")
+    ap.add_argument("--block-v", type=int, default=CONFIG.block_v, help="lanes per block")
+    ap.add_argument("--num-warps", type=int, default=CONFIG.num_warps)
+    ap.add_argument("--track", type=int, default=CONFIG.track, help="values tracked per lane in pass 1")
     args = ap.parse_args()
+    CONFIG = S.SamplingConfig(block_v=args.block_v, num_warps=args.num_warps, track=args.track)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     iters, reps = (2, 1) if args.smoke else (20, 7)
     fi = None if args.smoke else flashinfer_timer()
-    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    print("jax", jax.__version__, jax.devices()[0].device_kind, CONFIG, flush=True)
 
     table = {}
     for batch, vocab in shapes:

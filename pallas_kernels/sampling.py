@@ -1,31 +1,15 @@
-"""Sorting-free sampling kernels: one program per output row, a few passes over its vocabulary.
+"""Sorting-free sampling kernels: one program per output row, usually one pass over its vocabulary.
 
-Each row's values y are probabilities, or logits times 1 / temperature. A filter keeps the
-tokens with y >= t for one threshold t per row, found without sorting:
-
-- top-k: t is the largest value with count(y >= t) >= k, so every token tied with the k-th
-  largest value is kept (possibly more than k tokens);
-- top-p: t is the largest value with mass(y >= t) >= top_p * mass (mass: the probabilities,
-  or exp(y - max y) for logits), so ties at the boundary are kept too;
-- min-p: t = min_p * max p (logits: max y + log(min_p)).
-
-Threshold search (exact, deterministic): the answer lies in an interval [lo, hi) of values with
-G(lo) >= target > G(hi) (G: the count or mass at or above a value). Each pass over the row
-evaluates G at NUM_PIVOTS pivots spread evenly over the interval's order-preserving 32-bit keys
-(the float's bits, sign-folded, so the spread is linear within a binade and logarithmic
-across them) and, in the same pass, the smallest and largest value inside the interval; the
-interval then shrinks to the pivot bucket holding the answer, clipped to those values. A pass
-narrows the key range 16-fold, so at most 9 passes reach one distinct value; on real logit or
-probability rows 3-6 do.
-
-The draw is an exponential race over the kept tokens (Gumbel-max for logits): token i's key is
-p_i / E_i (y_i - log E_i) with E_i ~ Exp(1) from a counter-based hash of (row seed, i), and the
-largest key wins; that is an exact draw from the kept tokens renormalised, in one pass, with no
-prefix sum. Ties in the race key go to the lowest index. Greedy rows (inverse temperature 0)
-race on the logits themselves.
-
-Refs hold whole arrays; each program reads its row in blocks of block_v lanes with masked
-loads (any V). Per-lane partial results ride in the loop carry and are reduced once per pass.
+Values y: probabilities, or logits times 1 / temperature. A filter keeps the tokens with y >= t
+for a per-row threshold t, every token tied at the boundary included (top-k, top-p, min-p).
+Pass 1 keeps, per lane, its `track` largest values with their columns and the largest value it
+dropped (s: every value above s is tracked), draws a candidate from the whole row (an
+exponential race) and sums the mass. A threshold above s is exact from the tracked values; when
+the kept set lies above s the token is drawn from them in registers. Otherwise rejection with
+pivots: a candidate is kept when it lies in the kept set, and each further pass checks the
+pending candidate (count and mass above it) while drawing the next one from above it. Rows that
+need more than max_rounds rounds (or top-k first with a large k) find their thresholds with an
+exact multi-pivot search. docs/sampling.md has the details and the pass counts.
 """
 import dataclasses
 import functools
@@ -39,15 +23,19 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common
 
-NUM_PIVOTS = 16    # G is evaluated at 16 keys per search pass (the first is the interval's lo)
-MAX_PASSES = 12    # a bound the search never reaches on finite data (it needs at most 9)
+NUM_PIVOTS = 8     # the exact search evaluates its count or mass at 8 values per pass
+MAX_PASSES = 12    # 8 ** 11 > 2 ** 32: the search reaches one distinct value within 11 passes
+LOG2E = _common.LOG2E
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """Tuning of the sampling kernel: lanes per block and warps per program (one row each)."""
-    block_v: int = 1024
-    num_warps: int = 8
+    """Tuning of the sampling kernel (one program per row): lanes per block, warps, values
+    tracked per lane in pass 1, and rejection rounds before the exact search."""
+    block_v: int = 4096
+    num_warps: int = 16
+    track: int = 3
+    max_rounds: int = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +56,9 @@ def _i32(u):
     return int(np.uint32(u).view(np.int32))
 
 
+INT_MIN = _i32(0x80000000)
+
+
 def _mix(x):
     """lowbias32 (C. Wellons): a 32-bit integer hash with low bias, in wrapping int32 arithmetic."""
     x = x ^ lax.shift_right_logical(x, 16)
@@ -77,162 +68,335 @@ def _mix(x):
     return x ^ lax.shift_right_logical(x, 16)
 
 
-def exponential(seed0, seed1, cols):
-    """Exp(1) variates [N] f32 for columns cols [N] int32 of a row with int32 seeds (seed0, seed1):
-    a counter-based hash, so a draw depends only on the key, the row and the column."""
-    h = _mix(_mix(cols * _i32(0x9E3779B9) + seed0) ^ seed1)
-    u = (lax.shift_right_logical(h, 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
-    return -jnp.log(u)
+def _stream(s0, s1, rnd):
+    """The int32 stream offset of a row (seeds s0, s1) in race round rnd."""
+    return _mix(_mix(s0 ^ (rnd * _i32(0x85EBCA6B))) + s1)
+
+
+def _asm(x, op, fast, asm):
+    """op(x) for a f32 vector; fast (compiled for the GPU): the one PTX instruction asm."""
+    if not fast:
+        return op(x)
+    return plgpu.elementwise_inline_asm(
+        asm, args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def _log2(x, fast):
+    return _asm(x, jnp.log2, fast, "lg2.approx.ftz.f32 $0, $1;")
+
+
+def _rcp(x, fast):
+    return _asm(x, lambda v: 1.0 / v, fast, "rcp.approx.ftz.f32 $0, $1;")
+
+
+def _exp(x, fast):
+    """exp(x); fast: ex2.approx.ftz of x log2(e) (results below 2^-126 flush to 0)."""
+    if not fast:
+        return jnp.exp(x)
+    return _asm(x * LOG2E, jnp.exp2, fast, "ex2.approx.ftz.f32 $0, $1;")
+
+
+def race_keys(y, cols, stream, *, logits, fast):
+    """Exponential-race keys [N] f32 of values y [N] at columns cols [N] int32: the largest key
+    is an exact draw in proportion to y (probabilities) or exp(y) (logits). E = -log2(u), u in
+    (0, 1) from a counter-based hash of (stream, column); key y / E, or y log2(e) - log2(E)."""
+    h = _mix(cols * _i32(0x9E3779B9) + stream)
+    u = (lax.shift_right_logical(h, 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    e = -_log2(u, fast)
+    return y * LOG2E - _log2(e, fast) if logits else y * _rcp(e, fast)
 
 
 def _to_key(f):
     """float32 -> its order-preserving key, an int32 read as unsigned (-inf < ... < +inf)."""
     b = lax.bitcast_convert_type(f, jnp.int32)
-    return b ^ (lax.shift_right_arithmetic(b, 31) | _i32(0x80000000))
+    return b ^ (lax.shift_right_arithmetic(b, 31) | INT_MIN)
 
 
 def _from_key(k):
-    b = k ^ (~lax.shift_right_arithmetic(k, 31) | _i32(0x80000000))
+    b = k ^ (~lax.shift_right_arithmetic(k, 31) | INT_MIN)
     return lax.bitcast_convert_type(b, jnp.float32)
 
 
 def _pivots(lo, hi):
-    """NUM_PIVOTS values from lo (first) toward hi, evenly spaced in key space (unsigned, with
+    """NUM_PIVOTS scalars from lo (first) toward hi, evenly spaced in key space (unsigned, with
     wrapping int32 arithmetic): key(lo) + ceil(j * width / NUM_PIVOTS), j = 0 .. NUM_PIVOTS - 1."""
     klo = _to_key(lo)
     w = _to_key(hi) - klo  # the unsigned width, as int32 bits
-    j = jnp.arange(NUM_PIVOTS, dtype=jnp.int32)
     shift = NUM_PIVOTS.bit_length() - 1
-    off = lax.shift_right_logical(w, shift) * j + lax.shift_right_logical(
-        (w & (NUM_PIVOTS - 1)) * j + (NUM_PIVOTS - 1), shift)
-    return _from_key(klo + off)  # [P]
+    q, r = lax.shift_right_logical(w, shift), w & (NUM_PIVOTS - 1)
+    return [_from_key(klo + q * j + lax.shift_right_logical(r * j + (NUM_PIVOTS - 1), shift))
+            for j in range(NUM_PIVOTS)]
+
+
+def _mass_at(keys, weights, v):
+    """sum(weights where keys >= v) over the tracked values (lists of [N] int32 / f32 arrays)."""
+    return jnp.sum(functools.reduce(jnp.add, [jnp.where(k >= v, w, 0.0) for k, w in zip(keys, weights)]))
+
+
+def _select(keys, weights, target):
+    """The largest signed key v among the tracked values with _mass_at(v) >= target, and that
+    mass (v = INT_MIN when none reaches target): a 32-step bisection on the key bits."""
+    def bit(i, u):  # u: the answer's bits so far, as an unsigned key
+        cand = u | lax.shift_left(jnp.int32(1), 31 - i)
+        return jnp.where(_mass_at(keys, weights, cand ^ INT_MIN) >= target, cand, u)
+
+    v = lax.fori_loop(0, 32, bit, jnp.int32(0)) ^ INT_MIN
+    return v, _mass_at(keys, weights, v)
 
 
 def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref, thr_ref, *,
-            filters, vocab, block_v):
+            filters, vocab, block_v, track, max_rounds, fast):
     # rows_ref [B] int32: the input row of each output row; x_ref [R, V] probs or logits;
     # k_ref [B] int32; p_ref, minp_ref, invt_ref [B] f32; seed_ref [B, 2] int32;
-    # tok_ref [B] int32 (the draw); thr_ref [B] f32 (the threshold t: tokens with y >= t are kept)
+    # tok_ref [B] int32 (the draw); thr_ref [B] f32 (tokens with y >= it are kept; a lower
+    # bound when sampling)
     b = pl.program_id(0)
     row = rows_ref[b]
     num_blocks = pl.cdiv(vocab, block_v)
     lanes = jnp.arange(block_v, dtype=jnp.int32)
-    logits = filters.from_logits
+    logits, sample = filters.from_logits, filters.sample
     inv_t = invt_ref[b]
     greedy = inv_t == 0
     scale = jnp.where(greedy, 1.0, inv_t)
+    s0, s1 = seed_ref[b, 0], seed_ref[b, 1]
+    false = b < 0  # traced: constant booleans do not lower
+    inf, ninf = jnp.float32(jnp.inf), jnp.float32(-jnp.inf)
+    floor = ninf if logits else jnp.float32(0.0)  # below every value (probs are >= 0)
+    keys = functools.partial(race_keys, logits=logits, fast=fast)
 
-    def load(j, other):
-        """Block j of the row: (y [block_v] f32, columns [block_v] int32, in range [block_v])."""
+    def load(j):
+        """Block j of the row: (y [block_v] f32, pads -inf; columns [block_v]; in range)."""
         cols = j * block_v + lanes
         valid = cols < vocab
-        x = plgpu.load(x_ref.at[row, cols], mask=valid, other=other).astype(jnp.float32)
+        x = plgpu.load(x_ref.at[row, cols], mask=valid, other=-jnp.inf).astype(jnp.float32)
         return (x * scale if logits else x), cols, valid
 
-    ninf = jnp.full((block_v,), -jnp.inf, jnp.float32)
-    ymax = None
-    if filters.min_p or (logits and filters.top_p):
-        def max_body(j, m):
-            y, _, valid = load(j, -jnp.inf)
-            return jnp.maximum(m, jnp.where(valid, y, -jnp.inf))
-        ymax = jnp.max(lax.fori_loop(0, num_blocks, max_body, ninf))
+    def value(tok):
+        x = x_ref[row, jnp.minimum(tok, vocab - 1)].astype(jnp.float32)
+        return x * scale if logits else x
 
+    def race(carry, r, cols):
+        """One block of a race with keys r [block_v]: (best key, its column) [block_v]."""
+        upd = r > carry[0]  # ties keep the earlier block: the lowest column wins
+        return jnp.where(upd, r, carry[0]), jnp.where(upd, cols, carry[1])
+
+    def winner(best, idx):
+        top = jnp.max(best)
+        return jnp.min(jnp.where(best == top, idx, vocab))
+
+    ninf_v = jnp.full((block_v,), -jnp.inf, jnp.float32)
+    none_v = jnp.full((block_v,), vocab, jnp.int32)
+    tracked = filters.top_k or filters.top_p or filters.min_p
+    if not tracked:  # plain sampling: one race
+        def plain(j, carry):
+            y, cols, _ = load(j)
+            return race(carry, jnp.where(greedy, y, keys(y, cols, _stream(s0, s1, 0))), cols)
+        tok = winner(*lax.fori_loop(0, num_blocks, plain, (ninf_v, none_v)))
+        tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
+        thr_ref[b] = jnp.where(greedy, ninf, ninf)  # traced: a constant store does not lower
+        return
+
+    # Pass 1: the tracked values (a: descending, c: their columns), the largest dropped value,
+    # the lane mass (logits: relative to the lane max a[0]) and the race over the whole row.
     def weight(y):
-        """Each token's mass: its probability, or exp(y - max y) for logits (NaN pads give 0)."""
-        w = jnp.exp(y - ymax) if logits else jnp.maximum(y, 0.0)
-        return jnp.where(y == y, w, 0.0)
+        """Each token's mass: its probability, or exp(y - max y) for logits (pads: 0)."""
+        return _exp(y - ymax, fast) if logits else jnp.maximum(y, 0.0)
+
+    def pass1(j, carry):
+        a, c, dropped, mass, best, idx = carry
+        y, cols, _ = load(j)
+        if filters.top_p:
+            if logits:
+                d = _exp(-jnp.abs(y - a[0]), fast)
+                mass = jnp.where(y > -jnp.inf, jnp.where(y > a[0], mass * d + 1.0, mass + d), mass)
+            else:
+                mass = mass + jnp.maximum(y, 0.0)
+        up = [y > ai for ai in a]  # up[i] implies up[i + 1]
+        dropped = jnp.maximum(dropped, jnp.where(up[-1], a[-1], y))
+        a = tuple(jnp.where(up[i - 1], a[i - 1], jnp.where(up[i], y, a[i])) if i else
+                  jnp.where(up[0], y, a[0]) for i in range(track))
+        c = tuple(jnp.where(up[i - 1], c[i - 1], jnp.where(up[i], cols, c[i])) if i else
+                  jnp.where(up[0], cols, c[0]) for i in range(track))
+        if sample:
+            best, idx = race((best, idx), jnp.where(greedy, y, keys(y, cols, _stream(s0, s1, 0))), cols)
+        return a, c, dropped, mass, best, idx
+
+    init = ((ninf_v,) * track, (none_v,) * track, ninf_v, jnp.zeros((block_v,), jnp.float32),
+            ninf_v, none_v)
+    a, c, dropped, lane_mass, best, idx = lax.fori_loop(0, num_blocks, pass1, init)
+    ymax = jnp.max(a[0])
+    s = jnp.max(dropped)  # every value above s is tracked
+    real = [ci < vocab for ci in c]
+    tkeys = [_to_key(jnp.where(ai == 0, 0.0, ai)) ^ INT_MIN for ai in a]  # signed, -0 as +0
+    tmass = [jnp.where(r, weight(ai), 0.0) for r, ai in zip(real, a)]
+    if logits:
+        total = jnp.sum(lane_mass * _exp(a[0] - ymax, fast))
+    else:
+        total = jnp.sum(lane_mass)
+
+    # Thresholds from the tracked values: exact when above s; an uncertified one is <= s.
+    t_hi = ninf  # the largest exact threshold
+    k_unknown = p_unknown = false
+    k = k_ref[b]
+    k_on = (k > 0) & (k < vocab)
+    p = p_ref[b]
+    p_on = p < 1.0
+    t_k = ninf
+    if filters.top_k:
+        kv, kg = _select(tkeys, [r.astype(jnp.float32) for r in real], k.astype(jnp.float32))
+        t_k = _from_key(kv ^ INT_MIN)
+        k_cert = k_on & (kg >= k.astype(jnp.float32)) & (t_k > s)
+        k_unknown = k_on & ~k_cert
+        t_k = jnp.where(k_cert, t_k, ninf)
+        t_hi = t_k
+    if filters.top_p:
+        base = total
+        if filters.top_k_first:
+            base = jnp.where(k_on, _mass_at(tkeys, tmass, kv), total)
+        pv, pg = _select(tkeys, tmass, p * base)
+        t_p = _from_key(pv ^ INT_MIN)
+        p_cert = p_on & (pg >= p * base) & (t_p > s)
+        if filters.top_k_first:
+            p_cert &= ~k_unknown
+        p_unknown = p_on & ~p_cert
+        t_hi = jnp.maximum(t_hi, jnp.where(p_cert, t_p, ninf))
+    if filters.min_p:
+        mp = minp_ref[b]
+        t_hi = jnp.maximum(t_hi, ymax + jnp.log(mp) if logits else mp * ymax)
+    # top-k first with an uncertified top-k: top-p's base is unknown, and its threshold may be
+    # above s: the exact search. Otherwise an unknown threshold is <= s, moot when t_hi > s.
+    search_only = (k_unknown & p_on) if (filters.top_k_first and filters.top_p) else false
+    unknown = (k_unknown | p_unknown) & (t_hi <= s)
 
     def search(lo0, hi0, active, count, goal):
         """The largest value t in [lo0, hi0) with G(t) >= target (G: count or mass at or above;
         target = goal(G(lo0))), -inf when G(lo0) < target or not active (no filter)."""
         def cond(state):
-            it, done = state[0], state[3]
-            return jnp.logical_and(jnp.logical_not(done), it < MAX_PASSES)
+            return jnp.logical_not(state[3]) & (state[0] < MAX_PASSES)
 
         def body(state):
             it, lo, hi, _, ans, target = state
-            piv = _pivots(lo, hi)  # [P]
+            piv = _pivots(lo, hi)
 
             def block(j, carry):
-                acc, dmin, dmax = carry  # [block_v, P], [block_v], [block_v]
-                y, _, _ = load(j, jnp.nan)  # pads are NaN: never >= a pivot, never inside
-                g = jnp.where(y == y, 1.0, 0.0) if count else weight(y)
-                acc = acc + jnp.where(y[:, None] >= piv[None, :], g[:, None], 0.0)
-                inside = (y >= lo) & (y < hi)
+                acc, dmin, dmax = carry  # NUM_PIVOTS x [block_v], [block_v], [block_v]
+                y, _, valid = load(j)
+                g = valid.astype(jnp.float32) if count else weight(y)
+                acc = tuple(ai + jnp.where(y >= pj, g, 0.0) for ai, pj in zip(acc, piv))
+                inside = valid & (y >= lo) & (y < hi)
                 return (acc, jnp.minimum(dmin, jnp.where(inside, y, jnp.inf)),
                         jnp.maximum(dmax, jnp.where(inside, y, -jnp.inf)))
 
-            init = (jnp.zeros((block_v, NUM_PIVOTS), jnp.float32), -ninf, ninf)
-            acc, dmin, dmax = lax.fori_loop(0, num_blocks, block, init)
-            big = jnp.sum(acc, axis=0)  # [P] G at each pivot, non-increasing
+            zeros = jnp.zeros((block_v,), jnp.float32)
+            acc, dmin, dmax = lax.fori_loop(0, num_blocks, block, ((zeros,) * NUM_PIVOTS, -ninf_v, ninf_v))
+            big = [jnp.sum(ai) for ai in acc]  # G at each pivot, non-increasing
             dmin, dmax = jnp.min(dmin), jnp.max(dmax)
-            g_lo = jnp.max(big)  # G(lo): the first pivot is lo, and G is non-increasing
-            target = jnp.where(it == 0, goal(g_lo), target)
-            ok = big >= target
-            none = g_lo < target  # only in the first pass: G(lo0) < target
-            single = dmin >= dmax  # one distinct value left (or none: cannot happen on finite data)
-            new_lo = jnp.maximum(jnp.max(jnp.where(ok, piv, -jnp.inf)), dmin)
-            new_hi = jnp.minimum(jnp.min(jnp.where(ok, jnp.inf, piv)), hi)
-            new_hi = jnp.minimum(new_hi, lax.nextafter(dmax, jnp.float32(jnp.inf)))
+            target = jnp.where(it == 0, goal(big[0]), target)
+            none = big[0] < target  # only in the first pass: G(lo0) < target
+            new_lo, new_hi = dmin, jnp.minimum(hi, lax.nextafter(dmax, inf))
+            for gj, pj in zip(big, piv):
+                new_lo = jnp.maximum(new_lo, jnp.where(gj >= target, pj, -jnp.inf))
+                new_hi = jnp.minimum(new_hi, jnp.where(gj >= target, jnp.inf, pj))
             ans = jnp.where(none, -jnp.inf, jnp.where(dmin == dmax, dmin, lo))
-            return it + 1, new_lo, new_hi, none | single, ans, target
+            return it + 1, new_lo, new_hi, none | (dmin >= dmax), ans, target
 
-        state = (jnp.int32(0), lo0, hi0, jnp.logical_not(active), jnp.float32(-jnp.inf),
-                 jnp.float32(0.0))
-        it, lo, _, done, ans, _ = lax.while_loop(cond, body, state)
+        state = (jnp.int32(0), lo0, hi0, jnp.logical_not(active), ninf, jnp.float32(0.0))
+        _, lo, _, done, ans, _ = lax.while_loop(cond, body, state)
         return jnp.where(done, ans, lo)  # the pass bound reached: lo keeps a superset
 
-    inf = jnp.float32(jnp.inf)
-    floor = jnp.float32(-jnp.inf if logits else 0.0)  # below every value (probs are >= 0)
-    t = jnp.float32(-jnp.inf)
-    if filters.top_k:
-        k = k_ref[b]
-        t_k = search(floor, inf, (k > 0) & (k < vocab), True, lambda g0: k.astype(jnp.float32))
-        t = jnp.maximum(t, t_k)
-    if filters.top_p:
-        p = p_ref[b]
-        lo0 = jnp.maximum(t, floor) if filters.top_k_first else floor
-        t_p = search(lo0, lax.nextafter(ymax, inf) if logits else inf, p < 1.0, False,
-                     lambda g0: p * g0)
-        t = jnp.maximum(t, t_p)
-    if filters.min_p:
-        mp = minp_ref[b]
-        t = jnp.maximum(t, ymax + jnp.log(mp) if logits else mp * ymax)
-    thr_ref[b] = jnp.where(greedy, -jnp.inf, t)
-    if not filters.sample:
+    def exact_threshold(active):
+        """t_hi combined with the searched thresholds of the unknown filters (rows where active)."""
+        t = t_hi
+        tk = t_k
+        if filters.top_k:
+            tk = jnp.where(k_unknown, search(floor, inf, active & k_unknown, True,
+                                             lambda g0: k.astype(jnp.float32)), t_k)
+            t = jnp.maximum(t, tk)
+        if filters.top_p:
+            lo0 = jnp.maximum(tk, floor) if filters.top_k_first else floor
+            tp = search(lo0, lax.nextafter(ymax, inf) if logits else inf, active & p_unknown, False,
+                        lambda g0: p * g0)
+            t = jnp.maximum(t, jnp.where(p_unknown, tp, ninf))
+        return t
+
+    if not sample:
+        thr_ref[b] = exact_threshold(k_unknown | p_unknown)
         tok_ref[b] = jnp.int32(0)
         return
 
-    s0, s1 = seed_ref[b, 0], seed_ref[b, 1]
+    # Rows whose kept set is tracked draw from the tracked values (race round 1).
+    in_regs = t_hi > s
+    stream1 = _stream(s0, s1, 1)
+    rk = [jnp.where(r & (ai >= t_hi), keys(ai, ci, stream1), -jnp.inf) for r, ai, ci in zip(real, a, c)]
+    top = functools.reduce(jnp.maximum, [jnp.max(r) for r in rk])
+    tok_regs = functools.reduce(jnp.minimum, [jnp.min(jnp.where(r == top, ci, vocab)) for r, ci in zip(rk, c)])
 
-    def race(j, carry):
-        best, idx = carry  # [block_v] f32, [block_v] int32
-        y, cols, valid = load(j, -jnp.inf)
-        e = exponential(s0, s1, cols)
-        r = (y - jnp.log(e)) if logits else (y / e)
-        r = jnp.where(greedy, y, r)
-        r = jnp.where(valid & ((y >= t) | greedy), r, -jnp.inf)
-        upd = r > best
-        return jnp.where(upd, r, best), jnp.where(upd, cols, idx)
+    c1 = winner(best, idx)
+    y1 = value(c1)
+    accept1 = (y1 >= t_hi) & (~unknown | (y1 >= s))  # an unknown threshold is <= s
+    done = greedy | in_regs | (accept1 & ~search_only)
+    tok = jnp.where(in_regs & ~greedy, tok_regs, c1)
 
-    best, idx = lax.fori_loop(0, num_blocks, race, (ninf, jnp.full((block_v,), vocab, jnp.int32)))
-    top = jnp.max(best)
-    tok = jnp.min(jnp.where(best == top, idx, vocab))
-    tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token kept (invalid row): 0
+    def rejection_pass(state, t_lo, check):
+        """A pass checking the pending candidate (when check) and racing among y >= max(lo,
+        just above the candidate) in round rnd: the state after it."""
+        rnd, done, tok, cand, y_c, lo = state
+        lo = jnp.maximum(lo, lax.nextafter(y_c, inf))
+        stream = _stream(s0, s1, rnd)
+
+        def block(j, carry):
+            cnt, mass, best, idx = carry
+            y, cols, _ = load(j)
+            if check and filters.top_k:
+                cnt = cnt + jnp.where(y > y_c, 1.0, 0.0)
+            if check and filters.top_p:
+                mass = mass + jnp.where(y > y_c, weight(y), 0.0)
+            best, idx = race((best, idx), jnp.where(y >= lo, keys(y, cols, stream), -jnp.inf), cols)
+            return cnt, mass, best, idx
+
+        zeros = jnp.zeros((block_v,), jnp.float32)
+        cnt, mass, best, idx = lax.fori_loop(0, num_blocks, block, (zeros, zeros, ninf_v, none_v))
+        ok = false
+        if check:
+            ok = y_c >= t_lo
+            ok &= (~k_unknown | (jnp.sum(cnt) < k.astype(jnp.float32)))
+            ok &= (~p_unknown | (jnp.sum(mass) < p * total))
+        spec = winner(best, idx)
+        y_s = value(spec)
+        done_s = ~unknown | (y_s >= s) if check else ~false
+        return (rnd + 1, ok | done_s, jnp.where(ok, cand, spec), jnp.where(ok, cand, spec),
+                jnp.where(ok, y_c, y_s), lo)
+
+    state = (jnp.int32(2), done, tok, c1, y1, t_hi)
+    state = lax.while_loop(
+        lambda st: ~st[1] & ~search_only & (st[0] < max_rounds + 2),
+        lambda st: rejection_pass(st, t_hi, True), state)
+    # Rows still undecided: exact thresholds; the pending candidate is kept when it lies in the
+    # kept set (an exact rejection test), else one race among the kept tokens.
+    rnd, done, tok, cand, y_c, _ = state
+    t = exact_threshold(~done)
+    keep = ~done & (y_c >= t)
+    state = (rnd, done | keep, jnp.where(keep, cand, tok), cand, ninf, t)
+    state = lax.while_loop(lambda st: ~st[1], lambda st: rejection_pass(st, t, False), state)
+    tok = state[2]
+    thr_ref[b] = jnp.where(greedy, -jnp.inf, t_hi)
+    tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
 
 
 def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret,
                     config=SamplingConfig()):
-    """Per output row b, the threshold and one draw from row rows[b] of x.
+    """Per output row b, one draw from row rows[b] of x (filters.sample) or its threshold.
 
     x [R, V] f32/bf16 (probabilities, or logits when filters.from_logits); rows [B] int32;
     top_k [B] int32; top_p, min_p, inv_temp [B] f32 (inv_temp 0: greedy); seeds [B, 2] int32.
     Returns (tokens [B] int32, thresholds [B] f32: the row keeps tokens with y >= threshold,
-    y = x * inv_temp for logits; -inf when nothing is filtered)."""
+    y = x * inv_temp for logits; -inf when nothing is filtered; when sampling, a lower bound)."""
     batch = rows.shape[0]
     vocab = x.shape[1]
     block_v = min(config.block_v, _common.next_pow2(vocab))
-    kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v)
+    kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v,
+                               track=config.track, max_rounds=config.max_rounds, fast=not interpret)
     return pl.pallas_call(
         kernel,
         grid=(batch,),

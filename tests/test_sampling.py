@@ -15,7 +15,13 @@ from jaxinfer import sampling as S
 
 ALPHA = 1e-4
 V = 37                      # not a multiple of the block: the tail block is masked
-SMALL = S.SamplingConfig(block_v=16)  # three blocks per row (the last one 5 lanes)
+# Three blocks per row (the last one 5 lanes). SMALL tracks one value per lane: most thresholds
+# lie below a dropped value, so rows draw by rejection; TRACKED keeps every value (the draw from
+# the tracked values); EXACT allows no rejection round (the exact search, then one race).
+SMALL = S.SamplingConfig(block_v=16, track=1)
+TRACKED = S.SamplingConfig(block_v=16, track=3)
+EXACT = S.SamplingConfig(block_v=16, track=1, max_rounds=0)
+CONFIGS = {"small": SMALL, "tracked": TRACKED, "exact": EXACT}
 ROWS = 4                    # distinct input rows per distribution test
 GROUPS = 12                 # (row, parameters) groups
 DRAWS = 300                 # draws per group
@@ -51,42 +57,47 @@ def _group_params(values, groups=GROUPS, draws=DRAWS):
 
 
 CASES = {
-    # name: (from_logits, parameter tables cycled over groups, call(x, idx, params, key))
-    "sampling_from_logits": (True, {"temperature": [1.0, 0.5, 2.0, 0.0, 1.0, 0.7]},
-                             lambda x, i, a, k: S.sampling_from_logits(x, i, key=k, temperature=a["temperature"],
-                                                                       config=SMALL)),
-    "sampling_from_probs": (False, {},
-                            lambda x, i, a, k: S.sampling_from_probs(x, i, key=k, config=SMALL)),
-    "top_k_sampling_from_probs": (False, {"top_k": [1, 3, 5, 0, 12, 40, 36]},
-                                  lambda x, i, a, k: S.top_k_sampling_from_probs(x, a["top_k"], i, key=k,
-                                                                                 config=SMALL)),
-    "top_p_sampling_from_probs": (False, {"top_p": [0.3, 0.6, 0.9, 1.0, 0.05, 0.75, 0.99]},
-                                  lambda x, i, a, k: S.top_p_sampling_from_probs(x, a["top_p"], i, key=k,
-                                                                                 config=SMALL)),
-    "min_p_sampling_from_probs": (False, {"min_p": [0.0, 0.1, 0.5, 1.0, 0.3]},
-                                  lambda x, i, a, k: S.min_p_sampling_from_probs(x, a["min_p"], i, key=k,
-                                                                                 config=SMALL)),
+    # name: (from_logits, parameter tables cycled over groups, call(x, idx, params, key, config))
+    "sampling_from_logits": (
+        True, {"temperature": [1.0, 0.5, 2.0, 0.0, 1.0, 0.7]},
+        lambda x, i, a, k, c: S.sampling_from_logits(x, i, key=k, temperature=a["temperature"], config=c)),
+    "sampling_from_probs": (
+        False, {}, lambda x, i, a, k, c: S.sampling_from_probs(x, i, key=k, config=c)),
+    "top_k_sampling_from_probs": (
+        False, {"top_k": [1, 3, 5, 0, 12, 40, 36]},
+        lambda x, i, a, k, c: S.top_k_sampling_from_probs(x, a["top_k"], i, key=k, config=c)),
+    "top_p_sampling_from_probs": (
+        False, {"top_p": [0.3, 0.6, 0.9, 1.0, 0.05, 0.75, 0.99]},
+        lambda x, i, a, k, c: S.top_p_sampling_from_probs(x, a["top_p"], i, key=k, config=c)),
+    "min_p_sampling_from_probs": (
+        False, {"min_p": [0.0, 0.1, 0.5, 1.0, 0.3]},
+        lambda x, i, a, k, c: S.min_p_sampling_from_probs(x, a["min_p"], i, key=k, config=c)),
     "top_k_top_p_sampling_from_logits": (
         True, {"top_k": [5, 0, 12, 3, 40, 8, 20], "top_p": [0.8, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3],
                "temperature": [1.0, 0.8, 1.5, 1.0, 1.0]},
-        lambda x, i, a, k: S.top_k_top_p_sampling_from_logits(x, a["top_k"], a["top_p"], i, key=k,
-                                                              temperature=a["temperature"], config=SMALL)),
+        lambda x, i, a, k, c: S.top_k_top_p_sampling_from_logits(x, a["top_k"], a["top_p"], i, key=k,
+                                                                 temperature=a["temperature"], config=c)),
     "top_k_top_p_sampling_from_logits_joint": (
         True, {"top_k": [5, 0, 12, 3, 40, 8, 20], "top_p": [0.8, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3]},
-        lambda x, i, a, k: S.top_k_top_p_sampling_from_logits(x, a["top_k"], a["top_p"], i, "joint", key=k,
-                                                              config=SMALL)),
+        lambda x, i, a, k, c: S.top_k_top_p_sampling_from_logits(x, a["top_k"], a["top_p"], i, "joint", key=k,
+                                                                 config=c)),
     "top_k_top_p_sampling_from_probs": (
         False, {"top_k": [6, 0, 12, 3, 40, 8, 20], "top_p": [0.7, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3]},
-        lambda x, i, a, k: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, key=k, config=SMALL)),
+        lambda x, i, a, k, c: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, key=k, config=c)),
     "top_k_top_p_sampling_from_probs_joint": (
         False, {"top_k": [6, 0, 12, 3, 40, 8, 20], "top_p": [0.7, 0.5, 1.0, 0.9, 0.6, 0.95, 0.3]},
-        lambda x, i, a, k: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, "joint", key=k,
-                                                             config=SMALL)),
+        lambda x, i, a, k, c: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, "joint", key=k,
+                                                                config=c)),
 }
+# Every function with SMALL; a few also with TRACKED and EXACT (all of them under -m slow).
+FAST_RUNS = {("top_k_top_p_sampling_from_logits", "tracked"), ("top_k_sampling_from_probs", "exact")}
+RUNS = [(n, "small") for n in sorted(CASES)] + [
+    pytest.param(n, c, marks=() if (n, c) in FAST_RUNS else pytest.mark.slow)
+    for c in ("tracked", "exact") for n in sorted(CASES) if not n.startswith("sampling_")]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_draws_follow_the_filtered_distribution(name):
+@pytest.mark.parametrize("name,config", RUNS)
+def test_draws_follow_the_filtered_distribution(name, config):
     from_logits, tables, call = CASES[name]
     logits = _rows(len(name))
     x = logits if from_logits else jax.nn.softmax(logits, axis=1)
@@ -94,7 +105,8 @@ def test_draws_follow_the_filtered_distribution(name):
     idx = jnp.asarray(g % ROWS, jnp.int32)
     per_row = {p: np.asarray(vals)[g % len(vals)] for p, vals in tables.items()}
     args = {p: jnp.asarray(v) for p, v in per_row.items()}
-    tokens = np.asarray(jax.jit(call)(x, idx, args, jax.random.key(7)))
+    cfg = CONFIGS[config]
+    tokens = np.asarray(jax.jit(lambda *xs: call(*xs, cfg))(x, idx, args, jax.random.key(7)))
     assert tokens.shape == (GROUPS * DRAWS,) and tokens.dtype == np.int32
     order = "joint" if name.endswith("joint") else "top_k_first"
     ref = S._reference_probs(x[idx], from_logits=from_logits, top_k=per_row.get("top_k"),
@@ -141,8 +153,8 @@ def test_renorm_and_mask_match_reference(rng):
 
 
 def test_large_vocab_non_multiple_of_block():
-    """V = 50_000 (49 blocks of 1024, the last partial): the exact top-k mask, and top-k + top-p
-    draws inside the kept set."""
+    """V = 50_000 (13 blocks of 4096, the last partial): the exact top-k mask (k = 50 from the
+    tracked values, k = 1000 by the search), and top-k + top-p draws inside the kept set."""
     vocab = 50_000
     logits = jax.random.normal(jax.random.key(3), (2, vocab), jnp.float32) * 3
     ks = jnp.asarray([50, 1000])
@@ -151,6 +163,23 @@ def test_large_vocab_non_multiple_of_block():
     ref = np.asarray(S._reference_probs(logits, from_logits=True, top_k=ks, top_p=0.9,
                                         filter_apply_order="top_k_first"))
     assert np.all(ref[np.arange(2), tok] > 0)
+
+
+@pytest.mark.slow
+def test_large_vocab_renorm_and_draws():
+    """V = 50_000 with the default config: top-k / top-p renormalisation against the reference,
+    and top-p / min-p draws (rejection, and the tracked values) inside the kept set."""
+    vocab = 50_000
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(4), (2, vocab), jnp.float32) * 3, axis=1)
+    np.testing.assert_allclose(S.top_k_renorm_probs(probs, jnp.asarray([50, 3000])),
+                               S._reference_top_k_renorm_probs(probs, jnp.asarray([50, 3000])), atol=1e-6)
+    np.testing.assert_allclose(S.top_p_renorm_probs(probs, 0.9), S._reference_top_p_renorm_probs(probs, 0.9),
+                               atol=1e-6)
+    idx = jnp.asarray(np.arange(128) % 2, jnp.int32)
+    for call, kw in [(S.top_p_sampling_from_probs, dict(top_p=0.9)), (S.min_p_sampling_from_probs, dict(min_p=0.1))]:
+        tok = np.asarray(call(probs, *kw.values(), idx, key=jax.random.key(1)))
+        ref = np.asarray(S._reference_probs(probs, from_logits=False, **kw))
+        assert np.all(ref[np.asarray(idx), tok] > 0), call.__name__
 
 
 def test_deterministic_per_key_and_compiled_once():
@@ -290,6 +319,8 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
         lambda x, k: S.top_k_top_p_sampling_from_logits(x, 5, 0.9, key=k, backend="gpu"),
         lambda x, k: S.top_k_top_p_sampling_from_probs(x, 5, 0.9, filter_apply_order="joint", key=k, backend="gpu"),
         lambda x, k: S.min_p_sampling_from_probs(x, 0.1, key=k, backend="gpu"),
+        lambda x, k: S.top_p_sampling_from_probs(x, 0.9, key=k, backend="gpu"),
+        lambda x, k: S.top_p_renorm_probs(x, 0.9, backend="gpu"),
         lambda x, k: S.top_k_mask_logits(x, 5, backend="gpu"),
     ]
     key = jax.random.key(0)
