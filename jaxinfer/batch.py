@@ -140,7 +140,7 @@ class BatchAttention:
             else:  # entry j of the sub-table: kv_indices[j + (request's first entry - its sub first)]
                 shift = np.repeat(page_base.take(long_reqs) - sub_indptr[:-1], sub_pages)
                 sub_indices = kv_indices.take(shift + scheduler.arange(int(sub_indptr[-1])))
-            long_plan = self.prefill._plan(sub_qo, kv_lens.take(long_reqs), sub_indptr[:-1], sub_indices,
+            long_plan = self.prefill.plan_step(sub_qo, kv_lens.take(long_reqs), sub_indptr[:-1], sub_indices,
                                            None, None, num_pages, dtypes=dtypes)
             impls.append(long_plan.impl)
         impl = "+".join(impls) or "none (no query rows)"

@@ -91,10 +91,14 @@ class _Prefill:
         self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
                                   layout, (max_batch_size, max_num_tokens, max_num_pages, max_mask_len))
 
-    def _plan(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
-              causal=None, window_left=None, contiguous_kv=False, dtypes=None, **positions):
-        """The plan of one step (checked page table or K/V rows). dtypes: dispatch.plan_dtypes' (q, K/V)
-        pair, or None: a Mosaic plan then carries a Triton plan for dtypes Mosaic cannot take."""
+    def plan_step(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
+                  causal=None, window_left=None, contiguous_kv=False, dtypes=None, kv_pos_offset=None,
+                  q_positions=None):
+        """The plan of one step from checked metadata (a page table's or K/V rows'), for the wrappers
+        built on this one. dtypes: dispatch.plan_dtypes' (q, K/V) pair, or None: a Mosaic plan then
+        carries a Triton plan for dtypes Mosaic cannot take. kv_pos_offset, q_positions: the keys'
+        and queries' positions (cascade levels, block-sparse rows; planner.prefill.plan_prefill)."""
+        positions = kv_pos_offset is not None or q_positions is not None
         qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)  # the only check of it
         if qo_indptr.shape[0] != kv_lens.shape[0] + 1:  # before any planner (prefill_short too)
             raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests but the KV side has "
@@ -129,7 +133,8 @@ class _Prefill:
                 rows=(dispatch.config_for(choice, problem, self.configs).tile_tokens * self.group if tails
                       else self.tile_rows),
                 mask_offsets=offsets, fixed_split_tokens=self.fixed_split_tokens, window_left=window_left,
-                tails=tails, contiguous_kv=contiguous_kv, **positions)
+                tails=tails, contiguous_kv=contiguous_kv, kv_pos_offset=kv_pos_offset,
+                q_positions=q_positions)
             dev_mask = None if mask is None else jax.device_put(mask, may_alias=True)
             spec = specs.get((num_pages, impl_name, dtypes))
             if spec is None:
@@ -289,7 +294,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         kv_indptr, kv_indices, _, kv_lens, _ = validate.check_page_table(
             kv_indptr, kv_indices, kv_last_page_len, self.page_size, num_pages)
         used = kv_indices[: kv_indptr[-1]]
-        return self._plan(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
+        return self.plan_step(qo_indptr, kv_lens, kv_indptr[:-1], used, custom_mask, packed_custom_mask,
                           num_pages, causal, window_left, dtypes=dtypes)
 
     def plan_levels(self, levels, *, num_pages=None, causal=None, q_data_type=None, kv_data_type=None):
@@ -313,7 +318,7 @@ class BatchPrefillWithPagedKVCache(_Prefill):
         offsets, q_pos = prefix_planner.level_positions(qo_indptrs, [t[3] for t in tables])
         plans = []
         for i, ((kv_indptr, kv_indices, _, kv_lens, _), qo_indptr) in enumerate(zip(tables, qo_indptrs)):
-            plans.append(self._plan(qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]],
+            plans.append(self.plan_step(qo_indptr, kv_lens, kv_indptr[:-1], kv_indices[: kv_indptr[-1]],
                                     None, None, num_pages, causal and i == len(levels) - 1, dtypes=dtypes,
                                     kv_pos_offset=offsets[i], q_positions=q_pos))
         return CascadePlan(tuple(plans))
@@ -366,7 +371,7 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
         BatchPrefillWithPagedKVCache.plan()."""
         dtypes = dispatch.plan_dtypes(q_data_type, kv_data_type)
         kv_indptr = validate.check_indptr("kv_indptr", kv_indptr)
-        return self._plan(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
+        return self.plan_step(qo_indptr, kv_indptr[1:] - kv_indptr[:-1], kv_indptr[:-1],
                           np.zeros(0, np.int32), custom_mask, packed_custom_mask, int(kv_indptr[-1]),
                           window_left=window_left, contiguous_kv=True, dtypes=dtypes)
 
@@ -418,7 +423,7 @@ class BlockSparseAttention(_Prefill):
             custom_mask = np.concatenate(
                 [bm[indptr[i]:indptr[i + 1]].transpose(1, 0, 2).reshape(-1) for i in range(m // r)]
                 + [np.zeros(0, bool)])
-        plan = self._plan(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1], indices[: indptr[-1]],
+        plan = self.plan_step(qo_indptr, (nblocks * c).astype(np.int32), indptr[:-1], indices[: indptr[-1]],
                           custom_mask, None, n // c, q_positions=np.arange(m))
         # The block width C is the kernel's page size: the plan's, not the wrapper's.
         return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, page_size=c))

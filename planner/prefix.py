@@ -247,3 +247,37 @@ def level_positions(qo_indptrs, kv_lens):
     group = np.repeat(np.arange(qo_lens.shape[0]), qo_lens)
     q_pos = before - qo_lens[group] + np.arange(nnz) - last[:-1][group]
     return offsets, q_pos
+
+
+def two_level_cascade(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, *,
+                      causal=True, min_shared_pages=1):
+    """Shared prefixes detected from a plain page table (no index surgery by the user).
+
+    Consecutive requests that begin with the same full pages form a group; level 0
+    gives each group its shared pages, level 1 each request the rest of its pages.
+    With causal, a page is shared only if it lies before all of the request's queries.
+    Returns (levels, saved_pages): each level (qo_indptr, kv_indptr, kv_indices,
+    kv_last_page_len); saved_pages = pages no longer read per step.
+    """
+    qo_indptr = validate.check_indptr("qo_indptr", qo_indptr)
+    kv_indptr, kv_indices, kv_last_page_len, kv_lens, pages = validate.check_page_table(
+        kv_indptr, kv_indices, kv_last_page_len, page_size)
+    qo_lens = qo_indptr[1:] - qo_indptr[:-1]
+    cap = (kv_lens - qo_lens) // page_size if causal else pages
+    groups = shared_prefix_groups(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                  min_shared_pages, max_shared_pages=np.maximum(cap, 0))
+    gi, shared = groups["group_indptr"], groups["prefix_pages"].astype(np.int64)
+    first = kv_indptr[gi[:-1]]
+    level0 = (
+        qo_indptr[gi].astype(np.int32), np.concatenate([[0], np.cumsum(shared)]).astype(np.int32),
+        np.concatenate([kv_indices[f:f + s] for f, s in zip(first, shared)] + [np.zeros(0, np.int32)]),
+        np.full(len(shared), page_size, np.int32))
+    skip = np.repeat(shared, np.diff(gi))  # each request's pages already in level 0
+    suffix = pages - skip
+    level1 = (
+        qo_indptr, np.concatenate([[0], np.cumsum(suffix)]).astype(np.int32),
+        np.concatenate([kv_indices[kv_indptr[b] + skip[b]:kv_indptr[b + 1]] for b in range(len(pages))]
+                       + [np.zeros(0, np.int32)]),
+        kv_last_page_len)
+    saved = int(np.sum((np.diff(gi) - 1) * shared))
+    return (level0, level1), saved

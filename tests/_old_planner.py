@@ -1,4 +1,4 @@
-"""The planner as it was before issue 22 (loops, three validations): the oracle of
+"""The loop-based planner the vectorized one replaced (loops, three validations): the oracle of
 test_planner_equivalence.py, which checks that the vectorized planner makes bitwise identical plans.
 Copied verbatim (function bodies) from planner/ and jaxinfer/cascade.py at commit 0d7f301;
 plan_short from planner/batch.py at commit 0db9aa7; plan_mixed from planner/batch.py at commit 7ef3410
