@@ -161,6 +161,7 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
     scale = jnp.where(greedy, 1.0, inv_t)
     s0, s1 = seed_ref[b, 0], seed_ref[b, 1]
     false = b < 0  # traced: constant booleans do not lower
+    stream0 = _stream(s0, s1, 0)
     inf, ninf = jnp.float32(jnp.inf), jnp.float32(-jnp.inf)
     floor = ninf if logits else jnp.float32(0.0)  # below every value (probs are >= 0)
     keys = functools.partial(race_keys, logits=logits, fast=fast)
@@ -191,7 +192,7 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
     if not tracked:  # plain sampling: one race
         def plain(j, carry):
             y, cols, _ = load(j)
-            return race(carry, jnp.where(greedy, y, keys(y, cols, _stream(s0, s1, 0))), cols)
+            return race(carry, jnp.where(greedy, y, keys(y, cols, stream0)), cols)
         tok = winner(*lax.fori_loop(0, num_blocks, plain, (ninf_v, none_v)))
         tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
         thr_ref[b] = jnp.where(greedy, ninf, ninf)  # traced: a constant store does not lower
@@ -219,7 +220,7 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
         c = tuple(jnp.where(up[i - 1], c[i - 1], jnp.where(up[i], cols, c[i])) if i else
                   jnp.where(up[0], cols, c[0]) for i in range(track))
         if sample:
-            best, idx = race((best, idx), jnp.where(greedy, y, keys(y, cols, _stream(s0, s1, 0))), cols)
+            best, idx = race((best, idx), jnp.where(greedy, y, keys(y, cols, stream0)), cols)
         return a, c, dropped, mass, best, idx
 
     init = ((ninf_v,) * track, (none_v,) * track, ninf_v, jnp.zeros((block_v,), jnp.float32),

@@ -89,8 +89,9 @@ CASES = {
         lambda x, i, a, k, c: S.top_k_top_p_sampling_from_probs(x, a["top_k"], a["top_p"], i, "joint", key=k,
                                                                 config=c)),
 }
-# Every function with SMALL; a few also with TRACKED and EXACT (all of them under -m slow).
-FAST_RUNS = {("top_k_top_p_sampling_from_logits", "tracked"), ("top_k_sampling_from_probs", "exact")}
+# Every function with SMALL (rejection, and the search for top_k_first rows); one also with
+# TRACKED; all filtered ones with TRACKED and EXACT under -m slow.
+FAST_RUNS = {("top_k_top_p_sampling_from_logits", "tracked")}
 RUNS = [(n, "small") for n in sorted(CASES)] + [
     pytest.param(n, c, marks=() if (n, c) in FAST_RUNS else pytest.mark.slow)
     for c in ("tracked", "exact") for n in sorted(CASES) if not n.startswith("sampling_")]
