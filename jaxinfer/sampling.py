@@ -93,7 +93,8 @@ def _order(filter_apply_order):
 
 def _run(name, x, *, filters, key=None, indices=None, top_k=None, top_p=None, min_p=None,
          temperature=None, backend=None, config=None):
-    """Checks the arguments and runs the kernel: (tokens [B] int32, thresholds [B] f32)."""
+    """Checks the arguments and runs the kernel: (tokens [B] int32, thresholds [B] f32, exact
+    when not filters.sample)."""
     _check_matrix(name, x, filters.from_logits)
     rows = _rows(indices, x.shape[0])
     batch = rows.shape[0]
