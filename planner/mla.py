@@ -14,12 +14,13 @@ import numpy as np
 
 from planner import scheduler, validate
 from planner.packing import PackedLayout, new_buffer
+from planner.work_items import MLA
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkItem:
     """One work item: a tile of a request's query rows against one chunk of its keys. The fields
-    are the columns of the plan's int32 items array, in this order (COLUMNS)."""
+    are the columns of the plan's int32 items array, in this order (planner.work_items.MLA)."""
     page_base: int    # the request's first entry in kv_indices
     q_row: int        # the tile's first row of q / o viewed as [T * H, D]
     rows: int         # rows of the tile (<= block_rows); the rest are padding
@@ -31,7 +32,7 @@ class WorkItem:
     part_stride: int  # part_base + r * part_stride of the partial buffers
 
 
-COLUMNS = tuple(f.name for f in dataclasses.fields(WorkItem))
+COLUMNS = MLA.names  # WorkItem's fields, in order
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
 

@@ -1,5 +1,7 @@
 """BatchAttention: mixed query lengths in one call (decode kernel for short rows, prefill tiles for
 the rest), in interpret mode against jaxinfer.reference (itself checked against float64 NumPy)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,8 @@ def test_work_item_schema():
         work_items.DECODE.ordered(request=0)
     with pytest.raises(AttributeError, match="no column 'kv_end'"):
         work_items.DECODE.kv_end
+    from planner import mla as mla_planner  # its named row view has the schema's columns, in order
+    assert tuple(f.name for f in dataclasses.fields(mla_planner.WorkItem)) == work_items.MLA.names
 
 
 @pytest.mark.parametrize("causal", [True, False])
