@@ -6,7 +6,8 @@
 
 Random bfloat16 weights (examples/llama.py, 32 layers unrolled under one jit; --layer-loop scan:
 stacked weights in one lax.scan), batch 1 / 16 / 64, prompt lengths uniform on [512, 2048], 128
-output tokens, greedy (the step ends in one argmax over the vocabulary). Methods:
+output tokens, greedy (the step ends in one argmax over the vocabulary; the jaxinfer row also times
+the step's sampling call alone, see below). Methods:
 
   jaxinfer        paged cache (page 16): one BatchPrefillWithPagedKVCache call for all prompts,
                   then BatchDecodeWithPagedKVCache steps (a host plan per step, shared by all
@@ -48,8 +49,15 @@ pool. The whole schedule runs once as a warm-up, then --itl-repeats times (ITL p
 the runs' medians). Its first tokens are compared with the jaxinfer row's (first_token_mismatches,
 first_tokens_match; bf16 rounding on a GPU may flip a few). Its compile column adds the two step shapes'
 compiles.
+
+Sampling share (jaxinfer rows): the step's sampling call (llama.sample) timed alone at the row's
+batch and the vocabulary, float32 logits, --sampling-reps calls queued back to back:
+sampling_ms for top-k 50 + top-p 0.9 at temperature 1 (jaxinfer.sampling's sorting-free
+top_k_top_p_sampling_from_logits), argmax_ms for the greedy argmax, and sampling_share =
+sampling_ms / (ITL p50 - argmax_ms + sampling_ms): its share of the ITL of a sampled decode step.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -96,6 +104,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no row after this many seconds")
     ap.add_argument("--itl-repeats", type=int, default=1,
                     help="decode loops per row (the same steps again; ITL p50 = median of the loops' p50)")
+    ap.add_argument("--sampling-reps", type=int, default=None,
+                    help="calls of the timed sampling call per jaxinfer row (default 100; smoke 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens")
     args = ap.parse_args(argv)
     args.config = "tiny" if args.smoke else "llama3-8b"
@@ -104,13 +114,14 @@ def parse_args(argv=None):
     args.prompt_len = args.prompt_len or ((8, 40) if args.smoke else (512, 2048))
     args.out_tokens = args.out_tokens or (6 if args.smoke else 128)
     args.chunk = (16 if args.smoke else 512) if args.chunk is None else args.chunk
+    args.sampling_reps = args.sampling_reps or (3 if args.smoke else 100)
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         raise ValueError(f"--methods must be drawn from {METHODS}, got {bad}")
     if (min(args.batches) < 1 or args.out_tokens < 2 or args.dense_prefill_chunk < 1 or args.itl_repeats < 1
-            or args.chunk < 1):
-        raise ValueError("--batches, --dense-prefill-chunk, --itl-repeats, --chunk must be >= 1 and "
-                         "--out-tokens >= 2")
+            or args.chunk < 1 or args.sampling_reps < 1):
+        raise ValueError("--batches, --dense-prefill-chunk, --itl-repeats, --chunk, --sampling-reps must be >= 1 "
+                         "and --out-tokens >= 2")
     if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
         raise ValueError(f"--prompt-len must satisfy 1 <= MIN <= MAX, got {args.prompt_len}")
     return args
@@ -170,9 +181,9 @@ def fed_step(step):
     """jit of llama.make_step's step whose decode rows take their tokens on the device from the
     previous step's output: (params, prev int32[M'], src int32[N], tokens int32[N], ...) runs
     step(params, where(src >= 0, prev[src], tokens), ...), so the host need not wait for them."""
-    def fed(params, prev, src, tokens, positions, kv_cache, attention, logits_index, temperature, seeds):
+    def fed(params, prev, src, tokens, positions, kv_cache, attention, logits_index, sampling, key):
         tokens = jnp.where(src >= 0, prev[src], tokens)
-        return step(params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds)
+        return step(params, tokens, positions, kv_cache, attention, logits_index, sampling, key)
     return jax.jit(fed, donate_argnames="kv_cache")
 
 
@@ -186,13 +197,31 @@ class Bench:
         graphdef, self.params = nnx.split(llama.Llama(self.cfg, rngs=nnx.Rngs(args.seed)))
         jax.block_until_ready(self.params)
         self.init_s = time.perf_counter() - t
-        self.step = llama.make_step(graphdef, greedy=True)
+        self.step = llama.make_step(graphdef)  # greedy
         self.mixed_step = fed_step(self.step)
         self.kernel_opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}
 
     def sampling(self, n):
-        """(temperature, seeds) [n] on the device; unused by the greedy step but its arguments."""
-        return jax.device_put((np.zeros(n, np.float32), np.arange(n, dtype=np.int32)))
+        """(SamplingParams [n], key) on the device: greedy; the key passes through the step unused."""
+        return jax.device_put((llama.SamplingParams.full(n), jax.random.key(self.args.seed)))
+
+    def sampling_cost(self, batch, itl_ms):
+        """The decode step's sampling call alone (llama.sample) at its batch and vocabulary, float32
+        logits: ms per call of top-k 50 + top-p 0.9 at temperature 1 (jaxinfer.sampling's
+        top_k_top_p_sampling_from_logits) and of the greedy step's argmax, over --sampling-reps
+        calls queued back to back; sampling_share: the sampling call's share of an ITL whose argmax
+        it replaces."""
+        logits = jax.random.normal(jax.random.key(1), (batch, self.cfg.vocab_size), jnp.float32)
+        params = jax.device_put(llama.SamplingParams.full(batch, 1.0, 50, 0.9))
+        key, out = jax.random.key(2), {}
+        for name, sampler in (("sampling", llama.Sampler(False, top_k=True, top_p=True)), ("argmax", llama.Sampler())):
+            fn = jax.jit(functools.partial(llama.sample, sampler=sampler))
+            jax.block_until_ready(fn(logits, params, key))
+            t = time.perf_counter()
+            jax.block_until_ready([fn(logits, params, key) for _ in range(self.args.sampling_reps)])
+            out[f"{name}_ms"] = (time.perf_counter() - t) / self.args.sampling_reps * 1e3
+        out["sampling_share"] = out["sampling_ms"] / (itl_ms - out["argmax_ms"] + out["sampling_ms"])
+        return out
 
     def run_jaxinfer(self, prompts):
         cfg, ps, out = self.cfg, self.args.page_size, self.args.out_tokens
@@ -232,15 +261,16 @@ class Bench:
             return jax.device_put((pos, llama.PagedAttention(decode, num_pages, plan)))
 
         prefill_fn, prefill_compile = aot(self.step, *prefill_args())
-        _, kv_cache = prefill_fn(*prefill_args())  # warm-up (writes the same K/V again below)
+        _, kv_cache, _ = prefill_fn(*prefill_args())  # warm-up (writes the same K/V again below)
         jax.block_until_ready(kv_cache)
         t = time.perf_counter()
-        first, kv_cache = prefill_fn(*prefill_args())
+        first, kv_cache, _ = prefill_fn(*prefill_args())
         host_first = np.asarray(first)
         ttft = time.perf_counter() - t
         decode_compile, loops = self.decode_loop(decode_inputs, first, kv_cache, sampling, out)
+        stats = latency_stats(ttft, loops)
         return dict(first_tokens=host_first, compile_prefill_s=prefill_compile, compile_decode_s=decode_compile,
-                    **latency_stats(ttft, loops))
+                    **stats, **self.sampling_cost(batch, stats["itl_ms_p50"]))
 
     def decode_loop(self, decode_inputs, first, kv_cache, sampling, out):
         """Compiles the decode step, then runs out - 1 steps (generate.decode_loop: overlapped
@@ -254,7 +284,7 @@ class Bench:
             return self.params, tokens, pos, state["kv_cache"], attention, None, *sampling
 
         def dispatch(tokens, inputs):
-            tok, state["kv_cache"] = decode_fn(*call_args(tokens, inputs))
+            tok, state["kv_cache"], _ = decode_fn(*call_args(tokens, inputs))
             return tok, tok
 
         decode_fn, compile_s = aot(self.step, *call_args(first, decode_inputs(0)))
@@ -305,7 +335,7 @@ class Bench:
                     *sampling)
 
         def dispatch(prev, inputs):
-            tok, state["kv_cache"] = step_fns[inputs[1].shape[0]](*call_args(prev, inputs))
+            tok, state["kv_cache"], _ = step_fns[inputs[1].shape[0]](*call_args(prev, inputs))
             return tok, tok
 
         no_tokens = jax.device_put(np.zeros(bcap, np.int32))  # step 0 has no decode rows
@@ -354,12 +384,12 @@ class Bench:
             return jax.device_put((pos, llama.DenseAttention(None, pos[:, None], impl=impl)))
 
         prefill_fn, prefill_compile = aot(self.step, *prefill_args(0))
-        _, kv_cache = prefill_fn(*prefill_args(0))  # warm-up on the first chunk
+        _, kv_cache, _ = prefill_fn(*prefill_args(0))  # warm-up on the first chunk
         jax.block_until_ready(kv_cache)
         t = time.perf_counter()
         firsts = []
         for c in range(num_chunks):
-            first, kv_cache = prefill_fn(*prefill_args(c))
+            first, kv_cache, _ = prefill_fn(*prefill_args(c))
             firsts.append(first)
         first = np.concatenate([np.asarray(f) for f in firsts])[:batch]
         ttft = time.perf_counter() - t
@@ -383,6 +413,8 @@ def print_table(rows):
                   f"{r['itl_ms_mean']:>9.3f} {r['batch'] * 1e3 / r['itl_ms_p50']:>8.0f} {compile_s:>24}  "
                   + ("" if "chunk" not in r else f"chunk {r['chunk']}, {r['steps']} steps, "
                      f"TTFT max {r['ttft_ms_max']:.1f}  ")
+                  + ("" if "sampling_ms" not in r else f"sampling {r['sampling_ms']:.3f} ms "
+                     f"({r['sampling_share']:.1%} of a sampled ITL)  ")
                   + ("" if mismatches is None else f"first tokens unlike jaxinfer's: {mismatches}  ")
                   + ("" if agree is None else f"first tokens = dense's: {agree:.2f}  ")
                   + ("" if len(loops) < 2 else "p50 per loop " + " ".join(f"{x:.3f}" for x in loops)))

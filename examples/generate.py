@@ -3,6 +3,8 @@
     python examples/generate.py                      # CPU: tiny random model (Pallas interpret mode)
     python examples/generate.py --scan 4             # 4 decode steps per jitted lax.scan (horizon plan)
     python examples/generate.py --config llama3-8b --batch 16 --prompt-len 512 2048 --new-tokens 128
+    python examples/generate.py --temperature 0.8 --top-k 50 --top-p 0.9   # sampling (jaxinfer.sampling)
+    python examples/generate.py --config llama3-70b --tp 4                # 4 GPUs, tensor parallel
 
 One prefill for all prompts (BatchPrefillWithPagedKVCache), then one decode step per token
 (BatchDecodeWithPagedKVCache). Each step makes one plan on the host, shared by all layers;
@@ -13,6 +15,13 @@ stalls the device: step t + 1 is planned, copied over and queued, its tokens inp
 device output of step t, before the host waits for step t's tokens (--sync: the old order).
 Weights are random: the tokens are meaningless, the timings are not. Prints compile times,
 TTFT, ITL (the interval between successive tokens' arrival on the host) and tokens/s.
+
+Tokens are greedy (one argmax) unless --temperature > 0: then jaxinfer.sampling draws them on the
+device inside the step (--top-k, --top-p, --min-p filter), with a jax.random key threaded from
+step to step (deterministic given --seed; --scan gives the same tokens). --tp N shards the model
+over N devices (llama.py: weights column/row parallel, the cache on KV heads, attention through
+jaxinfer.sharding.head_parallel, plans replicated); the decode step then appends the K/V through
+the page table instead of inside the decode kernel.
 """
 import argparse
 import sys
@@ -20,7 +29,8 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxinfer as ji
 import llama
@@ -30,7 +40,8 @@ from planner.allocator import PageAllocator, page_table, pad
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS),
-                    help="model shapes: tiny (CPU, float32) or llama3-8b (random bfloat16 weights)")
+                    help="model shapes: tiny (CPU, float32), llama3-8b or llama3-70b (random bfloat16 "
+                         "weights; 70b: GPUs only, about 141 GB, e.g. --tp 4 on H100s)")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
     ap.add_argument("--layer-loop", default="unroll", choices=llama.LAYER_LOOPS,
                     help="unroll: per-layer weights, layers unrolled under one jit (fast); "
@@ -44,6 +55,13 @@ def parse_args(argv=None):
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature for every request; 0: greedy (the step then only takes an argmax)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="sample from the smallest set of top tokens holding this much probability (1: all)")
+    ap.add_argument("--min-p", type=float, default=0.0,
+                    help="sample among the tokens with p >= min_p * the top token's p (0: all)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel over the first N devices (heads, MLP columns and the cache split)")
     ap.add_argument("--sync", action="store_true",
                     help="wait for each step's tokens on the host before planning and launching the next "
                          "(no overlap of host work with the device; for comparison)")
@@ -57,6 +75,15 @@ def parse_args(argv=None):
         raise ValueError(f"--prompt-len must satisfy 1 <= MIN <= MAX, got {args.prompt_len}")
     if args.scan < 0:
         raise ValueError(f"--scan must be >= 0, got {args.scan}")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1:
+        raise ValueError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1 and 0 <= --min-p <= 1")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1 or args.min_p):
+        raise ValueError("--top-k, --top-p and --min-p filter samples: give a --temperature > 0 (0 is greedy)")
+    if not 1 <= args.tp <= len(jax.devices()):
+        raise ValueError(f"--tp must lie in [1, {len(jax.devices())}] (the devices there are), got {args.tp}")
+    if args.config == "llama3-70b" and jax.default_backend() != "gpu":
+        raise ValueError("--config llama3-70b needs GPUs (about 141 GB of bfloat16 weights, e.g. --tp 4 "
+                         f"on H100s); this backend is {jax.default_backend()}")
     return args
 
 
@@ -120,7 +147,10 @@ def main(argv=None):
     """Runs generation; returns a dict with tokens [B, new_tokens] and the timings."""
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    cfg = llama.get_config(args.config, args.layers, args.layer_loop)
+    cfg = llama.get_config(args.config, args.layers, args.layer_loop, args.tp)
+    mesh = Mesh(np.asarray(jax.devices()[:args.tp]), ("tp",)) if args.tp > 1 else None
+    # Host inputs (tokens, plans, ...): replicated under TP.
+    put = jax.device_put if mesh is None else lambda x: jax.device_put(x, NamedSharding(mesh, P()))
     ps = args.page_size
     kernel_opts = {} if on_gpu else {"num_ctas": 8}  # interpret mode runs the grid serially
     batch, new = args.batch, args.new_tokens
@@ -137,19 +167,19 @@ def main(argv=None):
     page_lists = [allocator.alloc(int(n)) for n in pages_needed]
 
     t = time.perf_counter()
-    model = llama.Llama(cfg, rngs=nnx.Rngs(args.seed))
-    graphdef, params = nnx.split(model)
-    kv_cache = llama.paged_kv_cache(cfg, num_pages, ps)
+    graphdef, params = llama.build(cfg, args.seed, mesh)
+    kv_cache = llama.paged_kv_cache(cfg, num_pages, ps, mesh)
     jax.block_until_ready((params, kv_cache))
     print(f"{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
-          f"{cfg.num_kv_heads}, {cfg.dtype}, {jax.default_backend()}; batch {batch}, prompts "
-          f"{int(prompt_lens.min())}-{int(prompt_lens.max())} tokens, {new} new tokens, page {ps} "
-          f"(weights + cache {time.perf_counter() - t:.1f} s)", flush=True)
-    greedy = args.temperature == 0
-    step = llama.make_step(graphdef, greedy=greedy)
-    temperature, seeds = jax.device_put((np.full(batch, args.temperature, np.float32),
-                                         np.arange(batch, dtype=np.int32)))
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+          f"{cfg.num_kv_heads}, {cfg.dtype}, {jax.default_backend()}" + (f", TP {args.tp}" if mesh else "")
+          + f"; batch {batch}, prompts {int(prompt_lens.min())}-{int(prompt_lens.max())} tokens, {new} new "
+          f"tokens, page {ps} (weights + cache {time.perf_counter() - t:.1f} s)", flush=True)
+    sampler = llama.Sampler.of(args.temperature, args.top_k, args.top_p, args.min_p)
+    step = llama.make_step(graphdef, sampler, mesh)
+    sampling, key = put((llama.SamplingParams.full(batch, args.temperature, args.top_k, args.top_p, args.min_p),
+                         jax.random.key(args.seed)))
+    hs, d = cfg.heads, cfg.head_dim  # per-device heads (all of them without TP)
+    hq, hkv = hs.num_qo_heads, hs.num_kv_heads
 
     # Prefill: every prompt in one call.
     nnz = int(prompt_lens.sum())
@@ -164,13 +194,13 @@ def main(argv=None):
         positions = np.concatenate([np.arange(n) for n in prompt_lens]).astype(np.int32)
         attention = llama.PagedAttention(prefill, num_pages, plan,
                                          np.repeat(np.arange(batch), prompt_lens).astype(np.int32),
-                                         positions, kv_indptr, pad(kv_indices, num_pages))
-        return (params, np.concatenate(prompts), positions, kv_cache, attention, qo_indptr[1:] - 1,
-                temperature, seeds)
+                                         positions, kv_indptr, pad(kv_indices, num_pages), mesh=mesh)
+        return (params, *put((np.concatenate(prompts), positions)), kv_cache, put(attention),
+                put(qo_indptr[1:] - 1), sampling, key)
 
     prefill_fn, prefill_compile_s = compile_timed(step, *prefill_inputs())
     t = time.perf_counter()
-    first, kv_cache = prefill_fn(*prefill_inputs())
+    first, kv_cache, key = prefill_fn(*prefill_inputs())
     tokens = np.asarray(first)
     ttft = time.perf_counter() - t
     out = [tokens]
@@ -181,30 +211,31 @@ def main(argv=None):
     decode = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, ps, max_batch_size=batch,
                                             max_num_pages=num_pages, **kernel_opts)
 
-    def decode_plan(lens, horizon=1):
-        kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
-        return decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages, horizon=horizon)
-
     def decode_inputs(call):
         """Host plan for decode call `call` (k steps from token `call * k`), sent to the device.
-        Row b is request b at its last position, so the decode kernel appends the K/V itself."""
-        done = call * k
+        Row b is request b at its last position, so the decode kernel appends the K/V itself
+        (under TP through the page table, which is also sent)."""
+        lens = prompt_lens + call * k + (k if args.scan else 1)  # after the call's last token is appended
+        kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
+        plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages, horizon=k if args.scan else 1)
+        table = (kv_indptr, pad(kv_indices, num_pages))
         if args.scan:
-            return (decode_plan(prompt_lens + done + k, horizon=k),)
-        lens = prompt_lens + done + 1  # after this step's token is appended
+            return put((plan, table if mesh else None))
         positions = (lens - 1).astype(np.int32)
-        return jax.device_put((positions, llama.PagedAttention(decode, num_pages, decode_plan(lens))))
+        append = (np.arange(batch, dtype=np.int32), positions, *table) if mesh else ()
+        return put((positions, llama.PagedAttention(decode, num_pages, plan, *append, mesh=mesh)))
 
-    state = {"kv_cache": kv_cache}
+    state = {"kv_cache": kv_cache, "key": key}
 
     def call_args(tokens, inputs):
         if args.scan:
-            return (params, tokens, state["kv_cache"], *inputs, temperature, seeds)
+            plan, table = inputs
+            return (params, tokens, state["kv_cache"], plan, sampling, state["key"], table)
         positions, attention = inputs
-        return (params, tokens, positions, state["kv_cache"], attention, None, temperature, seeds)
+        return (params, tokens, positions, state["kv_cache"], attention, None, sampling, state["key"])
 
     def dispatch(tokens, inputs):
-        generated, state["kv_cache"] = decode_fn(*call_args(tokens, inputs))
+        generated, state["kv_cache"], state["key"] = decode_fn(*call_args(tokens, inputs))
         return generated, generated[-1] if args.scan else generated
 
     def on_tokens(call, host, seconds):
@@ -214,7 +245,7 @@ def main(argv=None):
 
     decode_compile_s, itl = 0.0, []
     if decode_steps:
-        fn = (llama.make_decode_scan(graphdef, decode, num_pages, k, greedy=greedy) if args.scan else step)
+        fn = (llama.make_decode_scan(graphdef, decode, num_pages, k, sampler, mesh) if args.scan else step)
         decode_fn, decode_compile_s = compile_timed(fn, *call_args(first, decode_inputs(0)))
         generated, times = decode_loop(dispatch, decode_inputs, first, decode_steps // k,
                                        overlap=not args.sync, on_tokens=on_tokens)

@@ -25,6 +25,14 @@ Attention goes through an attention object passed to the model with the step's i
                   array): one launch per layer.
   DenseAttention  the baseline: a dense padded cache [L, B, S, Hkv, D] and plain jnp attention
                   (impl="jnp") or jax.nn.dot_product_attention(implementation="cudnn").
+
+Tensor parallelism (cfg.tp devices on a mesh axis "tp"): build(cfg, seed, mesh) makes the weights
+as global arrays (fused q/k/v and MLP gate/up column-parallel, o_proj and MLP down row-parallel;
+XLA adds the all-reduces), paged_kv_cache(..., mesh) the cache split on KV heads, and
+PagedAttention(..., mesh=mesh) attends through jaxinfer.sharding.head_parallel.
+
+Sampling (sample, Sampler): greedy argmax, or jaxinfer.sampling (temperature, top-k, top-p,
+min-p) on the device inside the jitted step, a jax.random key threaded through the steps.
 """
 import dataclasses
 import functools
@@ -32,9 +40,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxinfer as ji
+from jaxinfer import sharding
 
 
 LAYER_LOOPS = ("unroll", "scan")
@@ -53,6 +65,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     dtype: str = "bfloat16"
     layer_loop: str = "unroll"  # "unroll" or "scan" (see the module docstring)
+    tp: int = 1  # tensor-parallel devices the fused q/k/v weight is laid out for (qkv_columns)
 
     def __post_init__(self):
         if self.layer_loop not in LAYER_LOOPS:
@@ -66,6 +79,17 @@ class LlamaConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE rotates halves), got {self.head_dim}")
+        sharding.split_heads(self.num_heads, self.num_kv_heads, self.tp)  # ValueError: tp fits neither way
+
+    @property
+    def heads(self):
+        """sharding.split_heads of the heads over tp devices (per-device counts, KV replicas)."""
+        return sharding.split_heads(self.num_heads, self.num_kv_heads, self.tp)
+
+    @property
+    def cache_kv_heads(self):
+        """KV heads of the cache: num_kv_heads, each repeated kv_replicas times under TP."""
+        return self.num_kv_heads * self.heads.kv_replicas
 
 
 CONFIGS = {
@@ -75,11 +99,15 @@ CONFIGS = {
     # Llama-3-8B shapes (random bfloat16 weights).
     "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128),
+    # Llama-3-70B shapes (random bfloat16 weights, about 141 GB: several GPUs, --tp).
+    "llama3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                              num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128),
 }
 
 
-def get_config(name, num_layers=None, layer_loop=None):
-    """A named config, optionally with fewer layers (quick GPU runs) or another layer loop."""
+def get_config(name, num_layers=None, layer_loop=None, tp=None):
+    """A named config, optionally with fewer layers (quick GPU runs), another layer loop or a
+    tensor-parallel degree."""
     if name not in CONFIGS:
         raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {name!r}")
     cfg = CONFIGS[name]
@@ -87,6 +115,8 @@ def get_config(name, num_layers=None, layer_loop=None):
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     if layer_loop is not None:
         cfg = dataclasses.replace(cfg, layer_loop=layer_loop)
+    if tp is not None:
+        cfg = dataclasses.replace(cfg, tp=tp)
     return cfg
 
 
@@ -115,11 +145,31 @@ LAYER_PARAMS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down
 
 
 def layer_param_shapes(cfg):
-    """{name: (shape of one layer's array, fan_in)}; fan_in None: a norm weight (ones)."""
+    """{name: (shape of one layer's array, fan_in)}; fan_in None: a norm weight (ones). wqkv
+    as at tp 1 (Llama.__init__ lays it out for cfg.tp with qkv_columns)."""
     H, F = cfg.hidden_size, cfg.intermediate_size
     hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return dict(attn_norm=((H,), None), wqkv=((H, hq + 2 * hkv), H), wo=((hq, H), hq),
                 mlp_norm=((H,), None), w_gate=((H, F), H), w_up=((H, F), H), w_down=((F, H), F))
+
+
+def qkv_columns(cfg):
+    """int32[(Hq + 2 Hkv r) D]: column j of wqkv laid out for cfg.tp devices is column
+    qkv_columns(cfg)[j] of the tp-1 wqkv. One block per device (its query heads, then its KV
+    heads' k, then their v), so that splitting the columns tp ways (P(None, "tp")) gives each
+    device its heads. r = kv_replicas: with fewer KV heads than devices, device i holds KV head
+    i // r (sharding.replicate_kv_heads' layout)."""
+    hs, hq, hkv = cfg.heads, cfg.num_heads, cfg.num_kv_heads
+    heads = []
+    for i in range(cfg.tp):
+        kv = [i // hs.kv_replicas] if hs.kv_replicas > 1 else range(i * hs.num_kv_heads, (i + 1) * hs.num_kv_heads)
+        heads += [*range(i * hs.num_qo_heads, (i + 1) * hs.num_qo_heads), *(hq + g for g in kv),
+                  *(hq + hkv + g for g in kv)]
+    return (np.asarray(heads)[:, None] * cfg.head_dim + np.arange(cfg.head_dim)).reshape(-1).astype(np.int32)
+
+
+TP_SPECS = dict(wqkv=P(None, "tp"), wo=P("tp", None), w_gate=P(None, "tp"), w_up=P(None, "tp"),
+                w_down=P("tp", None))  # the rest (embeddings, norms, LM head): replicated
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "fan_in"))
@@ -145,7 +195,7 @@ def _layer(cfg, x, w, cos, sin, attention, layer, kv_cache):
     """One decoder layer: x [N, H] -> (x [N, H], kv_cache). w: the layer's arrays (LayerWeights);
     layer: None (kv_cache is this layer's own) or the index into a stacked cache. A jit of its
     own, so the unrolled model traces and lowers it once (XLA inlines the calls)."""
-    n = x.shape[0]
+    n, hs = x.shape[0], cfg.heads
     with jax.named_scope("qkv_proj"):
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         # One matmul for q, k and v: at batch 1 three (one of [H, Hq*D], two of [H, Hkv*D]) took
@@ -154,8 +204,10 @@ def _layer(cfg, x, w, cos, sin, attention, layer, kv_cache):
         if n == 1:  # materialized: XLA turns a one-row dot into a multiply + reduce and fuses that
             # into its consumer (the decode step's q/k/v concatenate: 200 µs a layer on an H100)
             qkv = jax.lax.optimization_barrier(qkv)
-        qkv = qkv.reshape(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=1)  # [N, Hq | Hkv | Hkv, D]
+        # cfg.tp blocks (qkv_columns), each [Hq / tp | Hkv' | Hkv', D] (Hkv' its KV heads)
+        qkv = qkv.reshape(n, cfg.tp, hs.num_qo_heads + 2 * hs.num_kv_heads, cfg.head_dim)
+        q, k, v = jnp.split(qkv, [hs.num_qo_heads, hs.num_qo_heads + hs.num_kv_heads], axis=2)
+        q, k, v = (x.reshape(n, -1, cfg.head_dim) for x in (q, k, v))  # [N, Hq | Hkv r | Hkv r, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
         o, kv_cache = attention(layer, q, k, v, kv_cache)              # [N, Hq, D]
@@ -186,6 +238,9 @@ class Llama(nnx.Module):
             per_layer.append([jnp.ones(shape, dtype) if fan_in is None
                               else _normal(jax.random.fold_in(key, l), shape, dtype, fan_in)
                               for l in range(cfg.num_layers)])
+        if cfg.tp > 1:  # the same weights, wqkv's columns in per-device blocks
+            wqkv = LAYER_PARAMS.index("wqkv")
+            per_layer[wqkv] = [jnp.take(w, qkv_columns(cfg), axis=1) for w in per_layer[wqkv]]
         if cfg.layer_loop == "scan":
             self.layers = LayerWeights({name: jnp.stack(arrays) for name, arrays in zip(LAYER_PARAMS, per_layer)})
         else:
@@ -235,9 +290,31 @@ class Llama(nnx.Module):
         return logits, kv_cache
 
 
+def _tp_spec(path, x):
+    """A parameter's PartitionSpec under TP: TP_SPECS by name (stacked [L, ...]: None first)."""
+    name = next((k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str)), None)
+    if name not in TP_SPECS:
+        return P()
+    return P(*[None] * (x.ndim - len(TP_SPECS[name])), *TP_SPECS[name])
+
+
+def build(cfg, seed, mesh=None):
+    """(graphdef, params) of Llama(cfg, rngs=nnx.Rngs(seed)). mesh: tensor parallel over its
+    "tp" axis of cfg.tp devices; params are global arrays placed as TP_SPECS says, built in one
+    jit so that each device makes only its share (a model larger than one device fits)."""
+    if mesh is None:
+        return nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))
+    if mesh.shape.get("tp") != cfg.tp:
+        raise ValueError(f"mesh must have an axis 'tp' of cfg.tp = {cfg.tp} devices, got {dict(mesh.shape)}")
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed))))
+    placed = jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, _tp_spec(path, x)), abstract)
+    params = jax.jit(lambda: nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))[1], out_shardings=placed)()
+    return graphdef, params
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["plan", "batch_indices", "positions", "kv_indptr", "kv_indices", "kv_lens"],
-                   meta_fields=["wrapper", "pages_per_layer"])
+                   meta_fields=["wrapper", "pages_per_layer", "mesh"])
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
     """One step of jaxinfer attention for all layers (a pytree: pass it to jitted steps).
@@ -251,6 +328,10 @@ class PagedAttention:
     kv_lens int32[B] (optional): live lengths at this step of a horizon plan.
     pages_per_layer: pages of one layer; a stacked cache (scan) holds layer l's page p at
     l * pages_per_layer + p, and the plan is shifted there (plan.with_page_offset).
+    mesh (optional): tensor parallel over its "tp" axis: q, k, v and the cache split on heads,
+    wrapper built for one device's heads (cfg.heads), the attention through
+    sharding.head_parallel (the plan replicated), the K/V appended on each device's heads
+    (append_head_parallel). It needs the page table: head_parallel runs no append_kv.
     """
     wrapper: Any
     pages_per_layer: int
@@ -260,6 +341,7 @@ class PagedAttention:
     kv_indptr: Any = None
     kv_indices: Any = None
     kv_lens: Any = None
+    mesh: Any = None
 
     def __call__(self, layer, q, k, v, kv_cache):
         """layer None: kv_cache is this layer's own PagedKVCache; else its index in a stacked one."""
@@ -270,24 +352,48 @@ class PagedAttention:
             kv_indices = None if kv_indices is None else kv_indices + offset
         if self.batch_indices is None:  # decode: the kernel appends (one launch per layer), reading the
             # new K/V heads after q's in one array: XLA writes q, k, v (RoPE applied) in one fusion
+            if self.mesh is not None:
+                raise ValueError("PagedAttention with a mesh needs the page table (batch_indices, positions, "
+                                 "kv_indptr, kv_indices): sharding.head_parallel runs no append_kv")
             qkv = jnp.concatenate([q, k, v], axis=1)  # [B, Hq + 2 Hkv, D]
             return self.wrapper.run(qkv, kv_cache, plan, kv_lens=self.kv_lens, append_kv="from_q")
-        kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, self.batch_indices, self.positions,
-                                            kv_indices, self.kv_indptr)
+        table = (self.batch_indices, self.positions, kv_indices, self.kv_indptr)
+        if self.mesh is None:
+            kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, *table)
+            run = self.wrapper.run
+        else:
+            kv_cache = append_head_parallel(self.mesh, kv_cache, k, v, *table)
+            run = sharding.head_parallel(self.wrapper, self.mesh)
         if self.kv_lens is None:
-            return self.wrapper.run(q, kv_cache, plan), kv_cache
-        return self.wrapper.run(q, kv_cache, plan, kv_lens=self.kv_lens), kv_cache
+            return run(q, kv_cache, plan), kv_cache
+        return run(q, kv_cache, plan, kv_lens=self.kv_lens), kv_cache
 
 
-def paged_kv_cache(cfg, pages_per_layer, page_size):
+def append_head_parallel(mesh, kv_cache, k, v, batch_indices, positions, kv_indices, kv_indptr):
+    """ji.append_paged_kv_cache on each device's KV heads (mesh axis "tp"; k, v [N, Hkv', D] and
+    the cache split on heads, the rest replicated): its write kernel has no partitioning rule,
+    so it runs under shard_map."""
+    spec_h, spec_c = sharding.head_spec("tp"), sharding.cache_spec(kv_cache.layout, tp_axis="tp")
+    append = sharding.shard_map(ji.append_paged_kv_cache, mesh, (spec_c, spec_h, spec_h) + (P(),) * 4, spec_c)
+    return append(kv_cache, k, v, batch_indices, positions, kv_indices, kv_indptr)
+
+
+def paged_kv_cache(cfg, pages_per_layer, page_size, mesh=None):
     """Zeroed NHD page storage for cfg.num_layers layers, pages_per_layer pages each: a tuple
-    of one PagedKVCache per layer (layer_loop "unroll") or one stacked cache of L x P pages (scan)."""
-    shape = (pages_per_layer, page_size, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.layer_loop == "unroll":
-        return tuple(ji.PagedKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
-                     for _ in range(cfg.num_layers))
-    shape = (cfg.num_layers * pages_per_layer, *shape[1:])
-    return ji.PagedKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    of one PagedKVCache per layer (layer_loop "unroll") or one stacked cache of L x P pages (scan).
+    cfg.cache_kv_heads KV heads; mesh: made in place split on them (sharding.cache_spec, "tp")."""
+    unroll = cfg.layer_loop == "unroll"
+    shape = (pages_per_layer * (1 if unroll else cfg.num_layers), page_size, cfg.cache_kv_heads, cfg.head_dim)
+
+    def zeros():
+        if mesh is None:
+            return jnp.zeros(shape, cfg.dtype)
+        placed = NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))
+        return jax.jit(lambda: jnp.zeros(shape, cfg.dtype), out_shardings=placed)()
+
+    if unroll:
+        return tuple(ji.PagedKVCache(zeros(), zeros()) for _ in range(cfg.num_layers))
+    return ji.PagedKVCache(zeros(), zeros())
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -380,20 +486,91 @@ def dense_attention(q, k, v, visible):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def sample(logits, temperature, seeds, positions, *, greedy=False):
-    """Next tokens int32[M] from logits [M, V]: greedy where temperature == 0, otherwise a
-    sample (Gumbel-max) whose randomness depends only on (seeds[m], positions[m]), so a
-    request samples the same tokens alone or in any batch. greedy=True (static): one argmax
-    over the vocabulary and nothing else (temperature and seeds unused)."""
-    logits = logits.astype(jnp.float32)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy:
-        return greedy_tokens
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)
-    t = jnp.maximum(temperature, 1e-6)[:, None]
-    sampled = jnp.argmax(logits / t + gumbel, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """How the jitted step picks tokens (static: one compilation per Sampler). greedy: one argmax
+    over the vocabulary. Otherwise jaxinfer.sampling draws from softmax(logits / temperature) with
+    the filters switched on: top-k, then top-p of what is left, then min-p (SamplingParams holds
+    the per-row values; rows with temperature 0 take the argmax)."""
+    greedy: bool = True
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+
+    @classmethod
+    def of(cls, temperature, top_k=0, top_p=1.0, min_p=0.0):
+        """The sampler of these values (greedy where temperature is 0; a filter where it filters)."""
+        return cls(greedy=temperature == 0, top_k=top_k > 0, top_p=top_p < 1, min_p=min_p > 0)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["temperature", "top_k", "top_p", "min_p", "indices"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per output row b: temperature f32[B] (0: argmax), top_k int32[B] (0: no filter), top_p
+    f32[B] (1: none), min_p f32[B] (0: none); indices int32[B] (None: b): the logits row that
+    row b draws from (n > 1 samples of one prompt share one row, as in jaxinfer.sampling)."""
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    indices: Any = None
+
+    @classmethod
+    def full(cls, batch, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, indices=None):
+        """The same values for all `batch` rows (host arrays)."""
+        return cls(np.full(batch, temperature, np.float32), np.full(batch, top_k, np.int32),
+                   np.full(batch, top_p, np.float32), np.full(batch, min_p, np.float32), indices)
+
+
+def sample(logits, params, key, sampler):
+    """Next tokens int32[B] from logits [M, V] float32: row b from logits row params.indices[b]
+    (row b without indices), as sampler says, drawn with key. Filters with top-k and top-p
+    only run jaxinfer.sampling.top_k_top_p_sampling_from_logits; with one filter or min-p the
+    probabilities are renormalised by all filters but the last, which draws."""
+    idx, t = params.indices, params.temperature
+    if sampler.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens if idx is None else tokens[idx]
+    if not (sampler.top_k or sampler.top_p or sampler.min_p):
+        return ji.sampling.sampling_from_logits(logits, idx, key=key, temperature=t)
+    if sampler.top_k and sampler.top_p and not sampler.min_p:
+        return ji.sampling.top_k_top_p_sampling_from_logits(logits, params.top_k, params.top_p, idx,
+                                                            key=key, temperature=t)
+    x = logits if idx is None else logits[idx]
+    probs = jax.nn.softmax(x / jnp.where(t > 0, t, 1.0)[:, None], axis=-1)
+    if sampler.min_p:
+        if sampler.top_k:
+            probs = ji.sampling.top_k_renorm_probs(probs, params.top_k)
+        if sampler.top_p:
+            probs = ji.sampling.top_p_renorm_probs(probs, params.top_p)
+        drawn = ji.sampling.min_p_sampling_from_probs(probs, params.min_p, key=key)
+    elif sampler.top_k:
+        drawn = ji.sampling.top_k_sampling_from_probs(probs, params.top_k, key=key)
+    else:
+        drawn = ji.sampling.top_p_sampling_from_probs(probs, params.top_p, key=key)
+    return jnp.where(t > 0, drawn, jnp.argmax(x, axis=-1)).astype(jnp.int32)
+
+
+def _draw(sampler, mesh):
+    """(logits, params, key) -> tokens: sample(), or under TP one replicated draw on every device
+    (the sampling kernel has no partitioning rule)."""
+    draw = functools.partial(sample, sampler=sampler)
+    if mesh is None or sampler.greedy:
+        return draw
+    return sharding.shard_map(draw, mesh, (P(), P(), P()), P())
+
+
+def _placed(mesh, *outputs):
+    """outputs with tokens and key replicated and caches on KV heads under TP (mesh), so that every
+    step's outputs are placed as its inputs were."""
+    if mesh is None:
+        return outputs
+
+    def one(x):
+        spec = sharding.cache_spec(x.layout, tp_axis="tp") if isinstance(x, ji.PagedKVCache) else P()
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.tree.map(one, outputs, is_leaf=lambda x: isinstance(x, ji.PagedKVCache))
 
 
 def make_forward(graphdef):
@@ -405,41 +582,57 @@ def make_forward(graphdef):
     return jax.jit(forward, donate_argnames="kv_cache")
 
 
-def make_step(graphdef, greedy=False):
-    """jit((params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds)
-    -> (next tokens int32[M], kv_cache)): one forward pass, the LM head only at the rows that
-    sample, and sampling, all in one program; the cache donated (updated in place). Nothing
-    in it waits on the host: feed the returned tokens (a device array) to the next step.
-    logits_index None: one token per row (decode); temperature, seeds [M] as in sample();
-    greedy=True: argmax only (temperature and seeds unused)."""
-    def step(params, tokens, positions, kv_cache, attention, logits_index, temperature, seeds):
+def make_step(graphdef, sampler=Sampler(), mesh=None):
+    """jit((params, tokens, positions, kv_cache, attention, logits_index, sampling, key) ->
+    (next tokens int32[B], kv_cache, next key)): one forward pass, the LM head only at the rows
+    that sample, and sample() (sampling: SamplingParams; a subkey of key), all in one program;
+    the cache donated (updated in place). Nothing in it waits on the host: feed the returned
+    tokens and key (device arrays) to the next step. logits_index None: one token per row
+    (decode). mesh: tensor parallel over its "tp" axis (build, paged_kv_cache, PagedAttention)."""
+    draw = _draw(sampler, mesh)
+
+    def step(params, tokens, positions, kv_cache, attention, logits_index, sampling, key):
         model = nnx.merge(graphdef, params)
         logits, kv_cache = model(tokens, positions, kv_cache, attention, logits_index=logits_index)
-        last = positions if logits_index is None else positions[logits_index]
+        sub = key
+        if not sampler.greedy:
+            key, sub = jax.random.split(key)
         with jax.named_scope("sampling"):
-            return sample(logits, temperature, seeds, last, greedy=greedy), kv_cache
+            return _placed(mesh, draw(logits, sampling, sub), kv_cache, key)
     return jax.jit(step, donate_argnames="kv_cache")
 
 
-def make_decode_scan(graphdef, wrapper, pages_per_layer, steps, greedy=False):
-    """jit((params, tokens int32[B], kv_cache, plan, temperature, seeds) -> (tokens int32[steps, B],
-    kv_cache)): `steps` decode steps in one lax.scan over a horizon plan (wrapper.plan(...,
-    horizon=steps), the page table sized for the last step). Step s runs with kv_lens =
-    plan.kv_lens_at(s), the decode kernel appending each token's K/V; rows with no KV are
-    padding. greedy as in make_step."""
-    def scan(params, tokens, kv_cache, plan, temperature, seeds):
+def make_decode_scan(graphdef, wrapper, pages_per_layer, steps, sampler=Sampler(), mesh=None):
+    """jit((params, tokens int32[B], kv_cache, plan, sampling, key, page_table) -> (tokens
+    int32[steps, B], kv_cache, key)): `steps` decode steps in one lax.scan over a horizon plan
+    (wrapper.plan(..., horizon=steps), the page table sized for the last step). Step s runs with
+    kv_lens = plan.kv_lens_at(s), the decode kernel appending each token's K/V; rows with no KV
+    are padding. sampler, sampling, key as in make_step. mesh: TP, where the K/V are written
+    through page_table = (kv_indptr, kv_indices) (sharding.head_parallel has no append_kv);
+    None without a mesh."""
+    draw = _draw(sampler, mesh)
+
+    def scan(params, tokens, kv_cache, plan, sampling, key, page_table):
         model = nnx.merge(graphdef, params)
 
         def body(carry, s):
-            tokens, kv_cache = carry
+            tokens, kv_cache, key = carry
             lens = plan.kv_lens_at(s)                                   # [B] after this step's append
             positions = jnp.where(lens > 0, lens - 1, -1)
-            attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens)  # the kernel appends
+            if mesh is None:  # the kernel appends
+                attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens)
+            else:
+                rows = jnp.where(lens > 0, jnp.arange(lens.shape[0], dtype=jnp.int32), -1)
+                attention = PagedAttention(wrapper, pages_per_layer, plan, rows, positions, *page_table,
+                                           kv_lens=lens, mesh=mesh)
             logits, kv_cache = model(tokens, positions, kv_cache, attention)
+            sub = key
+            if not sampler.greedy:
+                key, sub = jax.random.split(key)
             with jax.named_scope("sampling"):
-                tokens = sample(logits, temperature, seeds, positions, greedy=greedy)
-            return (tokens, kv_cache), tokens
+                tokens = draw(logits, sampling, sub)
+            return (tokens, kv_cache, key), tokens
 
-        (_, kv_cache), out = jax.lax.scan(body, (tokens, kv_cache), jnp.arange(steps))
-        return out, kv_cache
+        (_, kv_cache, key), out = jax.lax.scan(body, (tokens, kv_cache, key), jnp.arange(steps))
+        return _placed(mesh, out, kv_cache, key)
     return jax.jit(scan, donate_argnames="kv_cache")

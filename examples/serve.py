@@ -4,6 +4,7 @@
     python examples/serve.py --check             # also run every request alone and compare
     python examples/serve.py --config llama3-8b --page-size 16 --num-pages 4096 --max-batch 64
     python examples/serve.py --chunk 32 --check  # chunked prefill mixed into decode steps
+    python examples/serve.py --temperature 0.8 --top-p 0.9 --min-p 0.05   # sampled requests
 
 Requests arrive over time (some share a system prompt; some ask for n > 1 parallel samples),
 join the running batch after their prefill and leave when done. The host side is NumPy:
@@ -12,6 +13,12 @@ over prompt pages, found again by content). Samples of a request, and requests w
 cached system prompt, reference the same full pages: nothing is copied. A decode step whose
 batch shares pages runs two-level cascade attention (shared pages read once per group).
 A greedy request's output is identical to running it alone (--check, tests/test_examples.py).
+
+Sampling (--temperature > 0, with --top-k, --top-p, --min-p) runs on the device inside the step
+through jaxinfer.sampling, with a jax.random key threaded from step to step (sampled tokens
+depend on the seed and on the batch they run in). The n samples of a request take their first
+token from one LM-head row of its prompt: each draws from it through jaxinfer.sampling's
+`indices`. A step whose requests are all greedy takes an argmax only.
 
 With --chunk N, each engine step is one forward pass, one attention call per layer
 (ji.ragged_paged_attention, which also writes the step's K/V): a decode row for every
@@ -26,25 +33,29 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 import jaxinfer as ji
 import llama
 from planner.allocator import PageAllocator, PrefixCache, page_table, pad
 
 CASCADE_MODES = ("always", "auto", "off")
+FILTERS = ("top_k", "top_p", "min_p")  # the sampling filters (llama.Sampler's switches)
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
     """prompt int32[n]; n samples of max_new_tokens tokens each; arrives at engine step `arrival`.
-    temperature 0 is greedy; a sample's randomness depends only on (rid, sample, position)."""
+    temperature 0 is greedy; otherwise top_k (0: off), top_p (1: off) and min_p (0: off) filter
+    the draws (llama.Sampler: top-k, then top-p, then min-p)."""
     rid: int
     prompt: np.ndarray
     max_new_tokens: int
     n: int = 1
     temperature: float = 0.0
     arrival: int = 0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclasses.dataclass
@@ -57,10 +68,6 @@ class Sequence:
     length: int             # tokens whose K/V are in the cache (or written by this step's prefill)
     prefill_from: int       # first prompt position this sequence's prefill computes
     tokens: list = dataclasses.field(default_factory=list)
-
-    @property
-    def seed(self):
-        return self.request.rid * 4096 + self.sample
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -92,13 +99,17 @@ class Engine:
     max_prefill_tokens: prompt tokens prefilled per step; max_len: KV tokens per sequence.
     cascade: "always" (two-level cascade whenever pages are shared), "auto" (decode plan's
     cost estimate decides) or "off". chunk N: every step is one forward pass (decode rows plus up
-    to N prompt tokens, see _mixed_step); cascade does not apply.
+    to N prompt tokens, see _mixed_step); cascade does not apply. filters: the sampling filters
+    that requests may use (a subset of FILTERS; each one compiled into the sampling step).
+    seed: of the weights and of the sampling key.
     """
 
     def __init__(self, cfg, *, seed=0, page_size=8, num_pages=128, max_batch=8,
-                 max_prefill_tokens=256, max_len=128, cascade="always", chunk=None):
+                 max_prefill_tokens=256, max_len=128, cascade="always", chunk=None, filters=()):
         if cascade not in CASCADE_MODES:
             raise ValueError(f"cascade must be one of {CASCADE_MODES}, got {cascade!r}")
+        if not set(filters) <= set(FILTERS):
+            raise ValueError(f"filters must be drawn from {FILTERS}, got {filters!r}")
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_batch", max_batch),
@@ -107,10 +118,12 @@ class Engine:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
         self.max_batch, self.max_prefill_tokens, self.max_len = max_batch, max_prefill_tokens, max_len
-        self.cascade_mode, self.chunk = cascade, chunk
+        self.cascade_mode, self.chunk, self.seed, self.filters = cascade, chunk, seed, tuple(filters)
         self.index_cap = max_batch * -(-max_len // page_size)  # page-table entries of a batch
-        graphdef, self.params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(seed)))
-        self.step_fn = llama.make_step(graphdef)
+        graphdef, self.params = llama.build(cfg, seed)
+        # By greedy: an argmax only when every row of the step is greedy, else jaxinfer.sampling.
+        self.step_fns = {True: llama.make_step(graphdef),
+                         False: llama.make_step(graphdef, llama.Sampler(False, **{f: True for f in filters}))}
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
         opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode: small grid
         self.num_ctas = opts.get("num_ctas")
@@ -138,6 +151,12 @@ class Engine:
             raise ValueError(f"request {request.rid}: needs more pages than num_pages={self.num_pages}")
         if np.any((request.prompt < 0) | (request.prompt >= self.cfg.vocab_size)):
             raise ValueError(f"request {request.rid}: prompt holds token ids outside [0, {self.cfg.vocab_size})")
+        r = request
+        if r.temperature < 0 or r.top_k < 0 or not 0 < r.top_p <= 1 or not 0 <= r.min_p <= 1:
+            raise ValueError(f"request {r.rid}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
+        used = [f for f, on in zip(FILTERS, (r.top_k > 0, r.top_p < 1, r.min_p > 0)) if on]
+        if not set(used) <= set(self.filters):
+            raise ValueError(f"request {r.rid}: uses sampling filters {used}; this engine has {self.filters}")
 
     def run(self, requests, log=None):
         """Serves `requests` to completion. Returns {rid: [n token lists]}; self.stats holds counters.
@@ -149,8 +168,9 @@ class Engine:
         self.allocator = PageAllocator(self.num_pages)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size)
         self.kv_cache = llama.paged_kv_cache(self.cfg, self.num_pages, self.page_size)
+        self.key = jax.random.key(self.seed)
         self.stats = dict(steps=0, prefill_tokens=0, cached_prompt_tokens=0, cascade_steps=0,
-                          page_reads_saved=0, peak_pages=0, peak_pages_unshared=0)
+                          page_reads_saved=0, peak_pages=0, peak_pages_unshared=0, shared_logits_rows=0)
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
         waiting, running, outputs = [], [], {}
         step = 0
@@ -233,10 +253,8 @@ class Engine:
         attention = llama.PagedAttention(
             self.prefill, self.num_pages, plan, pad(rows, cap, -1), pad(positions, cap, -1),
             pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap))
-        first, self.kv_cache = self.step_fn(
-            self.params, pad(tokens, cap), pad(positions, cap, -1), self.kv_cache, attention,
-            pad(qo_indptr[1:] - 1, bcap), *self._sampling(seqs))
-        for s, t in zip(seqs, np.asarray(first)):
+        first = self._step(seqs, pad(tokens, cap), pad(positions, cap, -1), attention, qo_indptr[1:] - 1)
+        for s, t in zip(seqs, first):
             s.tokens.append(int(t))
         self.stats["prefill_tokens"] += nnz
 
@@ -266,7 +284,7 @@ class Engine:
         positions = [s.length for s in decoding] + [p for _, a, b in chunks for p in range(a, b)]
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         sampled = decoding + [s for s, _, b in chunks if b == s.length]  # rows that sample a token
-        logits_index = [cu[i + 1] - 1 for i in range(len(decoding))] + [
+        last_rows = [cu[i + 1] - 1 for i in range(len(decoding))] + [
             cu[len(decoding) + j + 1] - 1 for j, (s, _, b) in enumerate(chunks) if b == s.length]
         pages_per_seq = -(-self.max_len // self.page_size)
         page_indices = np.zeros((self.max_batch, pages_per_seq), np.int32)
@@ -276,14 +294,13 @@ class Engine:
         attention = RaggedAttention(
             pad(np.asarray(kv_lens, np.int32), bcap), page_indices.reshape(-1), pad(cu, bcap + 1, cu[-1]),
             np.array([len(decoding), len(decoding), len(seqs)], np.int32), self.num_pages, self.num_ctas)
-        out, self.kv_cache = self.step_fn(
-            self.params, pad(np.asarray(tokens, np.int32), tcap), pad(np.asarray(positions, np.int32), tcap, -1),
-            self.kv_cache, attention, pad(np.asarray(logits_index, np.int32), bcap), *self._sampling(sampled))
+        out = self._step(sampled, pad(np.asarray(tokens, np.int32), tcap),
+                         pad(np.asarray(positions, np.int32), tcap, -1), attention, last_rows)
         for s in decoding:
             s.length += 1
         for s, _, b in chunks:
             s.prefill_from = b
-        for s, t in zip(sampled, np.asarray(out)):
+        for s, t in zip(sampled, out):
             s.tokens.append(int(t))
         self.stats["prefill_tokens"] += int(sum(b - a for _, a, b in chunks))
         return f"mixed ({len(decoding)} decode, {len(chunks)} prompt chunk(s))"
@@ -301,9 +318,8 @@ class Engine:
             wrapper, self.num_pages, plan, pad(np.arange(batch, dtype=np.int32), bcap, -1),
             pad(positions, bcap, -1), pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap))
         tokens = np.array([s.tokens[-1] for s in running], np.int32)
-        out, self.kv_cache = self.step_fn(self.params, pad(tokens, bcap), pad(positions, bcap, -1),
-                                          self.kv_cache, attention, None, *self._sampling(running))
-        for s, t in zip(running, np.asarray(out)):
+        out = self._step(running, pad(tokens, bcap), pad(positions, bcap, -1), attention, None)
+        for s, t in zip(running, out):
             s.length += 1
             s.tokens.append(int(t))
         return note
@@ -327,11 +343,33 @@ class Engine:
             return plan, self.decode, "cascade (auto)"
         return plan, self.decode, "decode"
 
-    def _sampling(self, seqs):
-        """temperature float32[max_batch], seeds int32[max_batch] of the sequences (padded)."""
-        temperature = np.array([s.request.temperature for s in seqs], np.float32)
-        seeds = np.array([s.seed for s in seqs], np.int32)
-        return pad(temperature, self.max_batch), pad(seeds, self.max_batch)
+    def _step(self, seqs, tokens, positions, attention, last_rows):
+        """One call of the jitted step, sampling a token for each of seqs (host int32[len(seqs)]).
+        last_rows[i]: the token row of seqs[i]'s logits (None: row i, decode). Samples of one
+        request that end their prompt in this step share one LM-head row (the same logits):
+        each draws from it through SamplingParams.indices. The step is greedy (argmax only)
+        when every sequence is; the sampling key is threaded on the device."""
+        bcap, reqs = self.max_batch, [s.request for s in seqs]
+        logits_index, indices, row_of = None, np.arange(len(seqs)), {}
+        if last_rows is not None:
+            rows = []
+            for i, (s, row) in enumerate(zip(seqs, last_rows)):
+                owner = (s.request.rid, s.sample if s.tokens else -1)  # samples share the prompt's row
+                if owner not in row_of:
+                    row_of[owner] = len(rows)
+                    rows.append(row)
+                indices[i] = row_of[owner]
+            self.stats["shared_logits_rows"] += len(seqs) - len(rows)
+            logits_index = pad(np.asarray(rows, np.int32), bcap)
+        sampling = llama.SamplingParams(
+            pad(np.array([r.temperature for r in reqs], np.float32), bcap),
+            pad(np.array([r.top_k for r in reqs], np.int32), bcap),
+            pad(np.array([r.top_p for r in reqs], np.float32), bcap, 1.0),
+            pad(np.array([r.min_p for r in reqs], np.float32), bcap), pad(indices.astype(np.int32), bcap))
+        step_fn = self.step_fns[all(r.temperature == 0 for r in reqs)]
+        out, self.kv_cache, self.key = step_fn(self.params, tokens, positions, self.kv_cache, attention,
+                                               logits_index, sampling, self.key)
+        return np.asarray(out)[:len(seqs)]
 
     def _retire(self, running, outputs):
         """Removes finished sequences (freeing their page references and prefix locks). Returns
@@ -358,9 +396,10 @@ class Engine:
 
 
 def make_requests(vocab_size, rng, num_requests=6, *, system_prompts=(40, 27), user_len=(3, 12),
-                  max_new_tokens=(4, 10), samples=(1, 3), arrivals=6, temperature=0.0):
+                  max_new_tokens=(4, 10), samples=(1, 3), arrivals=6, **sampling):
     """A scenario: each request is a random system prompt (shared between requests) plus its own
-    user tokens, with n in [samples] parallel samples, arriving at a random step < arrivals."""
+    user tokens, with n in [samples] parallel samples, arriving at a random step < arrivals.
+    sampling: Request's temperature, top_k, top_p, min_p for every request."""
     systems = [rng.integers(0, vocab_size, n) for n in system_prompts]
     requests = []
     for rid in range(num_requests):
@@ -368,15 +407,18 @@ def make_requests(vocab_size, rng, num_requests=6, *, system_prompts=(40, 27), u
                                  rng.integers(0, vocab_size, int(rng.integers(user_len[0], user_len[1] + 1)))])
         requests.append(Request(rid, prompt.astype(np.int32),
                                 int(rng.integers(max_new_tokens[0], max_new_tokens[1] + 1)),
-                                n=int(rng.integers(samples[0], samples[1] + 1)), temperature=temperature,
-                                arrival=int(rng.integers(0, arrivals))))
+                                n=int(rng.integers(samples[0], samples[1] + 1)),
+                                arrival=int(rng.integers(0, arrivals)), **sampling))
     return requests
 
 
 def mismatches_against_alone(engine, requests, outputs):
-    """rids whose batched outputs differ from serving the request alone on the same engine."""
+    """rids of greedy requests whose batched outputs differ from serving the request alone on the
+    same engine (sampled tokens depend on the batch: they are not compared)."""
     bad = []
     for r in requests:
+        if r.temperature:
+            continue
         alone = engine.run([dataclasses.replace(r, arrival=0)])
         if alone[r.rid] != outputs[r.rid]:
             bad.append(r.rid)
@@ -394,6 +436,11 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     ap.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt tokens prefilled per step")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="sample from the smallest set of top tokens holding this much probability (1: all)")
+    ap.add_argument("--min-p", type=float, default=0.0,
+                    help="sample among the tokens with p >= min_p * the top token's p (0: all)")
     ap.add_argument("--cascade", default="always", choices=CASCADE_MODES,
                     help="always: two-level cascade whenever pages are shared; auto: the decode "
                          "plan's cost estimate decides; off: plain decode")
@@ -403,12 +450,15 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="also serve each request alone and compare")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the scenario")
     args = ap.parse_args(argv)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    filters = [f for f, on in zip(FILTERS, (args.top_k > 0, args.top_p < 1, args.min_p > 0)) if on]
+    if filters and args.temperature == 0:
+        raise ValueError("--top-k, --top-p and --min-p filter samples: give a --temperature > 0 (0 is greedy)")
     cfg = llama.get_config(args.config, args.layers)
     engine = Engine(cfg, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
                     max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, cascade=args.cascade,
-                    chunk=args.chunk)
-    requests = make_requests(cfg.vocab_size, np.random.default_rng(args.seed), args.requests,
-                             temperature=args.temperature)
+                    chunk=args.chunk, filters=filters)
+    requests = make_requests(cfg.vocab_size, np.random.default_rng(args.seed), args.requests, **sampling)
     for r in requests:
         print(f"r{r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt)} tokens, n={r.n}, "
               f"{r.max_new_tokens} new tokens")
@@ -424,7 +474,7 @@ def main(argv=None):
         print(f"r{r.rid}: " + " | ".join(" ".join(map(str, s)) for s in outputs[r.rid]))
     if args.check:
         bad = mismatches_against_alone(engine, requests, outputs)
-        print("identical to serving each request alone" if not bad else f"differ when alone: {bad}")
+        print("greedy requests identical to serving each alone" if not bad else f"differ when alone: {bad}")
         return 1 if bad else 0
     return 0
 

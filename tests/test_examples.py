@@ -1,7 +1,11 @@
 """The model examples: the Flax Llama on jaxinfer against dense jnp attention, the serving loop
-against requests served alone, generate.py end to end, quickstart.py (the README's API tour),
-bench_e2e.py's chunked-prefill row and the host page allocator."""
+against requests served alone, generate.py end to end (greedy, sampled, tensor parallel on two
+forced host devices), quickstart.py (the README's API tour), bench_e2e.py's chunked-prefill row
+and the host page allocator."""
+import functools
+import json
 import os
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -20,6 +24,15 @@ import quickstart  # noqa: E402
 import serve  # noqa: E402
 
 TINY = llama.get_config("tiny")  # float32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--batch", "2", "--prompt-len", "3", "11", "--new-tokens", "4", "--page-size", "4", "--quiet"]
+SAMPLED = ("--layers", "1", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9")
+
+
+@functools.lru_cache(maxsize=None)
+def _tokens(*extra):
+    """generate.main(SMALL + extra)'s tokens, computed once per argument list (tests share runs)."""
+    return generate.main(SMALL + list(extra))["tokens"]
 
 
 def test_llama_logits_paged_equal_dense(rng):
@@ -132,7 +145,8 @@ def test_generate_end_to_end_and_scan_horizon():
 
 def test_bench_e2e_mixed_row_smoke(tmp_path, monkeypatch, capsys):
     """bench_e2e --smoke: the chunked-prefill row (jaxinfer-mixed: prompts split across steps that
-    also carry decode rows) samples the jaxinfer row's first tokens and prints in the table."""
+    also carry decode rows) samples the jaxinfer row's first tokens and prints in the table; the
+    jaxinfer row times the sampling call (its share of ITL)."""
     monkeypatch.setenv("OUT", str(tmp_path))
     jaxinfer, mixed = bench_e2e.main(["--smoke", "--methods", "jaxinfer,jaxinfer-mixed", "--batches", "2",
                                       "--chunk", "8", "--out-tokens", "3"])
@@ -140,6 +154,7 @@ def test_bench_e2e_mixed_row_smoke(tmp_path, monkeypatch, capsys):
     assert mixed["first_tokens_match"] and mixed["first_token_mismatches"] == 0
     assert mixed["steps"] > -(-mixed["prompt_tokens"] // 8) and mixed["ttft_ms_max"] >= mixed["ttft_ms"] > 0
     assert mixed["itl_ms_p50"] > 0
+    assert jaxinfer["sampling_ms"] > 0 and jaxinfer["argmax_ms"] > 0 and 0 < jaxinfer["sampling_share"] < 1
     assert "jaxinfer-mixed     2" in capsys.readouterr().out
 
 
@@ -213,10 +228,8 @@ def test_layer_loops_same_weights_and_greedy_tokens():
             np.testing.assert_array_equal(getattr(layer, name)[...], getattr(scanned.layers, name)[...][l])
     np.testing.assert_array_equal(unrolled.lm_head[...], scanned.lm_head[...])
 
-    args = ["--batch", "2", "--prompt-len", "3", "11", "--new-tokens", "4", "--page-size", "4", "--quiet"]
-    unroll = generate.main(args + ["--layer-loop", "unroll"])
-    scan = generate.main(args + ["--layer-loop", "scan", "--sync"])
-    np.testing.assert_array_equal(scan["tokens"], unroll["tokens"])
+    scan = generate.main(SMALL + ["--layer-loop", "scan", "--sync"])
+    np.testing.assert_array_equal(scan["tokens"], _tokens())  # unroll (the default)
 
     rows = np.zeros((1, 1), np.int32)
     stacked = llama.dense_kv_cache(scanned.cfg, 1, 4)
@@ -224,3 +237,85 @@ def test_layer_loops_same_weights_and_greedy_tokens():
         unrolled(np.zeros(1, np.int32), np.zeros(1, np.int32), stacked, llama.DenseAttention(None, rows))
     with pytest.raises(ValueError, match="layer_loop"):
         llama.get_config("tiny", layer_loop="while")
+
+
+def _tp_subprocess(runs):
+    """generate.main(SMALL + run + ["--tp", "2"])'s tokens for each run, in a subprocess with two forced
+    host devices (jax fixes the device count when it starts): a started Popen and its reader."""
+    code = ("import json, sys; sys.path.insert(0, 'examples'); import generate; print('TOKENS', json.dumps("
+            f"[generate.main({SMALL!r} + x + ['--tp', '2'])['tokens'].tolist() for x in {runs!r}]))")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def tokens():
+        try:
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0 and "TOKENS" in out, out[-6000:]
+        return [np.asarray(x) for x in json.loads(out.split("TOKENS ")[1])]
+    return tokens
+
+
+def test_generate_sampling_deterministic_and_in_range():
+    """--temperature/--top-k/--top-p: jaxinfer.sampling draws on the device inside the step, a key
+    threaded from step to step: tokens lie in the vocabulary, and a second run with the same seed
+    draws the same first tokens (the TP test below compares whole runs across processes; the slow
+    one, per lax.scan). Filters without a temperature are refused."""
+    tokens = _tokens(*SAMPLED)
+    assert tokens.shape == (2, 4) and tokens.min() >= 0 and tokens.max() < TINY.vocab_size
+    np.testing.assert_array_equal(_tokens(*SAMPLED, "--new-tokens", "1")[:, 0], tokens[:, 0])
+    with pytest.raises(ValueError, match="temperature"):
+        generate.parse_args(["--top-k", "5"])
+    with pytest.raises(ValueError, match="top-p"):
+        generate.parse_args(["--temperature", "1", "--top-p", "0"])
+
+
+def test_serve_parallel_samples_draw_through_sampling_indices(rng):
+    """n > 1 sampled requests (temperature, top-k and min-p: jaxinfer.sampling from probabilities):
+    a request's samples take their first token from one LM-head row (SamplingParams.indices), stay
+    in the vocabulary, differ from each other and repeat for one seed. Requests using a filter
+    the engine was not built with are refused."""
+    cfg = llama.get_config("tiny", num_layers=1)
+    engine = serve.Engine(cfg, seed=int(rng.integers(1 << 16)), page_size=8, num_pages=96, max_batch=8,
+                          cascade="off", filters=("top_k", "min_p"))
+    requests = serve.make_requests(cfg.vocab_size, rng, 3, max_new_tokens=(3, 5), samples=(2, 3), arrivals=2,
+                                   temperature=1.0, top_k=64, min_p=0.02)
+    outputs = engine.run(requests)
+    assert engine.stats["shared_logits_rows"] == sum(r.n - 1 for r in requests)
+    for r in requests:
+        assert len(outputs[r.rid]) == r.n and len({tuple(x) for x in outputs[r.rid]}) > 1
+        assert all(len(x) == r.max_new_tokens and 0 <= min(x) and max(x) < cfg.vocab_size for x in outputs[r.rid])
+    assert engine.run(requests) == outputs
+    with pytest.raises(ValueError, match="filters"):
+        engine.check(serve.Request(0, np.zeros(4, np.int32), 2, temperature=1.0, top_p=0.5))
+
+
+def test_generate_tensor_parallel_on_two_host_devices():
+    """Sampled generate.py --tp 2 on two forced host devices (weights column/row parallel, the cache
+    on KV heads, attention through jaxinfer.sharding.head_parallel, the sampling call replicated),
+    in another process, draws the tokens of one device with the same seed. The fused q/k/v layout
+    for fewer KV heads than devices; --tp past the devices and llama3-70b on a CPU are refused."""
+    tokens = _tp_subprocess([list(SAMPLED)])
+    want = _tokens(*SAMPLED)
+    np.testing.assert_array_equal(tokens()[0], want)
+    # With fewer KV heads than devices (tiny: 2 on 4), device i holds KV head i // 2 (replicated).
+    cols = llama.qkv_columns(llama.get_config("tiny", tp=4))
+    np.testing.assert_array_equal(cols[::TINY.head_dim] // TINY.head_dim, [0, 4, 6, 1, 4, 6, 2, 5, 7, 3, 5, 7])
+    with pytest.raises(ValueError, match="--tp"):
+        generate.parse_args(["--tp", "2"])
+    with pytest.raises(ValueError, match="GPUs"):
+        generate.parse_args(["--config", "llama3-70b"])
+
+
+@pytest.mark.slow
+def test_generate_scan_and_tensor_parallel_greedy():
+    """Sampled tokens per lax.scan equal those per step (the key threaded alike); generate.py --tp 2,
+    greedy, per step and per lax.scan (K/V appended through the page table): one device's tokens."""
+    tokens = _tp_subprocess([[], ["--scan", "3"]])
+    np.testing.assert_array_equal(_tokens(*SAMPLED, "--scan", "3"), _tokens(*SAMPLED))
+    want = _tokens()
+    for got in tokens():
+        np.testing.assert_array_equal(got, want)
