@@ -333,6 +333,7 @@ def _mixed_launch_steps(rng, steps):
     return len(traces)
 
 
+@pytest.mark.slow
 def test_mixed_launch_matches_reference(rng):
     """The 70- and 140-token sequences are query tiles (140 crosses a tile), q_len 1, 1 and 4
     packed tiles, 12 on the 64-row decode class after the launch, the padding rows tiles of no

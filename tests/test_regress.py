@@ -86,6 +86,7 @@ def test_ab_refuses_bad_arguments(tmp_path):
     assert out.returncode == 2 and "NAME=VALUE" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_ab_side_env_reaches_its_runs():
     """--new-env reaches the new tree's regress.py run (here an XLA flag XLA rejects: that run
     fails, and ab.py says so with its output)."""
