@@ -12,6 +12,7 @@ import jaxinfer as ji
 from benchmarks.common import bench, dense_decode_reference, random_paged_cache, record, rel_err, save
 from benchmarks.decode_configs import D, HKV, HQ, PAGE, decode_rows
 from pallas_kernels import decode as decode_kernels
+from planner import work_items
 
 CALLS = 10
 
@@ -23,7 +24,7 @@ def _kernel_only(dec, q, cache, plan):
     return decode_kernels.paged_decode(
         q, k_rows, v_rows, sec["kv_indices"], sec["kv_lens"], sec["items"], sec["cell_indptr"],
         num_parts=plan.layout.part_cap, page_size=PAGE, num_kv_heads=HKV, layout="NHD",
-        sm_scale=dec.sm_scale, interpret=False, **dec.kernel_options)
+        sm_scale=dec.sm_scale, interpret=False, columns=work_items.DECODE)
 
 
 def run_config(rng, name, kv_lens, variants, check=True):

@@ -24,7 +24,7 @@ from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
 from planner.prefill import ROW_ALIGN
-from planner.work_items import DECODE_MULTI
+from planner.work_items import DECODE_MULTI, MIXED, PREFILL
 
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
 MERGE_PROGRAMS = 128   # the merge's grid over groups (each program loops over groups: an empty merge is cheap)
@@ -214,7 +214,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale, causal=causal,
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
             pipeline=long_config.pipeline, tree_max=long_config.tree_max, compute_wgs=long_config.compute_wgs,
-            interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0])
+            interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0], columns=MIXED)
         out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
     if mosaic_plan is not None:
         from pallas_kernels import prefill_mosaic
@@ -222,7 +222,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         o_sub, _, _ = prefill_mosaic.prefill_mosaic(
             queries[src], k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, causal=causal,
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
-            q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, **kw)
+            q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, columns=PREFILL,
+            **kw)
         mine = pos >= 0
         o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
         out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
@@ -234,7 +235,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             if cls.prefill:  # (alone in its group)
                 o, lse, *parts = prefill_kernels.run_triton(  # (the Triton class: dispatch's prefill_triton)
                     queries, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], causal=causal,
-                    rows=cls.rows, config=long_config, num_parts=part_cap,
+                    rows=cls.rows, config=long_config, num_parts=part_cap, columns=PREFILL,
                     q_pos=q_pos if variant is not None else None, **kw)
             else:  # a class after the base writes its unsplit blocks into the base's output, its
                 # split ones into the group's partial buffer

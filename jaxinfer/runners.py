@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
-from planner.work_items import DECODE, DECODE_MULTI
+from planner.work_items import DECODE, DECODE_MULTI, MIXED, PREFILL
 
 
 def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, page_size, num_kv_heads,
@@ -48,7 +48,8 @@ def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, kernel, page_si
     o, lse, o_part, lse_part = kernel(
         q, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], mask=plan.mask,
         num_parts=lay.part_cap, page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout,
-        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, config=config, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
+        sm_scale=sm_scale, causal=plan.causal, rows=lay.rows, interpret=interpret, config=config,
+        columns=PREFILL, scales=scales, variant=variant, params=params, q_pos=sec["q_pos"],
         global_kv_pos=global_kv_pos,
         **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}))
     return merge_kernels.merge_varlen(
@@ -86,7 +87,7 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
         page_size=page_size, num_kv_heads=num_kv_heads, layout="NHD", sm_scale=sm_scale, causal=causal,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, interpret=interpret,
-        packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots)
+        packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots, columns=MIXED)
     src = sec["lse_src"]  # [N]
     live = (src >= 0)[:, None]
     lse = None

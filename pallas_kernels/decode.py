@@ -18,7 +18,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
-from planner.work_items import DECODE
 
 K_ROWS_ARG = 5  # the kernel's argument k_rows (v_rows next): aliased to outputs when appending
 
@@ -158,7 +157,7 @@ def tile_rows(group, tokens_per_item=1):
 
 
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
-                 page_size, num_kv_heads, layout, sm_scale, interpret, columns=DECODE,
+                 page_size, num_kv_heads, layout, sm_scale, interpret, columns,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,
                  config=DecodeConfig(), out=None, parts=None, append=None, cells=None):
     """Runs the decode work list.
@@ -191,7 +190,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     if append_in_q and append != "from_q":
         raise ValueError(f"append must be a (k, v) pair or 'from_q', got {append!r}")
     num_qo_heads = q_stride - 2 * num_kv_heads if append_in_q else q_stride
-    if append is not None and (columns != DECODE or variant is not None or scales is not None
+    if append is not None and ("q_start" in columns.names or variant is not None or scales is not None
                                or k_rows.dtype != q.dtype):
         raise ValueError("append needs one-token items, no variant, no K/V scales and K/V in q's dtype")
     heads_fastest = config.heads_fastest

@@ -3,7 +3,7 @@
 run_triton: the Pallas-Triton kernel (every feature); run_mosaic: the Mosaic GPU kernel
 (prefill_mosaic.py, Hopper) behind the same outputs; mosaic_limits: what the latter cannot run.
 Grid (num_cells, Hkv). Cell c runs items[cell_indptr[c]:cell_indptr[c+1]] (planner.work_items
-.PREFILL): one query tile of one request against one chunk of its keys, the head group folded
+.PREFILL, passed as columns): one query tile of one request against one chunk of its keys, the head group folded
 into the tile rows (row r: token tile_tok + r // G of query head kv_head * G + r % G). Causal is
 bottom-right; a custom mask, a variant and cascade key offsets ride on the item's columns.
 part_base < 0: the tile writes o, lse; else float32 partial rows part_base + t * num_chunks +
@@ -19,7 +19,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
-from planner.work_items import PREFILL
 
 
 
@@ -30,7 +29,7 @@ def tile_rows(group, block_q):
 
 def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref, k_ref, v_ref,
                     *refs, num_qo_heads, num_kv_heads, group, rows, causal, has_mask, contiguous,
-                    has_scales, variant, param_tree, global_kv_pos, **attend_kw):
+                    has_scales, variant, param_tree, global_kv_pos, columns, **attend_kw):
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     q_pos_ref, refs = (refs[0], refs[1:]) if variant is not None else (None, refs)
     param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
@@ -40,7 +39,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     block_kv = attend_kw["block_kv"]
 
     def field(w, name):
-        return _common.uniform(items_ref[w, getattr(PREFILL, name)])
+        return _common.uniform(items_ref[w, getattr(columns, name)])
 
     r = jnp.arange(rows)
     tokens_per_tile = rows // group
@@ -167,13 +166,14 @@ class MosaicPrefillConfig:
 
 def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
                num_kv_heads, layout, sm_scale, causal, rows, interpret, config=None, scales=None,
-               variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None):
+               variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None,
+               columns):
     """Runs the prefill work list on the Pallas-Triton kernel (every feature).
 
     q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
     or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
     is then each request's first row); mask int8[*] (custom masks, or None); items
-    int32[W, PREFILL.width]; cell_indptr int32[cells + 1]; rows: the tile height (see
+    int32[W, columns.width] (columns: planner.work_items.PREFILL); cell_indptr int32[cells + 1]; rows: the tile height (see
     tile_rows); config: a PrefillConfig; scales: (k_scale, v_scale) f32[Hkv] or None; variant /
     params / q_pos int32[nnz]: an attention variant, its parameters and each query token's
     position. tail_dest / lse_src: run_mosaic's (unused here).
@@ -191,7 +191,7 @@ def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
         has_scales=scales is not None, variant=variant, param_tree=(treedef, scalar),
-        global_kv_pos=global_kv_pos, page_size=page_size, layout=layout, block_kv=block_kv,
+        global_kv_pos=global_kv_pos, columns=columns, page_size=page_size, layout=layout, block_kv=block_kv,
         sm_scale=sm_scale, kv_pairs=kv_pairs)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)
@@ -236,7 +236,8 @@ def mosaic_limits(*, head_dim=64, page_size=None, block_kv=128, layout="NHD", q_
 
 def run_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
                num_kv_heads, layout, sm_scale, causal, rows, interpret, config=None, scales=None,
-               variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None):
+               variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None,
+               columns):
     """The Mosaic GPU kernel (prefill_mosaic.py) behind run_triton's outputs (config a
     MosaicPrefillConfig; a plan with tails, one unsplit item per cell, and tail_dest, lse_src):
     its partial tiles are scattered into o through tail_dest, its lse rows gathered through
@@ -264,7 +265,7 @@ def run_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
         num_kv_heads=num_kv_heads, layout=layout, sm_scale=sm_scale, causal=causal, block_kv=block_kv,
         variant=variant, params=params, q_pos=q_pos, interpret=interpret,
         max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
-        tree_max=config.tree_max, compute_wgs=config.compute_wgs)
+        tree_max=config.tree_max, compute_wgs=config.compute_wgs, columns=columns)
     o = o.at[tail_dest].set(o_tail, mode="drop")
     lse = lse_items[:, lse_src[:nnz]].T  # [nnz, Hq]
     return (o.reshape(nnz * num_qo_heads, d), lse.reshape(-1),

@@ -1,7 +1,7 @@
 """Prefill attention on Mosaic GPU (Hopper): TMA loads, wgmma, warp specialization.
 
 After JAX's FlashAttention-3 kernel (jax/experimental/pallas/ops/gpu/attention_mgpu.py), on
-the prefill work list (planner.work_items.PREFILL, or MIXED for the mixed launch): tiles of
+the prefill work list (columns: planner.work_items.PREFILL, or MIXED for the mixed launch): tiles of
 64 x compute_wgs query tokens of one query head, KV never split. A memory warpgroup streams
 K/V blocks (whole pages by TMA) through max_concurrent_steps shared-memory slots; the compute
 warpgroups ping-pong, run freely or overlap their softmax with their matmuls. Grid (Hq,
@@ -24,7 +24,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common
-from planner.work_items import MIXED, PREFILL
 
 WG_ROWS = 64  # query rows per compute warpgroup
 LOG2E = math.log2(math.e)
@@ -51,7 +50,7 @@ def _warn_if_interpreter_pool_too_small(num_warpgroups):
 
 
 class _Item(NamedTuple):
-    """One work item's fields (work_items.PREFILL) and the KV blocks of its tile."""
+    """One work item's fields (columns: work_items.PREFILL) and the KV blocks of its tile."""
     q_row_start: jax.Array
     tile_tok: jax.Array
     qo_len: jax.Array
@@ -91,7 +90,7 @@ def _compute_registers(compute_wgs):
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
             o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
             max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
-            persistent, packed_tokens):
+            persistent, packed_tokens, columns):
     tile_tokens = compute_wgs * WG_ROWS
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
@@ -111,10 +110,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
     def item_fields(w, has_item=True):
         """Work item w's fields and the KV blocks of its tile (both branches compute them); none
         (tile_steps 0) where has_item is false."""
-        load = lambda col: items_ref[w * PREFILL.width + col]  # items flattened: 1-D scalar loads
-        q_row_start, tile_tok, qo_len = load(PREFILL.q_row_start), load(PREFILL.tile_tok), load(PREFILL.qo_len)
-        page_base, kv_len = load(PREFILL.page_base), load(PREFILL.kv_len)
-        kv_start, kv_end = load(PREFILL.kv_start), load(PREFILL.kv_end)
+        load = lambda name: items_ref[w * columns.width + getattr(columns, name)]  # flattened: 1-D loads
+        q_row_start, tile_tok, qo_len = load("q_row_start"), load("tile_tok"), load("qo_len")
+        page_base, kv_len = load("page_base"), load("kv_len")
+        kv_start, kv_end = load("kv_start"), load("kv_end")
         offset = kv_len - qo_len  # causal: query token t sees keys <= t + offset
         kv_hi = kv_end
         if causal:
@@ -123,18 +122,18 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         # first key, or at the first key the variant's mask shows to any of its rows.
         kv_begin, full_lo = kv_start, None
         if bounded:
-            lo, full_lo = variant.kv_bounds(params, load(PREFILL.q_pos_min), load(PREFILL.q_pos_max))
-            kv_begin = jnp.clip(lo - load(PREFILL.kv_pos_offset), kv_start, kv_hi)
+            lo, full_lo = variant.kv_bounds(params, load("q_pos_min"), load("q_pos_max"))
+            kv_begin = jnp.clip(lo - load("kv_pos_offset"), kv_start, kv_hi)
         kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
         if mixed:  # the item's head and kind
-            head, lse_slot, packed = load(MIXED.head), load(MIXED.lse_slot), load(MIXED.packed) != 0
+            head, lse_slot, packed = load("head"), load("lse_slot"), load("packed") != 0
             kv_head = jnp.where(packed, head, lax.div(head, jnp.int32(group)))
         else:  # the grid's head
             head, lse_slot, packed = lax.axis_index("heads"), w, False
             kv_head = lax.div(head, jnp.int32(group))
         return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end,
-                     load(PREFILL.kv_pos_offset), load(PREFILL.tail), offset, kv_begin,
-                     jnp.maximum(kv_start, load(PREFILL.kv_first)), full_lo,
+                     load("kv_pos_offset"), load("tail"), offset, kv_begin,
+                     jnp.maximum(kv_start, load("kv_first")), full_lo,
                      jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0),
                      head, kv_head, lse_slot, packed)
 
@@ -599,7 +598,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
                    pipeline="pingpong", tree_max=False, compute_wgs=2,
                    variant=None, params=None, q_pos=None, interpret=False, row_stores=False,
-                   persistent=False, packed_tokens=0, num_lse_slots=None):
+                   persistent=False, packed_tokens=0, num_lse_slots=None, columns):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
@@ -612,7 +611,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     o_tail [num_tail_rows, Hq, D]).
 
     packed_tokens > 0: a mixed launch (one persistent grid of cells, no variant). Items name their
-    head and lse slot (work_items.MIXED); a packed item is a request of at most packed_tokens
+    head and lse slot (columns: work_items.MIXED); a packed item is a request of at most packed_tokens
     tokens whose G = Hq / Hkv query heads of KV head `head` share one 64-row tile (row t * G + g:
     token t, query head head * G + g), loaded and stored a token at a time; the others are
     query tiles of one query head as above. lse_items is then [1, num_lse_slots * T]: slot s's
@@ -689,7 +688,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
                 sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,
                 pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs, persistent=persistent,
-                packed_tokens=packed_tokens),
+                packed_tokens=packed_tokens, columns=columns),
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     lse_shape = (1, num_lse_slots * tile_tokens) if mixed else (num_qo_heads, items.shape[0] * tile_tokens)

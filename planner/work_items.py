@@ -1,8 +1,8 @@
 """The work-item schema: the named int32 columns of every plan's items, one definition each.
 
 Planners (host: planner/, device: jaxinfer/ragged) write items and kernels read them by name,
-e.g. items[:, PREFILL.kv_end] or load(PREFILL.kv_end). Pure Python: the one planner module
-that pallas_kernels/ may import.
+e.g. items[:, PREFILL.kv_end]; jaxinfer hands the schema to each kernel launch as its static
+`columns` argument (pallas_kernels/ imports no planner module). Pure Python.
 """
 import dataclasses
 

@@ -10,6 +10,7 @@ import pytest
 import jaxinfer as ji
 from helpers import TOL, assert_lse_close, np64_attention, page_table, randn, random_cache, rel_err
 from jaxinfer import reference as ref
+from planner import work_items
 
 KV_LENS, QO_LENS = (1, 54, 97, 512), (1, 17, 37, 127)
 
@@ -237,7 +238,8 @@ def test_mosaic_kernel_one_item_per_cell(rng):
     o, lse_items, _ = prefill_mosaic.prefill_mosaic(
         q, k.reshape(-1, d), v.reshape(-1, d), None, jnp.asarray(items, jnp.int32),
         jnp.array([0, 1, 1], jnp.int32), 8, page_size=1, num_kv_heads=h, layout="NHD",
-        sm_scale=pre.sm_scale, causal=True, interpret=True, persistent=False)
+        sm_scale=pre.sm_scale, causal=True, interpret=True, persistent=False,
+        columns=work_items.PREFILL)
     want = ref.ragged_attention(q, k, v, _indptr([qo]), _indptr([kv]), causal=True)
     assert rel_err(o, want.o) < TOL[jnp.bfloat16]
     assert_lse_close(lse_items[:, :qo].T, want.lse, 1e-2)
