@@ -214,7 +214,9 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale, causal=causal,
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
             pipeline=long_config.pipeline, tree_max=long_config.tree_max, compute_wgs=long_config.compute_wgs,
-            interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0], columns=MIXED)
+            interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0], columns=MIXED,
+            last_pages=ragged_plan.last_pages(kv_lens, kv_indices, distribution, pages_per_seq=pages_per_seq,
+                                              page_size=page_size))
         out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
     if mosaic_plan is not None:
         from pallas_kernels import prefill_mosaic

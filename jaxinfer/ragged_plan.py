@@ -326,6 +326,20 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, causal, num_q
     return items, cell_indptr, long_ | packed
 
 
+def last_pages(kv_lens, kv_indices, distribution, *, pages_per_seq, page_size):
+    """The valid sequences' partly filled last pages (pallas_kernels.prefill_mosaic.LastPages: the
+    mixed launch reads their V from a copy with the stale slots zeroed); kv_indices [S *
+    pages_per_seq], sequence s's pages from s * pages_per_seq."""
+    from pallas_kernels.prefill_mosaic import LastPages
+    s = kv_lens.shape[0]
+    seq = jnp.arange(s, dtype=jnp.int32)
+    length = jnp.where(seq < distribution[2], kv_lens % page_size, 0)  # [S] (0: full or no page)
+    pos = seq * pages_per_seq + jnp.maximum(kv_lens - 1, 0) // page_size  # [S]
+    row = jnp.full(kv_indices.shape, -1, jnp.int32).at[jnp.where(length > 0, pos, kv_indices.shape[0])].set(
+        seq, mode="drop")
+    return LastPages(page=kv_indices[pos], length=length, row=row)
+
+
 def row_seqs(cu_q_lens, distribution, num_tokens):
     """Each of the num_tokens rows' sequence (clipped to a valid index) and whether it is a valid
     sequence's row (not padding). Returns (seq int32[T], live bool[T])."""

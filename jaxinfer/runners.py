@@ -87,7 +87,8 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
         page_size=page_size, num_kv_heads=num_kv_heads, layout="NHD", sm_scale=sm_scale, causal=causal,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, interpret=interpret,
-        packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots, columns=MIXED)
+        packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots, columns=MIXED,
+        last_pages=prefill_mosaic.LastPages(page=sec["last_page"], length=sec["last_len"], row=sec["last_row"]))
     src = sec["lse_src"]  # [N]
     live = (src >= 0)[:, None]
     lse = None

@@ -5,11 +5,12 @@ the prefill work list (columns: planner.work_items.PREFILL, or MIXED for the mix
 64 x compute_wgs query tokens of one query head, KV never split. A memory warpgroup streams
 K/V blocks (whole pages by TMA) through max_concurrent_steps shared-memory slots; the compute
 warpgroups ping-pong, run freely or overlap their softmax with their matmuls. Grid (Hq,
-num_cells). Keys outside an item's range are masked, and a listed page's stale V rows are
-zeroed in shared memory before P @ V (not in the mixed launch). docs/design.md tells how
+num_cells). Keys outside an item's range are masked; a listed page's stale V rows are zeroed in
+shared memory before P @ V, or (mixed launches) read from a sanitized copy (LastPages). docs/design.md tells how
 tiles align to TMA's 8-row groups, how partial tiles are stored, and how packed tiles of the
 mixed launch work.
 """
+import dataclasses
 import functools
 import inspect
 import math
@@ -71,6 +72,21 @@ class _Item(NamedTuple):
     packed: object         # a packed tile (mixed launches; False elsewhere)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LastPages:
+    """The partly filled last pages of a step's requests, for prefill_mosaic's V loads."""
+    page: jax.Array    # [R] int32: request r's last page (any page where length is 0)
+    length: jax.Array  # [R] int32: its keys in that page (0: no copy needed; slots >= length zeroed)
+    row: jax.Array     # [len(kv_indices)] int32: r at the position of request r's last page, else -1
+
+    def sanitized_v(self, v):
+        """v [P, S, Hkv, D] -> [R, S, Hkv, D]: each last page's V, slots past its keys zeroed."""
+        slot = jnp.arange(v.shape[1], dtype=jnp.int32)
+        live = slot[None, :, None, None] < self.length[:, None, None, None]
+        return jnp.where(live, v[jnp.clip(self.page, 0, v.shape[0] - 1)], jnp.zeros((), v.dtype))
+
+
 def _row_max(s, tree):
     """Row maxima of s [R, C]; tree: halve the columns first (short dependency chains)."""
     while tree and s.shape[1] > 8 and s.shape[1] % 16 == 0:
@@ -87,8 +103,8 @@ def _compute_registers(compute_wgs):
     return min((pool - MEMORY_REGISTERS[compute_wgs]) // compute_wgs // 8 * 8, 232)
 
 
-def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref, params,
-            o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
+def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, last_row_ref, v_last_ref,
+            q_pos_ref, params, o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
             max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
             persistent, packed_tokens, columns):
     tile_tokens = compute_wgs * WG_ROWS
@@ -182,8 +198,8 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         kv_end): a last page's slots past kv_len (a freed page keeps its last owner's values,
         NaN included) would make P @ V NaN where P is 0. Only blocks at the range's ends have
         such rows; every warpgroup that reads the block writes the same zeros (no race)."""
-        if mixed or contiguous:  # mixed launches: it cost 24% there (H100; docs/safety.md); contiguous
-            return               # K/V has no stale slots (rows past a request are the next one's)
+        if mixed or contiguous:  # mixed launches read LastPages' copies (zeroing here cost 24% there);
+            return               # contiguous K/V has no stale slots (rows past a request are the next one's)
         start = f.kv_begin + step * block_kv
         lo, hi = jnp.clip(f.kv_visible - start, 0, block_kv), jnp.clip(f.kv_end - start, 0, block_kv)
         for h in range(0, block_kv, WG_ROWS):  # 64-row halves: one WGMMA-layout tile each
@@ -529,40 +545,57 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_p
         pages_per_block = max(1, block_kv // page_size)
         rows_per_copy = min(page_size, block_kv)
         last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
+        # The row of v_last holding the last page's V with its stale slots zeroed (-1: none)
+        last_row = None if v_last_ref is None else last_row_ref[jnp.maximum(last_page, 0)]
 
         def sources(step):
-            """(K/V source index, slot rows) of each copy of KV block `step`: the page-index
-            loads, issued before waiting for the slot."""
+            """(K/V source index, slot rows, whether it is the last page) of each copy of KV block
+            `step`: the page-index loads, issued before waiting for the slot."""
             tok = kv_begin + step * block_kv
             if contiguous:
-                return [((pl.ds(page_base + tok, block_kv), kv_head), pl.ds(0, block_kv))]
+                return [((pl.ds(page_base + tok, block_kv), kv_head), pl.ds(0, block_kv), False)]
             srcs = []
             for i in range(pages_per_block):  # static: one TMA per page (or page part)
                 t = tok + i * rows_per_copy
-                page = kv_indices_ref[jnp.minimum(page_base + lax.div(t, jnp.int32(page_size)), last_page)]
-                srcs.append(((page, pl.ds(lax.rem(t, jnp.int32(page_size)), rows_per_copy), kv_head),
-                             pl.ds(i * rows_per_copy, rows_per_copy)))
+                pos = jnp.minimum(page_base + lax.div(t, jnp.int32(page_size)), last_page)
+                srcs.append(((kv_indices_ref[pos], pl.ds(lax.rem(t, jnp.int32(page_size)), rows_per_copy), kv_head),
+                             pl.ds(i * rows_per_copy, rows_per_copy), pos == last_page))
             return srcs
 
-        def copy(srcs, slot, ref, smem, bar):
-            for src, dst in srcs:
-                plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot, dst], bar.at[slot])
+        def copy_k(srcs, slot):
+            for src, dst, _ in srcs:
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bar.at[slot])
+
+        def copy_v(srcs, slot):  # a last page's V from v_last where it has a row
+            for src, dst, at_last in srcs:
+                if last_row is None:
+                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
+                    continue
+                sanitized = at_last & (last_row >= 0)
+
+                @pl.when(sanitized)
+                def _():
+                    plgpu.copy_gmem_to_smem(v_last_ref.at[(last_row,) + src[1:]], v_smem.at[slot, dst], v_bar.at[slot])
+
+                @pl.when(~sanitized)
+                def _():
+                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
 
         for i in range(max_steps):
             @pl.when(i < tile_steps)
             def _():
                 srcs = sources(i)
-                copy(srcs, i, k_ref, k_smem, k_bar)
-                copy(srcs, i, v_ref, v_smem, v_bar)
+                copy_k(srcs, i)
+                copy_v(srcs, i)
 
         @pl.loop(0, jnp.maximum(tile_steps - max_steps, 0))
         def _(step):
             slot = lax.rem(step, jnp.int32(slots))
             srcs = sources(step + max_steps)
             plgpu.barrier_wait(k_free.at[slot])
-            copy(srcs, slot, k_ref, k_smem, k_bar)
+            copy_k(srcs, slot)
             plgpu.barrier_wait(v_free.at[slot])
-            copy(srcs, slot, v_ref, v_smem, v_bar)
+            copy_v(srcs, slot)
 
         @pl.loop(jnp.maximum(tile_steps - max_steps, 0), tile_steps)
         def _(step):  # the last blocks' releases: every barrier phase is awaited by its waiters
@@ -598,7 +631,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
                    pipeline="pingpong", tree_max=False, compute_wgs=2,
                    variant=None, params=None, q_pos=None, interpret=False, row_stores=False,
-                   persistent=False, packed_tokens=0, num_lse_slots=None, columns):
+                   persistent=False, packed_tokens=0, num_lse_slots=None, last_pages=None, columns):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
@@ -615,7 +648,11 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     tokens whose G = Hq / Hkv query heads of KV head `head` share one 64-row tile (row t * G + g:
     token t, query head head * G + g), loaded and stored a token at a time; the others are
     query tiles of one query head as above. lse_items is then [1, num_lse_slots * T]: slot s's
-    rows at s * T + row (a packed tile's rows in its row order)."""
+    rows at s * T + row (a packed tile's rows in its row order).
+
+    last_pages (a paged cache): a LastPages of the requests whose last page is partly filled; the
+    kernel reads those pages' V from a copy with the slots past kv_len zeroed (a freed slot keeps
+    its last owner's values, NaN included, and 0 * NaN in P @ V is NaN)."""
     nnz, num_qo_heads, d = q.shape
     mixed = packed_tokens > 0
     persistent = persistent or mixed
@@ -642,6 +679,9 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     else:
         k = k_rows.reshape(-1, page_size, num_kv_heads, d)
         v = v_rows.reshape(-1, page_size, num_kv_heads, d)
+    last = []
+    if last_pages is not None and not contiguous:
+        last = [last_pages.row.astype(jnp.int32), last_pages.sanitized_v(v)]
     num_cells = cell_indptr.shape[0] - 1
     if interpret and num_cells > 2:
         # The interpreter compiles each grid point's warpgroups anew (seconds each): its cells
@@ -661,6 +701,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         interpret_params = InterpretGPUParams(uninitialized_memory="nan")  # outputs poisoned
 
     def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, *refs):
+        (last_row_ref, v_last_ref), refs = (refs[:2], refs[2:]) if last else ((None, None), refs)
         q_pos_ref, param_refs = (refs[0], refs[1:-3]) if variant is not None else (None, ())
         o_ref, lse_ref, o_tail_ref = refs[-3:]
         tiling = plgpu.TilingTransform((8, 64))
@@ -682,8 +723,8 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         freed = (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
-                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, q_pos_ref,
-                None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
+                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, last_row_ref, v_last_ref,
+                q_pos_ref, None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
                 sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,
@@ -701,7 +742,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                         grid_names=("heads", "cells"), num_threads=compute_wgs + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(
                             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), **kw)(
-        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v, *extra)
+        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v, *last, *extra)
     return o[:nnz], lse_items, o_tail
 
 

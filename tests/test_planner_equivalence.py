@@ -328,7 +328,21 @@ def test_mixed_plans_match_the_old_planner(seed):
               tile_tokens=int(rng.choice([64, 128, 192])), tokens_per_item=tokens, num_tokens=nnz + extra,
               batch_cap=batch + extra, index_cap=int(indptr[-1]) + extra + 1, causal=bool(seed % 4))
     args = (qo_indptr, kv.astype(np.int32), indptr[:-1], indices[: indptr[-1]], is_short)
-    _same(batch_planner.plan_mixed(*args, **kw), old.plan_mixed(*args, **kw))
+    plan = batch_planner.plan_mixed(*args, **kw)
+    # The last-page sections (which the old planner lacks): request b's partly filled last page
+    sec = plan[0].unpack(plan[1])
+    partial = (qo > 0) & (kv % page != 0)
+    last_pos = indptr[:-1] + (kv - 1) // page
+    np.testing.assert_array_equal(sec["last_page"][:batch], np.where(partial, indices[np.maximum(last_pos, 0)], 0))
+    np.testing.assert_array_equal(sec["last_len"][:batch], np.where(partial, kv % page, 0))
+    want_row = np.full(kw["index_cap"], -1)
+    want_row[last_pos[partial]] = np.flatnonzero(partial)
+    np.testing.assert_array_equal(sec["last_row"], want_row)
+    for name in ("last_page", "last_len", "last_row"):
+        sec[name][:] = 0 if name != "last_row" else -1
+    ref = old.plan_mixed(*args, **kw)
+    ref[0].unpack(ref[1])["last_row"][:] = -1
+    _same(plan, ref)
 
 
 def _prefill_lens(rng, batch):

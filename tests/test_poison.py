@@ -39,9 +39,6 @@ HQ, HKV, D = 4, 2, 32               # Triton rows: float32, GQA group 2
 # point and warpgroup); head_dim 128 takes the kernels' two-warpgroup default (64 takes three)
 MQ, MKV, MD, MPAGE = 1, 1, 128, 8
 PATTERNS = {"nan_inf": (np.nan, np.inf, -np.inf), "nan": (np.nan,), "inf": (np.inf, -np.inf)}
-# The mixed launch does not zero stale V slots (in-kernel zeroing cost 24% on an H100): NaN / Inf
-# past kv_len in a last page's V reaches its outputs (docs/safety.md, "Known gap").
-MIXED_LEAKS = pytest.mark.xfail(strict=True, reason="the mixed launch reads stale V slots (docs/safety.md)")
 poisons = pytest.mark.parametrize("poison", ["nan_inf"] + [
     pytest.param(p, marks=pytest.mark.slow) for p in ("nan", "inf")])
 
@@ -271,7 +268,7 @@ BATCH = {  # group 2 (Triton): up to 32 tokens are short; group 1 (Mosaic): up t
 
 
 @poisons
-@pytest.mark.parametrize("row", ["batch_classes", pytest.param("batch_mosaic", marks=[pytest.mark.slow, MIXED_LEAKS])])
+@pytest.mark.parametrize("row", ["batch_classes", pytest.param("batch_mosaic", marks=pytest.mark.slow)])
 def test_batch_attention(rng, row, poison, monkeypatch):
     """BatchAttention under capacities (5 padding rows): impl "auto" (batch_classes:
     decode_triton for the short requests, prefill_triton for the long one) and impl "mixed"
@@ -351,7 +348,7 @@ RPA = {  # impl: (q_lens, cached, distribution, tok_cap): decode rows first; 6-8
 @pytest.mark.parametrize("impl, row", [
     ("triton", "prefill_triton"),
     pytest.param("mosaic", "prefill_mosaic", marks=pytest.mark.slow),  # (test_paged_prefill covers the kernel)
-    pytest.param("mixed", "batch_mosaic", marks=[pytest.mark.slow, MIXED_LEAKS])])
+    pytest.param("mixed", "batch_mosaic", marks=pytest.mark.slow)])
 def test_ragged_paged_attention(rng, impl, row, poison):
     """ragged_paged_attention, impl "triton" (prefill_triton), "mosaic" (prefill_mosaic) and "mixed"
     (batch_mosaic), one cell for the Mosaic ones: outputs against the reference on the clean cache,
