@@ -1,17 +1,20 @@
 """MLA on the GPU: BatchMLAPagedAttention beside FlashInfer 0.5.3's BatchMLAPagedAttentionWrapper.
 
-    PYTHONPATH=. python3 benchmarks/bench_mla.py [--sweep] [--smoke]
+    PYTHONPATH=. python3 benchmarks/bench_mla.py [--sweep] [--smoke] [--fp8]
 
 Rows (bf16, ckv 512 + kpe 64, page 64, sm_scale 0.1352): decode 16 heads B64 kv4096 (and page 1),
 128 heads B64 kv4096 and B16 kv8192, causal prefill 16 heads B4 S4096 (absorbed). Each row is
 checked against jaxinfer.reference.mla_reference first, then timed (median; `CALLS` calls per
 program so host dispatch hides no GPU time). FlashInfer (fa3, fa2) runs on the same inputs through
 DLPack when torch and flashinfer import (../shared/anchors/README.md), else its columns stay
-blank. --sweep times MLAConfig variants; --smoke runs tiny shapes in interpret mode (CPU).
+blank. --sweep times MLAConfig variants; --smoke runs tiny shapes in interpret mode (CPU); --fp8
+stores the latent cache in float8_e4m3fn (q bf16; ckv_scale = kpe_scale = 1, passed as data so the
+scaled path runs; FlashInfer is asked for the same dtypes).
 """
 import argparse
-import re
 import dataclasses
+import functools
+import re
 import os
 import time
 
@@ -55,8 +58,9 @@ SWEEP = (MLAConfig(), MLAConfig(num_stages=2), MLAConfig(num_stages=4, block_kv=
          MLAConfig(num_cells=132), MLAConfig(num_cells=264), MLAConfig(block_rows=32), MLAConfig(block_rows=16))
 
 
-def inputs(row, rng):
-    """(q_nope, q_pe, ckv, kpe) bf16 on the device and the host page table (random page order)."""
+def inputs(row, rng, cache_dtype=jnp.bfloat16):
+    """(q_nope, q_pe, ckv, kpe) on the device (q bf16, the cache in cache_dtype) and the host page
+    table (random page order)."""
     kv = np.asarray(row.kv_lens, np.int32)
     pages = -(-kv // row.page_size)
     n = int(pages.sum())
@@ -67,28 +71,34 @@ def inputs(row, rng):
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     shapes = ((t, row.heads, CKV), (t, row.heads, KPE), (n, row.page_size, CKV), (n, row.page_size, KPE))
     arrays = [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes)]
+    arrays[2:] = [x.astype(cache_dtype) for x in arrays[2:]]
     return arrays, (qo_indptr, kv_indptr, kv_indices, kv)
 
 
-def work(row):
+def work(row, itemsize=2):
     """(FLOPs, bytes of latent cache read once): 2 H (ckv + kpe + ckv) per visible key."""
     vis = sum(int(np.clip(np.arange(q) + (k - q) + 1, 0, k).sum()) if row.causal else q * k
               for q, k in zip(row.qo_lens, row.kv_lens))
-    return 2 * row.heads * (CKV + KPE + CKV) * vis, int(np.sum(row.kv_lens)) * (CKV + KPE) * 2
+    return 2 * row.heads * (CKV + KPE + CKV) * vis, int(np.sum(row.kv_lens)) * (CKV + KPE) * itemsize
 
 
 def time_jaxinfer(row, arrays, table, config, want, backend):
     mla = BatchMLAPagedAttention(row.heads, CKV, KPE, row.page_size, causal=row.causal, sm_scale=SCALE,
                                  config=config, backend=backend)
+    if arrays[2].dtype.itemsize == 1:  # fp8: the scaled path, scales as data
+        one = jnp.float32(1.0)
+        run = functools.partial(mla.run, ckv_scale=one, kpe_scale=one)
+    else:
+        run = mla.run
     plan = mla.plan(*table, num_pages=arrays[2].shape[0])
     start = time.perf_counter()
     for _ in range(10):
         plan = mla.plan(*table, num_pages=arrays[2].shape[0])
     plan_us = (time.perf_counter() - start) / 10 * 1e6
-    o = jax.jit(mla.run)(*arrays, plan)
+    o = jax.jit(run)(*arrays, plan)
     err = rel_err(o, want)
     qs = jnp.stack([arrays[0]] * CALLS)  # CALLS calls in one program
-    many = jax.jit(lambda qs, q_pe, ckv, kpe, p: [mla.run(qs[i], q_pe, ckv, kpe, p) for i in range(CALLS)])
+    many = jax.jit(lambda qs, q_pe, ckv, kpe, p: [run(qs[i], q_pe, ckv, kpe, p) for i in range(CALLS)])
     iters = 2 if backend == "interpret" else 20
     t = bench(many, qs, *arrays[1:], plan, iters=iters, reps=3 if backend == "interpret" else 7) / CALLS
     return t, err, dict(plan.info, plan_us=plan_us)
@@ -108,8 +118,9 @@ class FlashInfer:
         q_nope, q_pe, ckv, kpe = (torch.from_dlpack(x) for x in arrays)
         ints = [torch.as_tensor(a, device="cuda") for a in table]
         w = self.fi.mla.BatchMLAPagedAttentionWrapper(self.ws, backend=backend)
+        kv_dtype = torch.float8_e4m3fn if arrays[2].dtype.itemsize == 1 else torch.bfloat16
         w.plan(ints[0], ints[1], ints[2], ints[3], row.heads, CKV, KPE, row.page_size, row.causal, SCALE,
-               torch.bfloat16, torch.bfloat16)
+               torch.bfloat16, kv_dtype)
         o = jnp.from_dlpack(w.run(q_nope, q_pe, ckv, kpe).contiguous())
         w.run(q_nope, q_pe, ckv, kpe)
         torch.cuda.synchronize()
@@ -139,6 +150,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     ap.add_argument("--rows", default="", help="a regular expression: only the rows it matches")
     ap.add_argument("--no-flashinfer", action="store_true", help="jaxinfer alone")
+    ap.add_argument("--fp8", action="store_true", help="the latent cache in float8_e4m3fn")
     args = ap.parse_args()
     backend = "interpret" if args.smoke else None
     print("jax", jax.__version__, jax.devices(), flush=True)
@@ -148,8 +160,8 @@ def main():
     for row in SMOKE_ROWS if args.smoke else ROWS:
         if not re.search(args.rows, row.name):
             continue
-        arrays, table = inputs(row, rng)
-        flops, nbytes = work(row)
+        arrays, table = inputs(row, rng, jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16)
+        flops, nbytes = work(row, 1 if args.fp8 else 2)
         want = jax.jit(lambda *a: mla_reference(*a, *table, causal=row.causal, sm_scale=SCALE).o)(*arrays)
         best = None
         for config in SWEEP if args.sweep else (MLAConfig(),):
@@ -173,7 +185,7 @@ def main():
             except Exception as e:
                 record("flashinfer_mla", row=row.name, backend=fb, error=f"{type(e).__name__}: {str(e)[:300]}")
         table_rows.append((row, best, fi_us, flops, nbytes))
-    save("mla_sweep" if args.sweep else "mla")
+    save(("mla_sweep" if args.sweep else "mla") + ("_fp8" if args.fp8 else ""))
     print("\n| row | jaxinfer µs | GB/s | TFLOP/s | rel err | FlashInfer fa3 µs | fa2 µs | config |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row, best, fi_us, flops, nbytes in table_rows:

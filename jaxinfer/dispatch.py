@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxinfer import _backend, variants
+from jaxinfer.formats import FP8_DTYPES
 from pallas_kernels.decode import DecodeConfig
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import prefill as prefill_kernels
@@ -284,10 +285,13 @@ def _mla_unsupported(problem, explicit):
 
 
 def _mla_dtypes_unsupported(q_dtype, kv_dtype):
-    if np.dtype(q_dtype) not in (np.dtype("float32"), np.dtype("float16"), np.dtype("bfloat16")) or (
-            np.dtype(kv_dtype) != np.dtype(q_dtype)):
-        return f"q and the latent cache must share float32, float16 or bfloat16, got {q_dtype} / {kv_dtype}"
-    return None
+    q_dtype, kv_dtype = np.dtype(q_dtype), np.dtype(kv_dtype)
+    sixteen = (np.dtype("float16"), np.dtype("bfloat16"))
+    if q_dtype in (np.dtype("float32"),) + sixteen and (
+            kv_dtype == q_dtype or q_dtype in sixteen and kv_dtype in FP8_DTYPES):
+        return None
+    return (f"q must be float32, float16 or bfloat16 and the latent cache of its dtype (or fp8 under a "
+            f"16-bit q), got {q_dtype} / {kv_dtype}")
 
 
 MLA_FLOPS_PER_US = 3.0e8  # a Triton MLA tile's dots (estimate: not yet measured on hardware)
@@ -320,7 +324,7 @@ IMPLEMENTATIONS = (
     # Multi-head latent attention (BatchMLAPagedAttention): every head of a request over one
     # latent cache, decode and multi-token rows in one kernel, split-KV merged.
     Implementation("mla_triton", "mla", "triton", mla_kernels.MLAConfig, _mla_unsupported, _mla_cost,
-                   _mla_dtypes_unsupported, takes_scales=False, kernel=mla_kernels.mla_paged),
+                   _mla_dtypes_unsupported, kernel=mla_kernels.mla_paged),
     # Token sampling (jaxinfer.sampling): one program per row, threshold search without sorting.
     Implementation("sampling_pallas", "sampling", "pallas", sampling_kernels.SamplingConfig, _always,
                    lambda problem, qo_lens, kv_lens, causal: 0.0, kernel=sampling_kernels.filtered_sample),

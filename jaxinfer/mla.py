@@ -2,6 +2,7 @@
 
 One latent row per token, shared by every head: ckv (width 512, also the values) and kpe (the
 rotary part, width 64). logits = sm_scale (q_nope ckv + q_pe kpe); o = softmax(logits) ckv.
+An fp8 cache holds ckv / ckv_scale and kpe / kpe_scale: the logits and o use the dequantized rows.
 plan() on the host (planner/mla.py), run() compiled once: the kernel (pallas_kernels/mla.py)
 then merge.merge_varlen for split tiles.
 """
@@ -14,14 +15,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer
-from jaxinfer.formats import AttentionState, FP8_DTYPES
+from jaxinfer.formats import AttentionState, check_kv_dtype, check_q
 from jaxinfer.plans import PlanSpec, WrapperFacts
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
 from planner import mla as mla_planner
 from planner import validate
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+def _scale(name, x):
+    """A dequantization scale (a scalar: Python / NumPy, checked > 0 here, or a 0-d array, as data) as
+    float32[], or None."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not hasattr(x, "dtype") and not isinstance(x, (int, float)):
+        raise ValueError(f"{name} must be a positive float or a 0-d array, got {type(x).__name__}")
+    if isinstance(x, (int, float, np.number, np.ndarray)):
+        v = np.asarray(x, np.float64)
+        if v.shape != () or not (np.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a positive finite scalar, got {x!r}")
+    elif jnp.shape(x) != () or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float scalar (0-d), got shape {jnp.shape(x)} {x.dtype}")
+    return jnp.asarray(x, jnp.float32)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -137,11 +151,19 @@ class BatchMLAPagedAttention:
         return MLAPlan(parts=transfer.plan_sections(buf, layout), layout=layout, spec=spec, causal=self.causal,
                        info=info)
 
-    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, plan, *, return_lse=False):
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, plan, *, return_lse=False, ckv_scale=None,
+            kpe_scale=None):
         """q_nope [T, H, ckv], q_pe [T, H, kpe]; ckv_cache [num_pages, page_size, ckv], kpe_cache
-        [num_pages, page_size, kpe], all of one dtype (float32, float16 or bfloat16). Returns o
-        [T, H, ckv], or AttentionState(o, lse [T, H] natural log) with return_lse."""
+        [num_pages, page_size, kpe], all of one dtype (float32, float16 or bfloat16), or both caches
+        fp8 (float8_e4m3fn / e5m2) under a float16 or bfloat16 q. ckv_scale, kpe_scale (positive
+        scalars, data: no recompiles; default 1): the caches' dequantization scales, as FlashInfer's
+        (the rows are ckv_cache x ckv_scale, kpe_cache x kpe_scale). Returns o [T, H, ckv] in q's
+        dtype, or AttentionState(o, lse [T, H] natural log) with return_lse."""
         self._check(q_nope, q_pe, ckv_cache, kpe_cache, plan)
+        ckv_scale, kpe_scale = _scale("ckv_scale", ckv_scale), _scale("kpe_scale", kpe_scale)
+        scales = None
+        if ckv_scale is not None or kpe_scale is not None:  # f32[2]; a missing one is 1
+            scales = jnp.stack([jnp.float32(1.0) if x is None else x for x in (ckv_scale, kpe_scale)])
         layout, h, dc, dr = plan.layout, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
         t = q_nope.shape[0]
         if t == 0:  # an empty step without capacities: no kernel
@@ -153,7 +175,7 @@ class BatchMLAPagedAttention:
             kpe_cache.reshape(-1, dr), sec["kv_indices"], sec["items"], sec["cell_indptr"],
             columns=mla_planner.COLUMNS, num_parts=layout.part_cap, num_heads=h, page_size=self.page_size,
             sm_scale=self.sm_scale, causal=plan.causal, block_rows=layout.block_rows,
-            interpret=self.interpret, config=self.config)
+            interpret=self.interpret, config=self.config, scales=scales)
         if layout.group_cap:  # split tiles: their rows' partial states merged into o / lse in place
             o, lse = merge_kernels.merge_varlen(
                 o_part[:, None], lse_part[:, None], sec["merge_indptr"], sec["merge_dest"],
@@ -173,13 +195,15 @@ class BatchMLAPagedAttention:
         for name, x in args.items():
             if not hasattr(x, "dtype") or not hasattr(x, "shape"):
                 raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-            if jnp.dtype(x.dtype) in FP8_DTYPES:
-                raise ValueError(f"{name}: fp8 latents are not supported yet (got {x.dtype})")
-            if jnp.dtype(x.dtype) not in _DTYPES:
-                raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-        for name, x in args.items():
-            if x.dtype != q_nope.dtype:
-                raise ValueError(f"{name} dtype {x.dtype} must match q_nope's {q_nope.dtype}")
+        check_q(q_nope, "q_nope")
+        if q_pe.dtype != q_nope.dtype:
+            raise ValueError(f"q_pe dtype {q_pe.dtype} must match q_nope's {q_nope.dtype}")
+        check_kv_dtype(q_nope.dtype, ckv_cache.dtype, "ckv_cache")
+        if kpe_cache.dtype != ckv_cache.dtype:
+            raise ValueError(f"kpe_cache dtype {kpe_cache.dtype} must match ckv_cache's {ckv_cache.dtype}")
+        why = self.implementation.dtypes_unsupported(q_nope.dtype, ckv_cache.dtype)
+        if why is not None:
+            raise ValueError(f"ckv_cache: {why}")
         t = plan.layout.num_tokens
         for name, x, want in (("q_nope", q_nope, (t, h, dc)), ("q_pe", q_pe, (t, h, dr))):
             if tuple(x.shape) != want:

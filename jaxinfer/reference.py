@@ -234,13 +234,14 @@ def merge_states(states):
 
 
 def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, *,
-                  causal=False, sm_scale):
+                  causal=False, sm_scale, ckv_scale=None, kpe_scale=None):
     """Multi-head latent attention over a paged latent cache (float32 math), request by request.
 
     q_nope [T, H, Dc], q_pe [T, H, Dr]; ckv_cache [num_pages, page_size, Dc], kpe_cache [..., Dr];
     request b: q rows qo_indptr[b]:qo_indptr[b+1], kv_len[b] tokens in pages
-    kv_indices[kv_indptr[b]:kv_indptr[b+1]] (host arrays). logits = sm_scale (q_nope ckv + q_pe kpe),
-    v = ckv. Returns AttentionState(o [T, H, Dc] in q's dtype, lse [T, H]); rows past
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] (host arrays). The cache rows are dequantized as
+    ckv x ckv_scale and kpe x kpe_scale (scalars; default 1); logits = sm_scale (q_nope ckv +
+    q_pe kpe), v = ckv. Returns AttentionState(o [T, H, Dc] in q's dtype, lse [T, H]); rows past
     qo_indptr[-1] and rows that see no key give o = 0, lse = -inf.
     """
     qo_indptr, kv_indptr = np.asarray(qo_indptr), np.asarray(kv_indptr)
@@ -255,8 +256,8 @@ def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_i
             continue
         pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
         rows = pages[np.arange(n) // page_size] * page_size + np.arange(n) % page_size  # [n]
-        ckv = ckv_cache.reshape(-1, dc)[rows].astype(jnp.float32)  # [n, Dc]
-        kpe = kpe_cache.reshape(-1, kpe_cache.shape[-1])[rows].astype(jnp.float32)  # [n, Dr]
+        ckv = ckv_cache.reshape(-1, dc)[rows].astype(jnp.float32) * _per_head(ckv_scale, 1)  # [n, Dc]
+        kpe = kpe_cache.reshape(-1, kpe_cache.shape[-1])[rows].astype(jnp.float32) * _per_head(kpe_scale, 1)  # [n, Dr]
         s = (jnp.einsum("qhd,kd->qhk", q_nope[qs:qe].astype(jnp.float32), ckv, precision="highest")
              + jnp.einsum("qhd,kd->qhk", q_pe[qs:qe].astype(jnp.float32), kpe, precision="highest")) * sm_scale
         if causal:  # query i sees keys j <= i + kv_len - qo_len

@@ -76,12 +76,17 @@ def exp2(x):
 
 
 def exp2_scaled(s, scale, m):
-    """2 ** (s * scale - m) for s [M, N], a static Python float scale and m [M]. Fast: one fused
-    multiply-add and one MUFU.EX2 per element."""
+    """2 ** (s * scale - m) for s [M, N], a scale (a static Python float, or a float32 scalar
+    traced from the kernel's inputs) and m [M]. Fast: one fused multiply-add and one MUFU.EX2
+    per element."""
     if not _FAST_MATH.get():
         return jnp.exp2(s * scale - m[:, None])
-    asm = "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, %s, $2; ex2.approx.ftz.f32 $0, t; }" % _ptx_f32(scale)
-    return _asm(asm, s, jnp.broadcast_to(-m[:, None], s.shape))
+    neg_m = jnp.broadcast_to(-m[:, None], s.shape)
+    if isinstance(scale, (int, float)):
+        asm = "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, %s, $2; ex2.approx.ftz.f32 $0, t; }" % _ptx_f32(scale)
+        return _asm(asm, s, neg_m)
+    asm = "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, $2, $3; ex2.approx.ftz.f32 $0, t; }"
+    return _asm(asm, s, jnp.broadcast_to(jnp.asarray(scale, jnp.float32), s.shape), neg_m)
 
 
 def tanh(x):

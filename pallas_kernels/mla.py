@@ -9,6 +9,11 @@ s = q_nope ckv^T + q_pe kpe^T, online softmax (base 2), o += p ckv. Causal botto
 sees keys <= first_pos + t. Keys past the chunk are masked loads (never read), their scores -inf
 and their ckv rows zeroed before P V. An item with part_base < 0 writes the final (o, lse) rows,
 else float32 partial states for merge.merge_varlen.
+
+fp8 caches (float8_e4m3fn / e5m2) are widened to float16 on load (exact) and q is cast to float16
+for the dots. Their dequantization scales (ckv_scale, kpe_scale: data, not compiled in) fold into
+the softmax: s = q_nope ckv^T + (kpe_scale / ckv_scale) q_pe kpe^T is exponentiated with
+sm_scale x ckv_scale, and o is multiplied by ckv_scale (ckv's role as the values).
 """
 import dataclasses
 import functools
@@ -53,23 +58,38 @@ class MLAConfig:
         return self.num_cells or num_sms * (2 if block_rows <= 16 else 1)
 
 
-def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
-                o_ref, lse_ref, o_part_ref, lse_part_ref, *, columns, num_heads, block_rows, block_kv,
-                page_size, sm_scale, causal):
+def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref, *refs,
+                columns, num_heads, block_rows, block_kv, page_size, sm_scale, causal, has_scales):
     # items_ref int32[W, len(columns)]; cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
     # q_nope_ref [N, Dc], q_pe_ref [N, Dr]: q as rows token * H + head (N = T * H)
     # ckv_ref [num_pages * page_size, Dc], kpe_ref [num_pages * page_size, Dr]: the cache's token rows
+    # (q's dtype, or fp8); scales_ref f32[2] (ckv_scale, kpe_scale), with has_scales
     # o_ref [N, Dc] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, Dc], lse_part_ref f32[parts]
+    scales_ref, (o_ref, lse_ref, o_part_ref, lse_part_ref) = (refs[0], refs[1:]) if has_scales else (None, refs)
     r = jnp.arange(block_rows)  # [M] tile rows
+    widen = ckv_ref.dtype.itemsize == 1  # fp8 cache: float16 dots
+    dot_dtype = jnp.float16 if widen else q_nope_ref.dtype
+    prec = _common.dot_precision(dot_dtype)
+    fill = not widen  # Triton cannot fill 8-bit masked loads: those rows are zeroed / masked after
     scale = sm_scale * _common.LOG2E  # folded into exp2's multiply-add
-    prec = _common.dot_precision(q_nope_ref.dtype)
+    pe_ratio, v_scale = None, None
+    if has_scales:  # dequantization: ckv_scale joins sm_scale, kpe's relative scale multiplies q_pe . kpe
+        ckv_scale, kpe_scale = scales_ref[0], scales_ref[1]
+        scale, pe_ratio, v_scale = scale * ckv_scale, kpe_scale / ckv_scale, ckv_scale
+
+    def load_q(ref, rows, ok):  # [M, D] in the dots' dtype (fp8 caches: float16, clamped)
+        q = _common.load_rows(ref, rows, ok)
+        if not widen or q.dtype == jnp.float16:
+            return q
+        f16_max = float(jnp.finfo(jnp.float16).max)
+        return jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
 
     def item(w, carry):
         f = {name: _common.uniform(items_ref[w, i]) for i, name in enumerate(columns)}
         row_ok = r < f["rows"]  # [M]
         q_rows = f["q_row"] + r  # [M]
-        q_nope = _common.load_rows(q_nope_ref, q_rows, row_ok)  # [M, Dc]
-        q_pe = _common.load_rows(q_pe_ref, q_rows, row_ok)  # [M, Dr]
+        q_nope = load_q(q_nope_ref, q_rows, row_ok)  # [M, Dc]
+        q_pe = load_q(q_pe_ref, q_rows, row_ok)  # [M, Dr]
         kv_start, n_tok = f["kv_start"], f["kv_end"] - f["kv_start"]
         limit = f["first_pos"] + (f["row_start"] + r) // num_heads  # [M] last key a row sees (causal)
         n_plain = n_tok // block_kv  # leading blocks every row sees whole
@@ -89,15 +109,17 @@ def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref
                 page_ids = kv_indices_ref[page_pos]
             rows = page_ids * page_size + tok % page_size  # [BK] cache rows
             if masked:
-                ckv = _common.load_rows(ckv_ref, rows, valid)  # [BK, Dc]
-                kpe = _common.load_rows(kpe_ref, rows, valid)  # [BK, Dr]
+                ckv = _common.load_rows(ckv_ref, rows, valid, fill).astype(dot_dtype)  # [BK, Dc]
+                kpe = _common.load_rows(kpe_ref, rows, valid, fill).astype(dot_dtype)  # [BK, Dr]
                 ckv = jnp.where(valid[:, None], ckv, jnp.zeros_like(ckv))  # NaN * 0 = NaN: zeroed
             else:
-                ckv, kpe = ckv_ref[rows], kpe_ref[rows]  # [BK, Dc], [BK, Dr]
-            s = (lax.dot_general(q_nope, ckv, (((1,), (1,)), ((), ())), precision=prec,
-                                 preferred_element_type=jnp.float32)
-                 + lax.dot_general(q_pe, kpe, (((1,), (1,)), ((), ())), precision=prec,
-                                   preferred_element_type=jnp.float32))  # [M, BK] raw logits
+                ckv, kpe = ckv_ref[rows].astype(dot_dtype), kpe_ref[rows].astype(dot_dtype)  # [BK, Dc], [BK, Dr]
+            s_pe = lax.dot_general(q_pe, kpe, (((1,), (1,)), ((), ())), precision=prec,
+                                   preferred_element_type=jnp.float32)  # [M, BK]
+            if has_scales:
+                s_pe = s_pe * pe_ratio
+            s = lax.dot_general(q_nope, ckv, (((1,), (1,)), ((), ())), precision=prec,
+                                preferred_element_type=jnp.float32) + s_pe  # [M, BK] logits / sm_scale (/ ckv_scale)
             if masked:
                 visible = valid[None, :]  # [1, BK]
                 if causal:
@@ -114,7 +136,7 @@ def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref
                  jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
         state = lax.fori_loop(0, n_plain, functools.partial(block, masked=False), state)
         acc, m, l = lax.fori_loop(n_plain, pl.cdiv(n_tok, block_kv), functools.partial(block, masked=True), state)
-        o, lse = _attention.finalize(acc, m, l)  # [M, Dc] f32, [M] natural log; no key: 0, -inf
+        o, lse = _attention.finalize(acc, m, l, v_scale=v_scale)  # [M, Dc] f32, [M] natural log; no key: 0, -inf
 
         @pl.when(f["part_base"] < 0)
         def _():
@@ -135,12 +157,13 @@ def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref
 
 
 def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
-              num_heads, page_size, sm_scale, causal, block_rows, interpret, config=MLAConfig()):
+              num_heads, page_size, sm_scale, causal, block_rows, interpret, config=MLAConfig(), scales=None):
     """Runs the MLA work list.
 
     q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head; ckv_rows [num_pages *
-    page_size, Dc], kpe_rows [.., Dr] in q's dtype; kv_indices int32[I]; items int32[W,
-    len(columns)] (planner/mla.py's COLUMNS); cell_indptr int32[num_cells + 1]; sm_scale > 0.
+    page_size, Dc], kpe_rows [.., Dr] in q's dtype, or both fp8 (q then float16 or bfloat16);
+    kv_indices int32[I]; items int32[W, len(columns)] (planner/mla.py's COLUMNS); cell_indptr
+    int32[num_cells + 1]; sm_scale > 0; scales: f32[2] (ckv_scale, kpe_scale > 0) or None.
     Returns (o [N, Dc] q's dtype, lse f32[N], o_part f32[max(num_parts, 1), Dc], lse_part
     f32[max(num_parts, 1)]); rows of o written by no writethrough item are the merge's.
     """
@@ -148,7 +171,8 @@ def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, 
     num_parts = max(int(num_parts), 1)
     kernel = functools.partial(
         _mla_kernel, columns=tuple(columns), num_heads=num_heads, block_rows=block_rows,
-        block_kv=config.kv_block(block_rows), page_size=page_size, sm_scale=float(sm_scale), causal=causal)
+        block_kv=config.kv_block(block_rows), page_size=page_size, sm_scale=float(sm_scale), causal=causal,
+        has_scales=scales is not None)
     call = pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1,),
@@ -161,4 +185,5 @@ def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, 
         name="jaxinfer_mla_paged",
     )
     with _common.kernel_math(fast=not interpret):
-        return call(items, cell_indptr, kv_indices, q_nope, q_pe, ckv_rows, kpe_rows)
+        return call(items, cell_indptr, kv_indices, q_nope, q_pe, ckv_rows, kpe_rows,
+                    *(() if scales is None else (scales,)))

@@ -28,11 +28,19 @@ def _num_pages(page_size):
     return 700 // page_size + 8  # every step's pages plus unlisted ones
 
 
+def runner(num_heads, page_size, causal, scaled=False):
+    """(wrapper, jitted run): run(q_nope, q_pe, ckv, kpe, plan) or, scaled, (..., plan, ckv_scale=, kpe_scale=)."""
+    return _runner(num_heads, page_size, causal, scaled)
+
+
 @functools.lru_cache(maxsize=None)
-def runner(num_heads, page_size, causal):
+def _runner(num_heads, page_size, causal, scaled):
     mla = BatchMLAPagedAttention(num_heads, CKV, KPE, page_size, causal=causal, sm_scale=SCALE,
                                  max_num_pages=_num_pages(page_size), config=MLAConfig(num_cells=3, min_chunk=64),
                                  **CAPS)
+    if scaled:
+        return mla, jax.jit(lambda *args, ckv_scale, kpe_scale: mla.run(
+            *args, return_lse=True, ckv_scale=ckv_scale, kpe_scale=kpe_scale))
     return mla, jax.jit(lambda *args: mla.run(*args, return_lse=True))
 
 
@@ -46,10 +54,16 @@ def step(rng, qo_lens, kv_lens, page_size, num_pages=None):
     return qo_indptr, kv_indptr, kv_indices, kv_lens
 
 
-def inputs(rng, num_tokens, num_heads, page_size, dtype):
+def inputs(rng, num_tokens, num_heads, page_size, dtype, cache_dtype=None):
+    """q_nope, q_pe in dtype; ckv, kpe in cache_dtype (default dtype; fp8: 3 x normal, stored values
+    up to ~15, for scales about 1 / 3)."""
     n = _num_pages(page_size)
     shapes = ((num_tokens, num_heads, CKV), (num_tokens, num_heads, KPE), (n, page_size, CKV), (n, page_size, KPE))
-    return [rng.standard_normal(s).astype(np.float32).astype(dtype) for s in shapes]
+    out = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    wide = 3.0 if jnp.dtype(cache_dtype).itemsize == 1 else 1.0
+    return [out[0].astype(dtype), out[1].astype(dtype), (wide * out[2]).astype(cache_dtype),
+            (wide * out[3]).astype(cache_dtype)]
 
 
 def oracle(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len, causal):
@@ -84,12 +98,17 @@ def check(out, want, tol):
     np.testing.assert_allclose(lse[fin], want[1][fin], rtol=tol, atol=tol)
 
 
-def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32", poison=False):
-    """Runs one step on the cached runner; returns (output, float64 oracle on the clean cache)."""
-    mla, run = runner(num_heads, page_size, causal)
+def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32", poison=False,
+             cache_dtype=None, scales=None):
+    """Runs one step on the cached runner; returns (output, float64 oracle on the clean cache,
+    dequantized with scales = (ckv_scale, kpe_scale) when given)."""
+    mla, run = runner(num_heads, page_size, causal, scales is not None)
     table = step(rng, qo_lens, kv_lens, page_size)
-    q_nope, q_pe, ckv, kpe = inputs(rng, CAPS["max_num_tokens"], num_heads, page_size, jnp.dtype(dtype))
-    want = oracle(q_nope, q_pe, ckv, kpe, *table, causal)
+    q_nope, q_pe, ckv, kpe = inputs(rng, CAPS["max_num_tokens"], num_heads, page_size, jnp.dtype(dtype),
+                                    cache_dtype and jnp.dtype(cache_dtype))
+    c_scale, k_scale = (1.0, 1.0) if scales is None else scales
+    want = oracle(q_nope, q_pe, np.asarray(ckv, np.float64) * c_scale, np.asarray(kpe, np.float64) * k_scale,
+                  *table, causal)
     if poison:  # NaN in unlisted pages, in each last page's slots past kv_len and in q's padding rows
         listed = np.zeros(ckv.shape[:2], bool)
         for b in range(len(kv_lens)):
@@ -98,7 +117,8 @@ def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32
         ckv[~listed], kpe[~listed] = np.nan, np.nan
         q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
     plan = mla.plan(*table, num_pages=ckv.shape[0])
-    return run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan), want
+    kw = {} if scales is None else dict(ckv_scale=jnp.float32(c_scale), kpe_scale=jnp.float32(k_scale))
+    return run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan, **kw), want
 
 
 @pytest.mark.parametrize("num_heads,page_size,causal", [(8, 1, True), (16, 64, True), (16, 16, False),
@@ -117,6 +137,27 @@ def test_128_heads_small_kv(rng):
 def test_bfloat16(rng):
     out, want = run_step(rng, 16, 64, True, *MIXED, dtype="bfloat16")
     check(out, want, 2e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 8e-3), ("float16", 1e-3)])
+def test_fp8_latent_cache_with_scales(rng, dtype, tol):
+    """e4m3 ckv / kpe with their own scales (data: one compilation for both pairs), NaN in unlisted
+    pages, against float64 on the dequantized cache; o in q's dtype."""
+    _, run = runner(16, 16, True, True)
+    sizes = []
+    for (qo_lens, kv_lens), scales in ((DECODE, (0.31, 0.47)), (MIXED, (0.6, 0.2))):
+        out, want = run_step(rng, 16, 16, True, qo_lens, kv_lens, dtype, poison=True,
+                             cache_dtype="float8_e4m3fn", scales=scales)
+        assert out.o.dtype == jnp.dtype(dtype)
+        check(out, want, tol)
+        sizes.append(run._cache_size())
+    assert sizes[0] == sizes[1]
+
+
+def test_fp8_latent_cache_without_scales(rng):
+    """An fp8 cache without scales reads its values as they are (scale 1)."""
+    out, want = run_step(rng, 16, 64, True, *MIXED, "bfloat16", cache_dtype="float8_e4m3fn")
+    check(out, want, 8e-3)
 
 
 def test_nan_in_unlisted_pages_stale_slots_and_padding_rows(rng):
@@ -161,6 +202,11 @@ def test_reference_matches_oracle(rng):
     reference = jax.jit(lambda *x: ref.mla_reference(*x, *table, causal=True, sm_scale=SCALE))  # one program
     got = reference(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)))
     check(got, oracle(q_nope, q_pe, ckv, kpe, *table, True), 1e-5)
+    ckv8, kpe8 = (jnp.asarray(x * 3, jnp.float8_e4m3fn) for x in (ckv, kpe))
+    got = jax.jit(lambda *x: ref.mla_reference(*x, *table, causal=True, sm_scale=SCALE, ckv_scale=0.3, kpe_scale=0.5))(
+        *map(jnp.asarray, (q_nope, q_pe)), ckv8, kpe8)
+    want = oracle(q_nope, q_pe, np.asarray(ckv8, np.float64) * 0.3, np.asarray(kpe8, np.float64) * 0.5, *table, True)
+    check(got, want, 1e-5)
 
 
 def test_plan_is_a_pytree_bound_to_its_wrapper(rng):
@@ -248,6 +294,15 @@ def test_bad_plan_and_run_inputs(rng):
                 mla.run(*args, plan)
     with pytest.raises(ValueError, match="float64"):
         mla.run(np.asarray(good[0], np.float64), *good[1:], plan)
+    fp8 = [x.astype(jnp.float8_e4m3fn) for x in good[2:]]
+    with pytest.raises(ValueError, match="ckv_cache"):  # fp8 under a float32 q
+        mla.run(*good[:2], *fp8, plan)
+    with pytest.raises(ValueError, match="kpe_cache"):  # caches of two dtypes
+        mla.run(*(x.astype(jnp.bfloat16) for x in good[:2]), fp8[0], good[3].astype(jnp.bfloat16), plan)
+    for bad in (-1.0, 0.0, float("nan"), np.ones(2), jnp.ones(2), "1", jnp.int32(2)):
+        for name in ("ckv_scale", "kpe_scale"):
+            with pytest.raises(ValueError, match=name):
+                mla.run(*good, plan, **{name: bad})
     with pytest.raises(ValueError, match="causal"):
         runner(16, 64, False)[0].run(*good, plan)
 
@@ -255,14 +310,16 @@ def test_bad_plan_and_run_inputs(rng):
 def test_gpu_kernel_lowers_for_cuda():
     """The compiled kernels (MLA and the merge) lower to Triton IR for an H100 on any host."""
     from test_backend import TRITON_CALL, lower_for_cuda
-    for heads, qo in ((16, 1), (128, 1), (16, 4)):
+    for heads, qo, cache in ((16, 1, jnp.bfloat16), (128, 1, jnp.bfloat16), (16, 4, jnp.bfloat16),
+                             (16, 1, jnp.float8_e4m3fn), (128, 1, jnp.float8_e4m3fn)):
         b, kv, page = 4, 300, 64
         qo_indptr, kv_indptr, kv_indices, kv_len = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 20)
         mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=qo > 1, sm_scale=SCALE, backend="gpu")
         plan = mla.plan(qo_indptr, kv_indptr, kv_indices, kv_len, num_pages=20)
         args = (jnp.ones((b * qo, heads, CKV), jnp.bfloat16), jnp.ones((b * qo, heads, KPE), jnp.bfloat16),
-                jnp.ones((20, page, CKV), jnp.bfloat16), jnp.ones((20, page, KPE), jnp.bfloat16), plan)
-        assert lower_for_cuda(mla.run, *args).count(TRITON_CALL) == 1 + (plan.layout.group_cap > 0)
+                jnp.ones((20, page, CKV), cache), jnp.ones((20, page, KPE), cache), plan)
+        fn = mla.run if cache == jnp.bfloat16 else functools.partial(mla.run, ckv_scale=0.5, kpe_scale=0.25)
+        assert lower_for_cuda(fn, *args).count(TRITON_CALL) == 1 + (plan.layout.group_cap > 0)
 
 
 @pytest.mark.slow
@@ -274,3 +331,14 @@ def test_grid_matches_float64_reference(rng, num_heads, page_size, causal, dtype
     for qo_lens, kv_lens in (DECODE, MIXED) if num_heads < 128 else (SMALL, DECODE):
         out, want = run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype, poison=True)
         check(out, want, 2e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_heads", [8, 16, 128])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_grid_matches_float64_reference(rng, num_heads, page_size, cache_dtype):
+    for qo_lens, kv_lens in (DECODE, MIXED) if num_heads < 128 else (SMALL, DECODE):
+        out, want = run_step(rng, num_heads, page_size, True, qo_lens, kv_lens, "bfloat16", poison=True,
+                             cache_dtype=cache_dtype, scales=(0.4, 0.7))
+        check(out, want, 8e-3)
