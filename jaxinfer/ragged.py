@@ -187,7 +187,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     mixed_plan = mosaic_plan = taken = None
     if mixed is not None:  # the base: the long sequences and the packed short ones in one launch
         mixed_plan = ragged_plan.plan_mixed(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq,
-                                            causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mixed, num_rows=t)
+                                            page_size=page_size, causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mixed, num_rows=t)
         taken = mixed_plan[2]
     if classes[0].mosaic:  # the base: its rows through a sub-buffer and back by a gather + select
         mosaic_plan = ragged_plan.plan_mosaic(

@@ -231,8 +231,8 @@ def order_desc(cost):
     return jnp.zeros_like(i).at[rank].set(i, unique_indices=True)
 
 
-def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, causal, num_qo_heads, num_kv_heads, mix,
-                num_rows):
+def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, page_size, causal, num_qo_heads, num_kv_heads,
+               mix, num_rows):
     """The device prologue of the mixed launch (planner.batch.plan_mixed's work list, planned in
     XLA): sequences of q_len >= mix.long_min are query tiles of tile_tokens tokens x each query
     head, from their first row; when the step has such a tile, a sequence of q_len <=
@@ -308,8 +308,8 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, causal, num_q
         q_row_start=start_x[seq], tile_tok=jnp.where(is_packed, 0, tile_tok[tile]), qo_len=q_x[seq],
         page_base=jnp.minimum(seq, s - 1) * pages_per_seq, kv_len=kv_x[seq], kv_start=zero,
         kv_end=jnp.where(is_packed, kv_x[seq], kv_hi[tile]), head=within, lse_slot=lse_slot,
-        packed=is_packed.astype(jnp.int32), mask_base=zero, kv_pos_offset=zero, tail=zero - 1, kv_first=zero,
-        q_pos_min=zero, q_pos_max=zero)
+        packed=is_packed.astype(jnp.int32), last_row=jnp.where((seq < s) & (kv_x[seq] % page_size != 0), seq, -1),
+        kv_pos_offset=zero, tail=zero - 1, kv_first=zero, q_pos_min=zero, q_pos_max=zero)
     items = jnp.stack(cols, axis=1).astype(jnp.int32)  # [N, MIXED.width]
 
     # Within each cell (its items the row of a [C, R] table): the preferred kind first (query tiles
@@ -327,17 +327,14 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, causal, num_q
 
 
 def last_pages(kv_lens, kv_indices, distribution, *, pages_per_seq, page_size):
-    """The valid sequences' partly filled last pages (pallas_kernels.prefill_mosaic.LastPages: the
-    mixed launch reads their V from a copy with the stale slots zeroed); kv_indices [S *
-    pages_per_seq], sequence s's pages from s * pages_per_seq."""
+    """The valid sequences' partly filled last pages (pallas_kernels.prefill_mosaic.LastPages, row
+    s: sequence s, plan_mixed's last_row), read by the mixed launch with their stale slots
+    zeroed; kv_indices [S * pages_per_seq], sequence s's pages from s * pages_per_seq."""
     from pallas_kernels.prefill_mosaic import LastPages
-    s = kv_lens.shape[0]
-    seq = jnp.arange(s, dtype=jnp.int32)
-    length = jnp.where(seq < distribution[2], kv_lens % page_size, 0)  # [S] (0: full or no page)
+    seq = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
     pos = seq * pages_per_seq + jnp.maximum(kv_lens - 1, 0) // page_size  # [S]
-    row = jnp.full(kv_indices.shape, -1, jnp.int32).at[jnp.where(length > 0, pos, kv_indices.shape[0])].set(
-        seq, mode="drop")
-    return LastPages(page=kv_indices[pos], length=length, row=row)
+    length = jnp.where(seq < distribution[2], kv_lens % page_size, 0)  # [S] (0: full or no page)
+    return LastPages(page=kv_indices[pos], length=length)
 
 
 def row_seqs(cu_q_lens, distribution, num_tokens):

@@ -42,8 +42,9 @@ def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, kernel, page_si
                          global_kv_pos=False):
     """Prefill kernel (dispatch's row's: pallas_kernels.prefill.run_triton or run_mosaic) + per-token
     merge of split tiles. kv_indices: the plan's page ids (None for contiguous K/V). Returns
-    (o [nnz, Hq, D], lse [nnz, Hq]), before any variant output transform."""
-    nnz, hq, d = q.shape
+    (o [nnz, Hq, Dv], lse [nnz, Hq]) (Dv: v_rows' width), before any variant output transform."""
+    nnz, hq, _ = q.shape
+    d = v_rows.shape[1]
     lay, sec = plan.layout, plan.sections()
     o, lse, o_part, lse_part = kernel(
         q, k_rows, v_rows, kv_indices, sec["items"], sec["cell_indptr"], mask=plan.mask,
@@ -88,7 +89,7 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, interpret=interpret,
         packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots, columns=MIXED,
-        last_pages=prefill_mosaic.LastPages(page=sec["last_page"], length=sec["last_len"], row=sec["last_row"]))
+        last_pages=prefill_mosaic.LastPages(page=sec["last_page"], length=sec["last_len"]))
     src = sec["lse_src"]  # [N]
     live = (src >= 0)[:, None]
     lse = None

@@ -70,6 +70,7 @@ class _Item(NamedTuple):
     kv_head: jax.Array
     lse_slot: jax.Array    # its lse rows: lse_items[., lse_slot * T + row]
     packed: object         # a packed tile (mixed launches; False elsewhere)
+    last_row: object       # mixed launches: v_last's row for the last page's V (-1: none); else None
 
 
 @jax.tree_util.register_dataclass
@@ -78,7 +79,6 @@ class LastPages:
     """The partly filled last pages of a step's requests, for prefill_mosaic's V loads."""
     page: jax.Array    # [R] int32: request r's last page (any page where length is 0)
     length: jax.Array  # [R] int32: its keys in that page (0: no copy needed; slots >= length zeroed)
-    row: jax.Array     # [len(kv_indices)] int32: r at the position of request r's last page, else -1
 
     def sanitized_v(self, v):
         """v [P, S, Hkv, D] -> [R, S, Hkv, D]: each last page's V, slots past its keys zeroed."""
@@ -103,8 +103,8 @@ def _compute_registers(compute_wgs):
     return min((pool - MEMORY_REGISTERS[compute_wgs]) // compute_wgs // 8 * 8, 232)
 
 
-def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, last_row_ref, v_last_ref,
-            q_pos_ref, params, o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
+def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, q_pos_ref, params,
+            o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
             max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
             persistent, packed_tokens, columns):
     tile_tokens = compute_wgs * WG_ROWS
@@ -141,9 +141,11 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, las
             lo, full_lo = variant.kv_bounds(params, load("q_pos_min"), load("q_pos_max"))
             kv_begin = jnp.clip(lo - load("kv_pos_offset"), kv_start, kv_hi)
         kv_begin = lax.div(kv_begin, jnp.int32(block_kv)) * block_kv
+        last_row = None
         if mixed:  # the item's head and kind
             head, lse_slot, packed = load("head"), load("lse_slot"), load("packed") != 0
             kv_head = jnp.where(packed, head, lax.div(head, jnp.int32(group)))
+            last_row = load("last_row") if v_last_ref is not None else None
         else:  # the grid's head
             head, lse_slot, packed = lax.axis_index("heads"), w, False
             kv_head = lax.div(head, jnp.int32(group))
@@ -151,7 +153,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, las
                      load("kv_pos_offset"), load("tail"), offset, kv_begin,
                      jnp.maximum(kv_start, load("kv_first")), full_lo,
                      jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0),
-                     head, kv_head, lse_slot, packed)
+                     head, kv_head, lse_slot, packed, last_row)
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
@@ -545,47 +547,49 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, las
         pages_per_block = max(1, block_kv // page_size)
         rows_per_copy = min(page_size, block_kv)
         last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
-        # The row of v_last holding the last page's V with its stale slots zeroed (-1: none)
-        last_row = None if v_last_ref is None else last_row_ref[jnp.maximum(last_page, 0)]
 
         def sources(step):
-            """(K/V source index, slot rows, whether it is the last page) of each copy of KV block
-            `step`: the page-index loads, issued before waiting for the slot."""
+            """(K/V source index, slot rows, kv_indices position) of each copy of KV block `step`:
+            the page-index loads, issued before waiting for the slot."""
             tok = kv_begin + step * block_kv
             if contiguous:
-                return [((pl.ds(page_base + tok, block_kv), kv_head), pl.ds(0, block_kv), False)]
+                return [((pl.ds(page_base + tok, block_kv), kv_head), pl.ds(0, block_kv), None)]
             srcs = []
             for i in range(pages_per_block):  # static: one TMA per page (or page part)
                 t = tok + i * rows_per_copy
                 pos = jnp.minimum(page_base + lax.div(t, jnp.int32(page_size)), last_page)
                 srcs.append(((kv_indices_ref[pos], pl.ds(lax.rem(t, jnp.int32(page_size)), rows_per_copy), kv_head),
-                             pl.ds(i * rows_per_copy, rows_per_copy), pos == last_page))
+                             pl.ds(i * rows_per_copy, rows_per_copy), pos))
             return srcs
 
-        def copy_k(srcs, slot):
+        def copy(srcs, slot, ref, smem, bar):
             for src, dst, _ in srcs:
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot, dst], bar.at[slot])
 
-        def copy_v(srcs, slot):  # a last page's V from v_last where it has a row
-            for src, dst, at_last in srcs:
-                if last_row is None:
-                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
-                    continue
-                sanitized = at_last & (last_row >= 0)
+        def copy_v(srcs, slot):
+            """V of block `step`; a block that reaches a sanitized last page takes that page from v_last."""
+            if f.last_row is None:
+                return copy(srcs, slot, v_ref, v_smem, v_bar)
+            reaches = (f.last_row >= 0) & (srcs[-1][2] == last_page)
+            pl.when(~reaches)(lambda: copy(srcs, slot, v_ref, v_smem, v_bar))
 
-                @pl.when(sanitized)
-                def _():
-                    plgpu.copy_gmem_to_smem(v_last_ref.at[(last_row,) + src[1:]], v_smem.at[slot, dst], v_bar.at[slot])
+            @pl.when(reaches)
+            def _():
+                for src, dst, pos in srcs:
+                    @pl.when(pos == last_page)
+                    def _():
+                        plgpu.copy_gmem_to_smem(v_last_ref.at[(f.last_row,) + src[1:]], v_smem.at[slot, dst],
+                                                v_bar.at[slot])
 
-                @pl.when(~sanitized)
-                def _():
-                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
+                    @pl.when(pos != last_page)
+                    def _():
+                        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
 
         for i in range(max_steps):
             @pl.when(i < tile_steps)
             def _():
                 srcs = sources(i)
-                copy_k(srcs, i)
+                copy(srcs, i, k_ref, k_smem, k_bar)
                 copy_v(srcs, i)
 
         @pl.loop(0, jnp.maximum(tile_steps - max_steps, 0))
@@ -593,7 +597,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, las
             slot = lax.rem(step, jnp.int32(slots))
             srcs = sources(step + max_steps)
             plgpu.barrier_wait(k_free.at[slot])
-            copy_k(srcs, slot)
+            copy(srcs, slot, k_ref, k_smem, k_bar)
             plgpu.barrier_wait(v_free.at[slot])
             copy_v(srcs, slot)
 
@@ -650,9 +654,10 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     query tiles of one query head as above. lse_items is then [1, num_lse_slots * T]: slot s's
     rows at s * T + row (a packed tile's rows in its row order).
 
-    last_pages (a paged cache): a LastPages of the requests whose last page is partly filled; the
-    kernel reads those pages' V from a copy with the slots past kv_len zeroed (a freed slot keeps
-    its last owner's values, NaN included, and 0 * NaN in P @ V is NaN)."""
+    last_pages (a mixed launch on a paged cache): the requests' partly filled last pages; an item
+    whose last_row column is r >= 0 reads its last page's V from row r of a copy with the slots
+    past kv_len zeroed (a freed slot keeps its last owner's values, NaN included, and 0 * NaN in
+    P @ V is NaN). Other launches zero those rows in shared memory."""
     nnz, num_qo_heads, d = q.shape
     mixed = packed_tokens > 0
     persistent = persistent or mixed
@@ -679,9 +684,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     else:
         k = k_rows.reshape(-1, page_size, num_kv_heads, d)
         v = v_rows.reshape(-1, page_size, num_kv_heads, d)
-    last = []
-    if last_pages is not None and not contiguous:
-        last = [last_pages.row.astype(jnp.int32), last_pages.sanitized_v(v)]
+    last = [] if last_pages is None or not mixed or contiguous else [last_pages.sanitized_v(v)]
     num_cells = cell_indptr.shape[0] - 1
     if interpret and num_cells > 2:
         # The interpreter compiles each grid point's warpgroups anew (seconds each): its cells
@@ -701,7 +704,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         interpret_params = InterpretGPUParams(uninitialized_memory="nan")  # outputs poisoned
 
     def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, *refs):
-        (last_row_ref, v_last_ref), refs = (refs[:2], refs[2:]) if last else ((None, None), refs)
+        v_last_ref, refs = (refs[0], refs[1:]) if last else (None, refs)
         q_pos_ref, param_refs = (refs[0], refs[1:-3]) if variant is not None else (None, ())
         o_ref, lse_ref, o_tail_ref = refs[-3:]
         tiling = plgpu.TilingTransform((8, 64))
@@ -723,8 +726,8 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         freed = (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
-                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, last_row_ref, v_last_ref,
-                q_pos_ref, None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
+                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, q_pos_ref,
+                None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
                 page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
                 sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,

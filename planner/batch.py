@@ -205,7 +205,7 @@ class MixedLayout(PackedLayout):
     def sections(self):
         return (("kv_indices", self.index_cap), ("items", self.num_lse_slots * self.ITEMS.width),
                 ("cell_indptr", self.num_cells + 1), ("lse_src", self.num_tokens),
-                ("last_page", self.batch), ("last_len", self.batch), ("last_row", self.index_cap))
+                ("last_page", self.batch), ("last_len", self.batch))
 
 
 @lru_cache(maxsize=256)
@@ -229,8 +229,7 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     query head 0 (head h: + h * T); a packed row's for head 0 of its tile (head h: + (h // G) * T +
     h % G; these are the indices >= packed_slot0 * T); -1 for rows past the step. Request b's
     last page when partly filled (the kernel reads its V from a copy with the stale slots zeroed):
-    last_page[b], last_len[b] its keys there (else 0), and last_row[its position in kv_indices] = b
-    (-1 elsewhere)."""
+    last_page[b], last_len[b] its keys there (else 0), and its items' last_row b (else -1)."""
     group = num_qo_heads // num_kv_heads
     nnz = int(qo_indptr[-1])
     T = tile_tokens
@@ -274,6 +273,11 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
     p_tiles[:, MIXED.kv_end] = p_kv
     p_tiles[:, MIXED.packed] = 1
     tiles[:, MIXED.tail] = -1
+    partial = np.flatnonzero((qo_lens > 0) & (kv64 % page_size != 0))  # [R]: a partly filled last page
+    last_row = np.full(qo_lens.shape, -1, np.int32)
+    last_row[partial] = partial
+    q_tiles[:, MIXED.last_row] = last_row.take(long_.take(tile_req))
+    p_tiles[:, MIXED.last_row] = last_row.take(short)
     items = tiles.repeat(np.repeat([num_qo_heads, num_kv_heads], [num_tiles, short.shape[0]]), axis=0)
     items[:n_q, MIXED.head].reshape(num_tiles, num_qo_heads)[:] = scheduler.arange(num_qo_heads)
     items[n_q:, MIXED.head].reshape(-1, num_kv_heads)[:] = scheduler.arange(num_kv_heads)
@@ -292,8 +296,8 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
 
     buf = new_buffer(layout.size)
     buf[:] = 0
-    (i0, _), (t0, _), (c0, c1), (s0, s1), (p0, _), (n0, _), (r0, r1) = (layout.offsets[name] for name in (
-        "kv_indices", "items", "cell_indptr", "lse_src", "last_page", "last_len", "last_row"))
+    (i0, _), (t0, _), (c0, c1), (s0, s1), (p0, _), (n0, _) = (layout.offsets[name] for name in (
+        "kv_indices", "items", "cell_indptr", "lse_src", "last_page", "last_len"))
     buf[i0:i0 + kv_indices.shape[0]] = kv_indices
     items.take(order, axis=0, out=buf[t0:t0 + items.size].reshape(items.shape), mode="clip")  # (in range)
     buf[c0 + 1:c1] = np.add.accumulate(np.bincount(cell, minlength=layout.num_cells))  # (cell_indptr[0] = 0)
@@ -322,11 +326,7 @@ def plan_mixed(qo_indptr, kv_lens, page_base, kv_indices, is_short, *, page_size
             live = t < p_qo[:, None]
             rows, lse = rows[live], lse[live]
         lse_src[rows.reshape(-1)] = lse.reshape(-1)
-    partial = np.flatnonzero((qo_lens > 0) & (kv64 % page_size != 0))  # [R]: requests with a partly filled last page
-    last_pos = page_base.take(partial) + (kv64.take(partial) - 1) // page_size
-    buf[p0 + partial] = kv_indices.take(last_pos)
+    buf[p0 + partial] = kv_indices.take(page_base.take(partial) + (kv64.take(partial) - 1) // page_size)
     buf[n0 + partial] = kv64.take(partial) % page_size
-    buf[r0:r1] = -1
-    buf[r0 + last_pos] = partial
     info = dict(num_items=n_q + n_p, num_tiles=num_tiles, num_short=short.shape[0], nnz=nnz)
     return layout, buf, info

@@ -53,8 +53,9 @@ PREFILL = Columns(("q_row_start", "tile_tok", "qo_len", "page_base", "kv_len", "
                    "part_base", "num_chunks", "chunk", "mask_base", "kv_pos_offset", "tail", "kv_first",
                    "q_pos_min", "q_pos_max"))
 # The mixed Mosaic launch: prefill items that never split, whose split columns name the item's
-# query head, its lse slot and whether it is a packed tile of short requests (1) or a query tile.
-MIXED = PREFILL.rename(part_base="head", num_chunks="lse_slot", chunk="packed")
+# query head, its lse slot and whether it is a packed tile of short requests (1) or a query tile;
+# last_row: the row of the sanitized copy of its request's partly filled last page (-1: none).
+MIXED = PREFILL.rename(part_base="head", num_chunks="lse_slot", chunk="packed", mask_base="last_row")
 # The MLA kernel: a tile of `rows` query rows (q viewed as [T * H, D], from q_row; row_start: the
 # tile's first row within its request) against keys [kv_start, kv_end); first_pos: the request's
 # first query position (causal); part_base < 0: the item writes o / lse, else row r's partial

@@ -11,6 +11,7 @@ from helpers import page_table
 from planner import decode as decode_planner
 from planner import prefill as prefill_planner
 from planner import scheduler, validate
+from planner.work_items import MIXED
 
 
 def _same(new, ref):
@@ -329,19 +330,18 @@ def test_mixed_plans_match_the_old_planner(seed):
               batch_cap=batch + extra, index_cap=int(indptr[-1]) + extra + 1, causal=bool(seed % 4))
     args = (qo_indptr, kv.astype(np.int32), indptr[:-1], indices[: indptr[-1]], is_short)
     plan = batch_planner.plan_mixed(*args, **kw)
-    # The last-page sections (which the old planner lacks): request b's partly filled last page
+    # What the old planner lacks: request b's partly filled last page and its items' last_row
     sec = plan[0].unpack(plan[1])
     partial = (qo > 0) & (kv % page != 0)
-    last_pos = indptr[:-1] + (kv - 1) // page
-    np.testing.assert_array_equal(sec["last_page"][:batch], np.where(partial, indices[np.maximum(last_pos, 0)], 0))
+    np.testing.assert_array_equal(sec["last_page"][:batch],
+                                  np.where(partial, indices[np.maximum(indptr[:-1] + (kv - 1) // page, 0)], 0))
     np.testing.assert_array_equal(sec["last_len"][:batch], np.where(partial, kv % page, 0))
-    want_row = np.full(kw["index_cap"], -1)
-    want_row[last_pos[partial]] = np.flatnonzero(partial)
-    np.testing.assert_array_equal(sec["last_row"], want_row)
-    for name in ("last_page", "last_len", "last_row"):
-        sec[name][:] = 0 if name != "last_row" else -1
+    items = sec["items"]
+    live = items[:, MIXED.kv_len] > 0
+    req = np.searchsorted(qo_indptr, items[:, MIXED.q_row_start], side="right") - 1  # (qo > 0: one request a row)
+    np.testing.assert_array_equal(items[live, MIXED.last_row], np.where(partial, np.arange(batch), -1)[req[live]])
+    sec["last_page"][:], sec["last_len"][:], items[:, MIXED.last_row] = 0, 0, 0
     ref = old.plan_mixed(*args, **kw)
-    ref[0].unpack(ref[1])["last_row"][:] = -1
     _same(plan, ref)
 
 

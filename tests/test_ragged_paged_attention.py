@@ -9,6 +9,7 @@ import jaxinfer as ji
 from helpers import TOL, np64_attention, randn, rel_err
 from jaxinfer import ragged, ragged_plan
 from planner import batch as batch_planner
+from planner.work_items import MIXED
 from jaxinfer import reference as ref
 from jaxinfer import variants
 
@@ -437,7 +438,8 @@ def test_mixed_plan_matches_numpy(rng):
     assert (mix.long_min, mix.packed_tokens) == (17, 8)
     traces = []
     plan = jax.jit(lambda *a, **kw: (traces.append(1), ragged_plan.plan_mixed(*a, **kw))[1],
-                   static_argnames=("pages_per_seq", "causal", "num_qo_heads", "num_kv_heads", "mix", "num_rows"))
+                   static_argnames=("pages_per_seq", "page_size", "causal", "num_qo_heads", "num_kv_heads", "mix",
+                                    "num_rows"))
     cost = lambda kv_hi: kv_hi + batch_planner.MIXED_ITEM_COST
     for trial in range(6):
         n = int(rng.integers(1, s + 1))
@@ -452,7 +454,7 @@ def test_mixed_plan_matches_numpy(rng):
         causal = trial % 3 != 2
         items, cell_indptr, taken = (np.asarray(x) for x in plan(
             jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray([0, 0, n], jnp.int32), pages_per_seq=pps,
-            causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mix, num_rows=t))
+            page_size=16, causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mix, num_rows=t))
         long_ = q_lens >= mix.long_min
         short = (q_lens > 0) & (q_lens <= mix.packed_tokens)
 
@@ -475,6 +477,9 @@ def test_mixed_plan_matches_numpy(rng):
                              for h in range(hkv))
         assert sorted(map(tuple, got[got[:, 9] == 1][:, [0, 2, 3, 4, 6, 7]].tolist())) == want_packed
         assert len(set(got[:, 8].tolist())) == live and np.all(got[:, 12] == -1)
+        # a partly filled last page (page 16): the sanitized copy's row, its sequence
+        np.testing.assert_array_equal(got[:, MIXED.last_row],
+                                      np.where(got[:, MIXED.kv_len] % 16 != 0, got[:, MIXED.page_base] // pps, -1))
         ind = cell_indptr
         assert ind[0] == 0 and np.all(np.diff(ind) >= 0)
         for c in range(cells):
