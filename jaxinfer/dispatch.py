@@ -54,6 +54,7 @@ class Problem:
     variant: object = None       # a jaxinfer.AttentionVariant or None
     custom_mask: bool = False
     interpret: bool = True       # Pallas interpret mode (CPU) rather than compiled
+    head_dim_vo: Optional[int] = None  # V and o's head_dim where it differs from head_dim (q, K)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -64,6 +65,11 @@ class Problem:
     @property
     def group(self):
         return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def kv_width(self):
+        """Elements of one token's K and V rows of a KV head."""
+        return self.head_dim + (self.head_dim if self.head_dim_vo is None else self.head_dim_vo)
 
     @property
     def hopper(self):
@@ -129,7 +135,7 @@ def _visible_keys(qo_lens, kv_lens, tile_tokens, causal):
 
 def _kv_us(problem, kv_lens, bytes_per_us=HBM_BYTES_PER_US):
     """Reading the step's K/V once (µs)."""
-    return 2.0 * KV_ITEMSIZE * problem.num_kv_heads * problem.head_dim * float(kv_lens.sum()) / bytes_per_us
+    return KV_ITEMSIZE * problem.num_kv_heads * problem.kv_width * float(kv_lens.sum()) / bytes_per_us
 
 
 def _decode_cost(problem, qo_lens, kv_lens, causal):
@@ -139,14 +145,35 @@ def _decode_cost(problem, qo_lens, kv_lens, causal):
 def _triton_prefill_cost(problem, qo_lens, kv_lens, causal):
     rows = prefill_planner.choose_tile_rows(qo_lens, problem.group)
     keys = float(_visible_keys(qo_lens, kv_lens, max(1, rows // problem.group), causal).sum())
-    flops = 4.0 * rows * problem.head_dim * keys * problem.num_kv_heads
+    flops = 2.0 * rows * problem.kv_width * keys * problem.num_kv_heads
     return LAUNCH_US + max(flops / TRITON_FLOPS_PER_US, _kv_us(problem, kv_lens, TRITON_BYTES_PER_US))
+
+
+def _pow2(n):
+    return n & (n - 1) == 0
+
+
+def _triton_prefill_unsupported(problem, explicit):
+    """Distinct head dims, compiled (Triton tiles are powers of two): a head_dim (q, K) that is not
+    runs as column blocks of powers of two >= 16 (no query / key transforms then); head_dim_vo
+    (V, o) must be one."""
+    if problem.interpret or problem.head_dim_vo is None:
+        return None
+    if not _pow2(problem.head_dim_vo):
+        return f"head_dim_vo must be a power of two, got {problem.head_dim_vo}"
+    if not _pow2(problem.head_dim):
+        if problem.head_dim % 16:
+            return f"head_dim {problem.head_dim} is neither a power of two nor a multiple of 16"
+        v = problem.variant
+        if v is not None and (v.has_query_transform or v.has_key_transform):
+            return f"variant {v.name!r} transforms whole q / K rows: head_dim must be a power of two"
+    return None
 
 
 def _mosaic_prefill_cost(problem, qo_lens, kv_lens, causal):
     tile_tokens = mosaic_default_config(problem).tile_tokens
     keys = _visible_keys(qo_lens, kv_lens, tile_tokens, causal)
-    tile_flops = 4.0 * tile_tokens * problem.head_dim  # per key, per query head
+    tile_flops = 2.0 * tile_tokens * problem.kv_width  # per key, per query head
     total = tile_flops * float(keys.sum()) * problem.num_qo_heads / MOSAIC_FLOPS_PER_US
     # KV is never split: the longest single tile bounds the step (one SM runs it alone).
     longest = tile_flops * float(kv_lens.max(initial=0)) / (MOSAIC_FLOPS_PER_US / _backend.num_sms())
@@ -170,6 +197,8 @@ def _short_cost(problem, qo_lens, kv_lens, causal):
 def _short_unsupported(problem, explicit):
     if problem.kv_format != "paged":
         return "short-query tiles read paged caches only"
+    if problem.head_dim_vo is not None:
+        return "head_dim_qk != head_dim_vo runs on the prefill kernels"
     if problem.custom_mask:
         return "custom masks run on the prefill kernels"
     return None
@@ -194,7 +223,7 @@ def _mosaic_unsupported(problem, explicit):
         return "custom masks run on Triton only"
     why = prefill_kernels.mosaic_limits(
         head_dim=problem.head_dim, page_size=problem.page_size if problem.kv_format == "paged" else None,
-        block_kv=mosaic_default_config(problem).block_kv, layout=problem.layout)
+        block_kv=mosaic_default_config(problem).block_kv, layout=problem.layout, head_dim_vo=problem.head_dim_vo)
     if why is not None:
         return why
     v = problem.variant
@@ -307,8 +336,8 @@ def _mla_cost(problem, qo_lens, kv_lens, causal):
 
 IMPLEMENTATIONS = (
     Implementation("decode_triton", "decode", "triton", DecodeConfig, _always, _decode_cost),
-    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _always, _triton_prefill_cost,
-                   kernel=prefill_kernels.run_triton),
+    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _triton_prefill_unsupported,
+                   _triton_prefill_cost, kernel=prefill_kernels.run_triton),
     Implementation("prefill_mosaic", "prefill", "mosaic", MosaicPrefillConfig, _mosaic_unsupported,
                    _mosaic_prefill_cost, _mosaic_dtypes_unsupported, takes_scales=False, whole_tiles=True,
                    kernel=prefill_kernels.run_mosaic),
@@ -382,7 +411,8 @@ def explain(problem, qo_lens=None, kv_lens=None, causal=True, impl="auto", dtype
     the reason it cannot run (or the dtypes it cannot take), else its estimated cost for the step
     (qo_lens, kv_lens), then the choice."""
     lines = [f"{problem.family} problem: Hq {problem.num_qo_heads}, Hkv {problem.num_kv_heads}, head_dim "
-             f"{problem.head_dim}, {problem.kv_format}, page {problem.page_size}, {problem.layout}, "
+             f"{problem.head_dim}" + ("" if problem.head_dim_vo is None else f" / vo {problem.head_dim_vo}")
+             + f", {problem.kv_format}, page {problem.page_size}, {problem.layout}, "
              f"{'interpret' if problem.interpret else 'compiled'}" + ("" if problem.hopper else " (no Hopper)")]
     for row, reason in implementations(problem, impl):
         if reason is None and dtypes is not None:

@@ -53,12 +53,15 @@ class PagedKVCache:
 
     NHD: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim]
     HND: k_pages, v_pages [num_pages, num_kv_heads, page_size, head_dim]
+    v_pages' last axis (head_dim_vo) may differ from k_pages' (head_dim): prefill wrappers made
+    with head_dim_vo read such caches (q, k of 192, v, o of 128: DeepSeek's prefill).
     """
 
     def __init__(self, k_pages, v_pages, layout="NHD"):
         check_layout(layout)
-        if k_pages.shape != v_pages.shape:
-            raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have one shape")
+        if k_pages.shape[:-1] != v_pages.shape[:-1]:
+            raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have one shape "
+                             "(but for head_dim, the last axis)")
         if k_pages.ndim != 4:
             raise ValueError(f"k_pages must be 4-D, got shape {k_pages.shape}")
         if k_pages.dtype != v_pages.dtype:
@@ -82,12 +85,17 @@ class PagedKVCache:
         return self.k_pages.shape[3]
 
     @property
+    def head_dim_vo(self):
+        return self.v_pages.shape[3]
+
+    @property
     def dtype(self):
         return self.k_pages.dtype
 
     def rows(self):
-        """K and V viewed as [num_pages * page_size * num_kv_heads, head_dim] (a free reshape)."""
-        return (self.k_pages.reshape(-1, self.head_dim), self.v_pages.reshape(-1, self.head_dim))
+        """K and V viewed as [num_pages * page_size * num_kv_heads, head_dim (V: head_dim_vo)] (a
+        free reshape)."""
+        return (self.k_pages.reshape(-1, self.head_dim), self.v_pages.reshape(-1, self.head_dim_vo))
 
     def tree_flatten(self):
         return (self.k_pages, self.v_pages), self.layout
@@ -102,7 +110,8 @@ class PagedKVCache:
     def __repr__(self):
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, layout={self.layout!r})")
+                + (f"head_dim_vo={self.head_dim_vo}, " if self.head_dim_vo != self.head_dim else "")
+                + f"dtype={self.dtype}, layout={self.layout!r})")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -179,14 +188,17 @@ class BlockSparseMatrix:
         return f"BlockSparseMatrix(shape={self.shape}, block_shape={self.block_shape}, nnz_blocks={np.shape(self.indices)[0]})"
 
 
-def check_paged_cache(kv_cache, q, page_size, num_kv_heads, head_dim, layout):
-    """run() argument checks shared by the paged wrappers."""
+def check_paged_cache(kv_cache, q, page_size, num_kv_heads, head_dim, layout, head_dim_vo=None):
+    """run() argument checks shared by the paged wrappers (head_dim_vo: V's width, default head_dim)."""
     if not isinstance(kv_cache, PagedKVCache):
         raise ValueError("kv_cache must be a PagedKVCache")
     got = (kv_cache.page_size, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.layout)
     want = (page_size, num_kv_heads, head_dim, layout)
     if got != want:
         raise ValueError(f"kv_cache (page_size, num_kv_heads, head_dim, layout) = {got}, expected {want}")
+    want_vo = head_dim if head_dim_vo is None else head_dim_vo
+    if kv_cache.head_dim_vo != want_vo:
+        raise ValueError(f"kv_cache's v_pages have head_dim {kv_cache.head_dim_vo}, expected head_dim_vo {want_vo}")
     check_kv_dtype(q.dtype, kv_cache.dtype, "kv_cache")
 
 

@@ -30,6 +30,7 @@ class PlanSpec:
     impl: str                    # the kernel(s) run() will launch, "+"-joined
     capacities: Tuple[Optional[int], ...] = ()  # the wrapper's fixed-shape capacities
     dtypes: Optional[Tuple[str, str]] = None  # (q, K/V) dtype names plan() was told; None: any
+    head_dim_vo: Optional[int] = None  # V and o's head_dim where it differs from head_dim (q, K)
 
     def check_dtypes(self, q_dtype, kv_dtype, kv_name="kv_cache"):
         """ValueError unless q / K/V have the dtypes the plan was made for (when it names them)."""
@@ -42,7 +43,7 @@ class PlanSpec:
         """ValueError naming each field where this spec differs from `facts` (a PlanSpec-like
         object from the running wrapper; num_pages and impl are the plan's own)."""
         bad = [f"{name}: plan has {getattr(self, name)!r}, wrapper has {getattr(facts, name)!r}"
-               for name in ("wrapper", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
+               for name in ("wrapper", "num_qo_heads", "num_kv_heads", "head_dim", "head_dim_vo", "page_size",
                             "layout", "capacities") if getattr(self, name) != getattr(facts, name)]
         if bad:
             raise ValueError(f"{what} was made for another wrapper ({'; '.join(bad)})")
@@ -64,12 +65,14 @@ class WrapperFacts:
     page_size: int
     layout: str
     capacities: Tuple[Optional[int], ...] = ()
+    head_dim_vo: Optional[int] = None  # V and o's head_dim where it differs from head_dim
 
     def spec(self, num_pages, impl, dtypes=None):
         """The PlanSpec of a plan for num_pages pages running impl; dtypes: plan_dtypes' pair or None."""
         names = None if dtypes is None else tuple(np.dtype(x).name for x in dtypes)
         return PlanSpec(self.wrapper, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                        self.page_size, self.layout, int(num_pages), impl, self.capacities, names)
+                        self.page_size, self.layout, int(num_pages), impl, self.capacities, names,
+                        self.head_dim_vo)
 
 
 class _PagedPlan:

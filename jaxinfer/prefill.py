@@ -49,12 +49,18 @@ class _Prefill:
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, kv_format, page_size=1, layout="NHD",
                  causal, max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale,
                  num_ctas, fixed_split_tokens=None, max_mask_len=None, backend, tile_rows, variant,
-                 impl="auto", config=None, fixed_shapes=None):
+                 impl="auto", config=None, fixed_shapes=None, head_dim_vo=None):
         variants.check_variant(variant)
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        if head_dim_vo is not None and (isinstance(head_dim_vo, bool) or not isinstance(
+                head_dim_vo, (int, np.integer)) or head_dim_vo < 1):
+            raise ValueError(f"head_dim_vo must be a positive int or None, got {head_dim_vo!r}")
+        # V and o's head_dim; None in the problem and facts where it is head_dim
+        self.head_dim_vo = head_dim if head_dim_vo is None else int(head_dim_vo)
+        distinct_vo = None if self.head_dim_vo == head_dim else self.head_dim_vo
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if tile_rows is not None and tile_rows not in prefill_planner.TILE_ROWS:
@@ -85,11 +91,13 @@ class _Prefill:
         self.variant, self.impl = variant, impl
         self.configs = dispatch.check_configs(config)
         self.problem = dispatch.Problem("prefill", num_qo_heads, num_kv_heads, head_dim, kv_format,
-                                        page_size, layout, variant, interpret=self.interpret)
+                                        page_size, layout, variant, interpret=self.interpret,
+                                        head_dim_vo=distinct_vo)
         dispatch.check(self.problem, impl)
         self._candidates = {}  # dispatch.candidates by custom_mask
         self.facts = WrapperFacts(type(self).__name__, num_qo_heads, num_kv_heads, head_dim, page_size,
-                                  layout, (max_batch_size, max_num_tokens, max_num_pages, max_mask_len))
+                                  layout, (max_batch_size, max_num_tokens, max_num_pages, max_mask_len),
+                                  head_dim_vo=distinct_vo)
 
     def plan_step(self, qo_indptr, kv_lens, page_base, kv_indices, custom_mask, packed_custom_mask, num_pages,
                   causal=None, window_left=None, contiguous_kv=False, dtypes=None, kv_pos_offset=None,
@@ -175,7 +183,8 @@ class _Prefill:
         if tuple(q.shape) != expect:
             raise ValueError(f"q must have shape {expect}, got {q.shape}")
         if q.shape[0] == 0:  # no query rows (batch 0 or every qo_len 0, no capacities): no kernel
-            return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+            return (jnp.zeros((0, self.num_qo_heads, self.head_dim_vo), q.dtype),
+                    jnp.full(q.shape[:2], -jnp.inf, jnp.float32))
         if isinstance(plan, BatchPlan):  # impl "prefill_short"
             sec = plan.sections()
             return run_short_sections(
@@ -209,10 +218,12 @@ class _Prefill:
         check_q(q)
         if not hasattr(k, "shape") or not hasattr(v, "shape"):
             raise ValueError(f"{name} and v must be arrays [n, {self.num_kv_heads}, {self.head_dim}]")
-        if k.shape != v.shape or k.dtype != v.dtype:
+        if k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype:
             raise ValueError(f"{name} {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match")
         if k.ndim != 3 or k.shape[1:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {k.shape}")
+        if v.shape[2] != self.head_dim_vo:
+            raise ValueError(f"v must be [n, {self.num_kv_heads}, head_dim_vo={self.head_dim_vo}], got {v.shape}")
         check_kv_dtype(q.dtype, k.dtype, name)
 
 
@@ -225,6 +236,8 @@ _DOC_COMMON = """
     tile_rows pins one Triton program. A paged wrapper given all three capacities makes every plan
     of one structure and shapes (one compilation): one kernel (Mosaic where it runs, else Triton),
     tile_rows (default 64) for every step; fixed_shapes=False keeps each step's own kernel. With max_num_tokens, q has that many rows and rows past the batch give 0.
+    head_dim_vo (default head_dim): the head_dim of V and o, where it differs from q and K's
+    (DeepSeek's prefill: 192 / 128); such wrappers run on the Triton kernel.
     variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
     parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
@@ -256,13 +269,14 @@ class BatchPrefillWithPagedKVCache(_Prefill):
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, page_size, *, causal=True, layout="NHD",
                  max_batch_size=None, max_num_tokens=None, max_num_pages=None, sm_scale=None,
                  num_ctas=None, fixed_split_tokens=None, max_mask_len=None, backend=None,
-                 tile_rows=None, variant=None, impl="auto", config=None, fixed_shapes=None):
+                 tile_rows=None, variant=None, impl="auto", config=None, fixed_shapes=None, head_dim_vo=None):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, kv_format="paged", page_size=page_size,
                          layout=layout, causal=causal, max_batch_size=max_batch_size,
                          max_num_tokens=max_num_tokens, max_num_pages=max_num_pages, sm_scale=sm_scale,
                          num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         variant=variant, impl=impl, config=config, fixed_shapes=fixed_shapes)
+                         variant=variant, impl=impl, config=config, fixed_shapes=fixed_shapes,
+                         head_dim_vo=head_dim_vo)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages=None, custom_mask=None,
              packed_custom_mask=None, causal=None, cascade=None, window_left=None, q_data_type=None,
@@ -325,10 +339,11 @@ class BatchPrefillWithPagedKVCache(_Prefill):
 
     def run(self, q, kv_cache, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):
-        """q [nnz, Hq, D] -> o [nnz, Hq, D], or AttentionState(o, lse [nnz, Hq])."""
+        """q [nnz, Hq, D] -> o [nnz, Hq, Dv], or AttentionState(o, lse [nnz, Hq]) (Dv: head_dim_vo)."""
         params = self._params(variant_params, return_lse)
         check_q(q)
-        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout)
+        check_paged_cache(kv_cache, q, self.page_size, self.num_kv_heads, self.head_dim, self.layout,
+                          self.head_dim_vo)
         scales = kv_scales(k_scale, v_scale, kv_cache.dtype, self.num_kv_heads)
         return self._finish(self.run_raw(q, kv_cache, plan, params, scales), params, return_lse)
 
@@ -349,21 +364,23 @@ class BatchPrefillWithPagedKVCache(_Prefill):
 
 class BatchPrefillWithRaggedKVCache(_Prefill):
     __doc__ = """Prefill over ragged (contiguous) K/V: request b's keys are rows
-    kv_indptr[b]:kv_indptr[b+1] of k, v [nnz_kv, Hkv, D] (run() rejects k/v shorter than
-    kv_indptr[-1]; plans are specialized on that total).
+    kv_indptr[b]:kv_indptr[b+1] of k [nnz_kv, Hkv, D], v [nnz_kv, Hkv, Dv] (run() rejects k/v
+    shorter than kv_indptr[-1]; plans are specialized on that total).
 
         pre = BatchPrefillWithRaggedKVCache(32, 8, 128)
         o = pre.run(q, k, v, pre.plan(qo_indptr, kv_indptr))
+        mha = BatchPrefillWithRaggedKVCache(128, 128, 192, head_dim_vo=128)   # DeepSeek's prefill
 """ + _DOC_COMMON
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, *, causal=True, max_batch_size=None,
                  max_num_tokens=None, sm_scale=None, num_ctas=None, fixed_split_tokens=None,
-                 max_mask_len=None, backend=None, tile_rows=None, variant=None, impl="auto", config=None):
+                 max_mask_len=None, backend=None, tile_rows=None, variant=None, impl="auto", config=None,
+                 head_dim_vo=None):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, kv_format="ragged", causal=causal,
                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          sm_scale=sm_scale, num_ctas=num_ctas, fixed_split_tokens=fixed_split_tokens,
                          max_mask_len=max_mask_len, backend=backend, tile_rows=tile_rows,
-                         variant=variant, impl=impl, config=config)
+                         variant=variant, impl=impl, config=config, head_dim_vo=head_dim_vo)
 
     def plan(self, qo_indptr, kv_indptr, *, custom_mask=None, packed_custom_mask=None, window_left=None,
              q_data_type=None, kv_data_type=None):
@@ -377,11 +394,12 @@ class BatchPrefillWithRaggedKVCache(_Prefill):
 
     def run(self, q, k, v, plan, *, return_lse=False, variant_params=None, k_scale=None,
             v_scale=None):
-        """q [nnz, Hq, D], k/v [nnz_kv, Hkv, D] -> o [nnz, Hq, D] (or AttentionState)."""
+        """q [nnz, Hq, D], k [nnz_kv, Hkv, D], v [nnz_kv, Hkv, Dv] -> o [nnz, Hq, Dv] (or
+        AttentionState); Dv: head_dim_vo."""
         params = self._params(variant_params, return_lse)
         self._check_kv(q, k, v)
         scales = kv_scales(k_scale, v_scale, k.dtype, self.num_kv_heads)
-        state = self._run_raw(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim), plan,
+        state = self._run_raw(q, k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim_vo), plan,
                               params, scales, k.shape[0], "k", page_size=1, cache_layout="NHD",
                               contiguous=True)
         return self._finish(state, params, return_lse)

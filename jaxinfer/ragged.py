@@ -38,7 +38,7 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
         raise ValueError("kv_cache must be a PagedKVCache")
     t, hq, d = queries.shape
     hkv = kv_cache.num_kv_heads
-    if kv_cache.head_dim != d or hq % hkv:
+    if kv_cache.head_dim != d or kv_cache.head_dim_vo != d or hq % hkv:
         raise ValueError(f"kv_cache (num_kv_heads {hkv}, head_dim {kv_cache.head_dim}) does not fit "
                          f"queries [T, {hq}, {d}] (Hq must be a multiple of num_kv_heads)")
     check_kv_dtype(queries.dtype, kv_cache.dtype, "kv_cache")

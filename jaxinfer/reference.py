@@ -9,6 +9,7 @@ Conventions:
 - Variants (jaxinfer.variants) apply the same hooks as the kernels; query i of a
   request sits at position kv_len - qo_len + i, key j at j (unless given).
 - fp8 K/V are dequantized as k * k_scale[head] (a scalar or an [Hkv] array).
+- V (and o) may have another head_dim than q and K (Dv).
 Index arrays (indptr, indices) are host arrays: the reference loops over
 requests in Python and is meant for tests, not speed. Concrete inputs are sliced
 on the host and each request runs one jitted program on power-of-two padded
@@ -26,10 +27,10 @@ from jaxinfer.formats import AttentionState, default_sm_scale
 
 def attention(q, k, v, *, causal=False, sm_scale=None, mask=None, variant=None, params=None,
               qo_pos=None, kv_pos=None, k_scale=None, v_scale=None):
-    """One request. q [qo_len, Hq, D], k/v [kv_len, Hkv, D], mask [qo_len, kv_len] bool.
+    """One request. q [qo_len, Hq, D], k [kv_len, Hkv, D], v [kv_len, Hkv, Dv], mask [qo_len, kv_len] bool.
 
     variant / params: an AttentionVariant and its parameters; qo_pos [qo_len], kv_pos [kv_len]:
-    positions (defaults above). Returns AttentionState(o [qo_len, Hq, D] in q.dtype,
+    positions (defaults above). Returns AttentionState(o [qo_len, Hq, Dv] in q.dtype,
     lse [qo_len, Hq] float32); a variant without softmax gives lse = 0.
 
     Runs as one jitted program on lengths padded to powers of two (padded query rows and keys
@@ -40,7 +41,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, mask=None, variant=None, 
     scale = default_sm_scale(d, sm_scale)
     if kv_len == 0:
         lse = jnp.full((qo_len, hq), -jnp.inf if variant is None or variant.use_softmax else 0.0, jnp.float32)
-        return _finish(variant, params, jnp.zeros(q.shape, jnp.float32), lse, q.dtype)
+        return _finish(variant, params, jnp.zeros((qo_len, hq, v.shape[-1]), jnp.float32), lse, q.dtype)
     # Concrete inputs are padded on the host; traced ones (reference() inside a caller's jit) are not.
     concrete = not any(map(_traced, jax.tree_util.tree_leaves((q, k, v, mask, qo_pos, kv_pos))))
     xp = np if concrete else jnp
@@ -88,8 +89,8 @@ def _pad(x, n):
 
 @functools.partial(jax.jit, static_argnames=("scale", "variant"))
 def _padded_attention(q, k, v, visible, qo_pos, kv_pos, params, k_scale, v_scale, *, scale, variant):
-    """attention() on padded rows: q [QP, Hq, D], k/v [KP, Hkv, D], visible [QP, KP] bool,
-    qo_pos [QP], kv_pos [KP]. Returns (o [QP, Hq, D] float32, lse [QP, Hq])."""
+    """attention() on padded rows: q [QP, Hq, D], k [KP, Hkv, D], v [KP, Hkv, Dv], visible [QP, KP]
+    bool, qo_pos [QP], kv_pos [KP]. Returns (o [QP, Hq, Dv] float32, lse [QP, Hq])."""
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     group = hq // hkv
@@ -145,7 +146,7 @@ def _concat_states(states, hq, d, dtype):
 
 def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None, custom_mask=None,
                      **variant_kw):
-    """Ragged queries and ragged KV. q [nnz_q, Hq, D], k/v [nnz_kv, Hkv, D].
+    """Ragged queries and ragged KV. q [nnz_q, Hq, D], k [nnz_kv, Hkv, D], v [nnz_kv, Hkv, Dv].
 
     custom_mask: each request's qo_len x kv_len boolean mask flattened row-major
     and concatenated (FlashInfer's layout), combined with causal if both given.
@@ -163,11 +164,11 @@ def ragged_attention(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=No
             mask_off += n
         states.append(attention(q[qs:qe], k[ks:ke], v[ks:ke], causal=causal, sm_scale=sm_scale, mask=mask,
                                 **variant_kw))
-    return _concat_states(states, q.shape[1], q.shape[2], q.dtype)
+    return _concat_states(states, q.shape[1], v.shape[2], q.dtype)
 
 
 def gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len):
-    """Paged cache -> ragged K, V [nnz_kv, Hkv, D] and kv_indptr over tokens (host arrays)."""
+    """Paged cache -> ragged K [nnz_kv, Hkv, D], V [nnz_kv, Hkv, Dv] and kv_indptr over tokens (host arrays)."""
     kv_indptr, kv_indices = np.asarray(kv_indptr), np.asarray(kv_indices)
     kv_last_page_len = np.asarray(kv_last_page_len)
     p = kv_cache.page_size
@@ -180,7 +181,7 @@ def gather_pages(kv_cache, kv_indptr, kv_indices, kv_last_page_len):
         if kv_cache.layout == "HND":  # [n, H, P, D] -> [n, P, H, D]
             kp, vp = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
         ks.append(kp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim)[:n])
-        vs.append(vp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim)[:n])
+        vs.append(vp.reshape(-1, kv_cache.num_kv_heads, kv_cache.head_dim_vo)[:n])
         lens.append(n)
     tok_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     return _concat(ks), _concat(vs), tok_indptr

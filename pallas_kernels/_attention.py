@@ -17,7 +17,10 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
            num_kv_heads, layout, block_kv, sm_scale, visible_fn=None, n_head=0, n_plain=0,
            variant=None, params=None, qo_pos=None, qo_head=None, kv_pos_offset=0,
            global_kv_pos=False, k_scale=None, kv_pairs=None):
-    """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start.
+    """Online softmax of q [M, D] over the n_tok KV tokens starting at tok_start; V and the output
+    may be of another width Dv (v_ref's). q may also be a tuple of column blocks of q whose widths
+    are powers of two (_common.pow2_columns: a D that is not one, for Triton's tiles); K is then
+    read in the same blocks and q.K summed over them (no query / key transforms or kv_pairs).
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
     at slot t % page_size; with kv_indices_ref None, K/V are contiguous rows
@@ -38,29 +41,41 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     Exponentials go through _common.exp2 (one MUFU.EX2 each when compiled); where the scale is
     a static positive float it is folded into the exponent (2 ** (s * c - m): one multiply-add)
     rather than applied to the logits first.
-    Returns (acc [M, D], m [M], l [M]) in base 2; see finalize.
+    Returns (acc [M, Dv], m [M], l [M]) in base 2; see finalize.
     """
-    rows_q, d = q.shape
-    prec = _common.dot_precision(q.dtype)
+    blocks = isinstance(q, tuple)
+    if blocks and (kv_pairs is not None or variant is not None and (
+            variant.has_query_transform or variant.has_key_transform)):
+        raise ValueError("q in column blocks takes no kv_pairs and no query / key transforms")
+    q_blocks = q if blocks else (q,)
+    starts = [sum(x.shape[1] for x in q_blocks[:i]) for i in range(len(q_blocks))]
+    columns = tuple((c, x.shape[1]) for c, x in zip(starts, q_blocks)) if blocks else (None,)  # K's blocks
+    rows_q = q_blocks[0].shape[0]
+    prec = _common.dot_precision(q_blocks[0].dtype)
     softmax = variant is None or variant.use_softmax
     natural = variant is not None and variant.has_logits_transform
     if variant is not None and variant.has_query_transform:
         q = variant.query_transform(params, q.astype(jnp.float32), qo_pos, qo_head).astype(q.dtype)
+        q_blocks = (q,)
     scale = sm_scale if k_scale is None else sm_scale * k_scale
     # Raw logits are kept and the scale applied inside exp2's multiply-add (max(s) * c is the max
     # of the scaled logits for c > 0).
     fused_scale = softmax and not natural and k_scale is None and sm_scale > 0
-    widen = k_ref.dtype != q.dtype
+    widen = k_ref.dtype != q_blocks[0].dtype
     if widen:  # fp8 K/V widen exactly to float16 (cheaper than bfloat16); q follows, clamped
         f16_max = float(jnp.finfo(jnp.float16).max)
-        q = jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
+        q_blocks = tuple(jnp.clip(x.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
+                         for x in q_blocks)
     pairs = kv_pairs is not None
-    q_parts = jnp.unstack(q.reshape(rows_q, d // 2, 2), axis=-1) if pairs else (q,)  # even, odd
+    d = q_blocks[0].shape[1]
+    q_parts = jnp.unstack(q_blocks[0].reshape(rows_q, d // 2, 2), axis=-1) if pairs else q_blocks  # even, odd
+    dv = v_ref.shape[1] * (2 if pairs else 1)  # V's width (pairs: uint16 column pairs)
+    acc_parts = 2 if pairs else 1
 
-    def load(ref, rows, valid, masked):  # [BK, C]; masked rows past the range read as 0
-        if not masked:                   # (fp8: undefined, Triton cannot fill 8-bit loads)
-            return ref[rows]
-        return _common.load_rows(ref, rows, valid, fill=ref.dtype.itemsize > 1)
+    def load(ref, rows, valid, masked, cols=None):  # [BK, C]; masked rows past the range read as 0
+        if not masked:                               # (fp8: undefined, Triton cannot fill 8-bit loads)
+            return ref[rows] if cols is None else _common.load_rows(ref, rows, None, columns=cols)
+        return _common.load_rows(ref, rows, valid, fill=ref.dtype.itemsize > 1, columns=cols)
 
     def widened(x, valid, masked):  # fp8 -> float16; masked rows zeroed
         x = x.astype(jnp.float16)
@@ -79,16 +94,19 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
             page_ids = (_common.load_rows(kv_indices_ref, page_pos, valid) if masked
                         else kv_indices_ref[page_pos])
             rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-        k, v = load(k_ref, rows, valid, masked), load(v_ref, rows, valid, masked)  # [BK, D]
+        k = tuple(load(k_ref, rows, valid, masked, cols) for cols in columns)  # [BK, D] (or its column blocks)
+        v = load(v_ref, rows, valid, masked)  # [BK, Dv]
         if pairs:  # [BK, D / 2] pairs (zero-filled) -> even, odd columns
-            ks, vs = _common.widen_fp8_pairs(k, kv_pairs), _common.widen_fp8_pairs(v, kv_pairs)
+            ks, vs = _common.widen_fp8_pairs(k[0], kv_pairs), _common.widen_fp8_pairs(v, kv_pairs)
+        elif widen:
+            ks, vs = tuple(widened(x, valid, masked) for x in k), (widened(v, valid, masked),)
         else:
-            ks, vs = ((widened(k, valid, masked),), (widened(v, valid, masked),)) if widen else ((k,), (v,))
+            ks, vs = k, (v,)
         kv_pos = None
         if variant is not None:
             kv_pos = (page_ids * page_size + tok % page_size) if global_kv_pos else kv_pos_offset + tok
             if variant.has_key_transform:  # (callers pass no pairs with a key transform)
-                ks = (variant.key_transform(params, ks[0].astype(jnp.float32), kv_pos, head).astype(q.dtype),)
+                ks = (variant.key_transform(params, ks[0].astype(jnp.float32), kv_pos, head).astype(q_blocks[0].dtype),)
         s = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=prec,
                                 preferred_element_type=jnp.float32) for qp, kp in zip(q_parts, ks))  # [M, BK]
         if natural:
@@ -126,15 +144,14 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         return [jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
                 for v in vs]
 
-    parts = len(q_parts)
-    carry = (tuple(jnp.zeros((rows_q, d // parts), jnp.float32) for _ in range(parts)),
+    carry = (tuple(jnp.zeros((rows_q, dv // acc_parts), jnp.float32) for _ in range(acc_parts)),
              jnp.full((rows_q,), -jnp.inf, jnp.float32), jnp.zeros((rows_q,), jnp.float32))
     masked_block = functools.partial(block, masked=True)
     if not (isinstance(n_head, int) and n_head == 0):
         carry = lax.fori_loop(0, n_head, masked_block, carry)
     carry = lax.fori_loop(n_head, n_head + n_plain, functools.partial(block, masked=False), carry)
     acc, m, l = lax.fori_loop(n_head + n_plain, pl.cdiv(n_tok, block_kv), masked_block, carry)
-    acc = acc[0] if parts == 1 else jnp.stack(acc, axis=-1).reshape(rows_q, d)  # interleave columns
+    acc = acc[0] if acc_parts == 1 else jnp.stack(acc, axis=-1).reshape(rows_q, dv)  # interleave columns
     return acc, m, l
 
 

@@ -32,12 +32,27 @@ def next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def fit_block_kv(block_kv, head_dim, itemsize, num_stages, smem_budget=192 * 1024):
+def pow2_columns(d):
+    """A width d that is not a power of two as column blocks of powers of two, widest first
+    (192: ((0, 128), (128, 64))), for Triton's power-of-two tiles; None when d is one."""
+    if d & (d - 1) == 0:
+        return None
+    blocks, start = [], 0
+    for bit in reversed(range(d.bit_length())):
+        if d >> bit & 1:
+            blocks.append((start, 1 << bit))
+            start += 1 << bit
+    return tuple(blocks)
+
+
+def fit_block_kv(block_kv, head_dim, itemsize, num_stages, smem_budget=192 * 1024, head_dim_vo=None):
     """block_kv, halved until the pipelined K and V tiles fit in shared memory
-    (num_stages x 2 x block_kv x head_dim x itemsize <= smem_budget; H100 has 227 KB a block).
-    A bound, not the allocation: Triton buffers fewer stages than num_stages where a gathered
-    page id takes a stage (the decode loop: one K/V buffer at 3 stages)."""
-    while block_kv > 16 and num_stages * 2 * block_kv * head_dim * itemsize > smem_budget:
+    (num_stages x block_kv x (head_dim + head_dim_vo) x itemsize <= smem_budget; H100 has 227 KB a
+    block; head_dim_vo defaults to head_dim). A bound, not the allocation: Triton buffers fewer
+    stages than num_stages where a gathered page id takes a stage (the decode loop: one K/V
+    buffer at 3 stages)."""
+    width = head_dim + (head_dim if head_dim_vo is None else head_dim_vo)
+    while block_kv > 16 and num_stages * block_kv * width * itemsize > smem_budget:
         block_kv //= 2
     return block_kv
 
@@ -223,16 +238,20 @@ def store_rows(ref, rows, val, row_mask):
         plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=row_mask[:, None])
 
 
-def load_rows(ref, rows, row_mask, fill=True):
+def load_rows(ref, rows, row_mask, fill=True, columns=None):
     """Gathers rows `rows` [M] of ref [R, D] where row_mask [M]; other rows read as 0 (with
     fill=False they are undefined: Triton cannot fill fp8 loads). For a 1-D ref, rows and
-    row_mask may have any (matching) shape.
+    row_mask may have any (matching) shape. columns (start, width), static: only those columns
+    ([M, width]); row_mask None: every row (an unmasked load).
 
     Masked-off rows access no memory on the GPU."""
     other = 0 if fill else None
     if len(ref.shape) == 1:
         return plgpu.load(ref.at[rows], mask=row_mask, other=other)
-    cols = jnp.arange(ref.shape[1])
+    start, width = (0, ref.shape[1]) if columns is None else columns
+    cols = start + jnp.arange(width)
+    if row_mask is None:
+        return plgpu.load(ref.at[rows[:, None], cols[None, :]])
     return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=row_mask[:, None], other=other)
 
 

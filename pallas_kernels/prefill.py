@@ -29,7 +29,8 @@ def tile_rows(group, block_q):
 
 def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref, k_ref, v_ref,
                     *refs, num_qo_heads, num_kv_heads, group, rows, causal, has_mask, contiguous,
-                    has_scales, variant, param_tree, global_kv_pos, columns, **attend_kw):
+                    has_scales, variant, param_tree, global_kv_pos, columns, q_columns, **attend_kw):
+    # q_ref [nnz * Hq, D]; k_ref [*, D], v_ref [*, Dv]: K/V rows; q_columns: D's column blocks (or None)
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     q_pos_ref, refs = (refs[0], refs[1:]) if variant is not None else (None, refs)
     param_refs, (o_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
@@ -58,7 +59,11 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
     def item(w, carry):
         tile_tok, qo_len, page_base, kv_len = (field(w, c) for c in ("tile_tok", "qo_len", "page_base", "kv_len"))
         kv_start, kv_end, mask_base = field(w, "kv_start"), field(w, "kv_end"), field(w, "mask_base")
-        q = q_ref[query_rows(w)[1]]  # [rows, D]
+        q_flat = query_rows(w)[1]  # [rows]
+        if q_columns is None:
+            q = q_ref[q_flat]  # [rows, D]
+        else:  # [rows, width] each
+            q = tuple(_common.load_rows(q_ref, q_flat, None, columns=c) for c in q_columns)
         offset = kv_len - qo_len
         kv_hi = kv_end
         diag_end = kv_end  # keys before it are visible to every row (causal)
@@ -170,29 +175,33 @@ def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
                columns):
     """Runs the prefill work list on the Pallas-Triton kernel (every feature).
 
-    q [nnz, Hq, D]; k_rows/v_rows: the cache viewed as [num_pages*page_size*Hkv, D] (q's dtype
-    or fp8); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D] rows; page_base
-    is then each request's first row); mask int8[*] (custom masks, or None); items
+    q [nnz, Hq, D]; k_rows [num_pages*page_size*Hkv, D], v_rows [.., Dv]: the cache's rows (q's dtype
+    or fp8; Dv may differ from D: o is then [.., Dv]; a D that is not a power of two is read in
+    column blocks that are); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D]
+    rows; page_base is then each request's first row); mask int8[*] (custom masks, or None); items
     int32[W, columns.width] (columns: planner.work_items.PREFILL); cell_indptr int32[cells + 1]; rows: the tile height (see
     tile_rows); config: a PrefillConfig; scales: (k_scale, v_scale) f32[Hkv] or None; variant /
     params / q_pos int32[nnz]: an attention variant, its parameters and each query token's
     position. tail_dest / lse_src: run_mosaic's (unused here).
-    Returns flat (o [nnz*Hq, D], lse [nnz*Hq], o_part [num_parts*Hq, D] f32,
+    Returns flat (o [nnz*Hq, Dv], lse [nnz*Hq], o_part [num_parts*Hq, Dv] f32,
     lse_part [num_parts*Hq]); rows of o that split tiles cover are left for the merge.
     """
     config = _check_config(config, PrefillConfig)
     nnz, num_qo_heads, d = q.shape
+    dv = v_rows.shape[1]
     group = num_qo_heads // num_kv_heads
     num_stages = config.num_stages or (2 if kv_indices is None else 3)
-    block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, num_stages)
-    kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, config.fp8_pairs)
+    block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, num_stages, head_dim_vo=dv)
+    q_columns = _common.pow2_columns(d)
+    kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant,
+                                                       config.fp8_pairs and d == dv and q_columns is None)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _prefill_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
         rows=rows, causal=causal, has_mask=mask is not None, contiguous=kv_indices is None,
         has_scales=scales is not None, variant=variant, param_tree=(treedef, scalar),
-        global_kv_pos=global_kv_pos, columns=columns, page_size=page_size, layout=layout, block_kv=block_kv,
-        sm_scale=sm_scale, kv_pairs=kv_pairs)
+        global_kv_pos=global_kv_pos, columns=columns, q_columns=q_columns, page_size=page_size, layout=layout,
+        block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs)
     if mask is None:
         mask = jnp.zeros((1,), jnp.int8)
     if kv_indices is None:
@@ -201,9 +210,9 @@ def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
     call = pl.pallas_call(
         kernel,
         grid=(cell_indptr.shape[0] - 1, num_kv_heads),
-        out_shape=(jax.ShapeDtypeStruct((nnz * num_qo_heads, d), q.dtype),
+        out_shape=(jax.ShapeDtypeStruct((nnz * num_qo_heads, dv), q.dtype),
                    jax.ShapeDtypeStruct((nnz * num_qo_heads,), jnp.float32),
-                   jax.ShapeDtypeStruct((num_parts * num_qo_heads, d), jnp.float32),
+                   jax.ShapeDtypeStruct((num_parts * num_qo_heads, dv), jnp.float32),
                    jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32)),
         compiler_params=_common.compiler_params(config.num_warps, num_stages),
         interpret=interpret,
@@ -215,12 +224,14 @@ def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
 
 
 def mosaic_limits(*, head_dim=64, page_size=None, block_kv=128, layout="NHD", q_dtype=None, kv_dtype=None,
-                  sm_scale=None):
+                  sm_scale=None, head_dim_vo=None):
     """Why the Mosaic GPU kernel cannot run these (None when it can): its one list of limits,
     which jaxinfer.dispatch asks too. page_size None: contiguous K/V; dtypes, sm_scale None: not
-    known yet."""
+    known yet; head_dim_vo (V and o's head_dim) None: head_dim."""
     if layout != "NHD":
         return f"layout must be 'NHD', got {layout!r}"
+    if head_dim_vo is not None and head_dim_vo != head_dim:
+        return f"head_dim_vo ({head_dim_vo}) must equal head_dim ({head_dim}) (Triton runs them)"
     if head_dim % 64:
         return f"head_dim must be a multiple of 64, got {head_dim}"
     if page_size is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
@@ -257,7 +268,7 @@ def run_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
     block_kv = config.block_kv
     why = mosaic_limits(head_dim=d, page_size=None if kv_indices is None else page_size, block_kv=block_kv,
                         layout=layout if kv_indices is not None else "NHD", q_dtype=q.dtype,
-                        kv_dtype=k_rows.dtype, sm_scale=sm_scale)
+                        kv_dtype=k_rows.dtype, sm_scale=sm_scale, head_dim_vo=v_rows.shape[1])
     if why is not None:
         raise ValueError(f"prefill impl='mosaic': {why}")
     o, lse_items, o_tail = prefill_mosaic.prefill_mosaic(
