@@ -30,7 +30,8 @@ MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory
 MERGE_PROGRAMS = 128   # the merge's grid over groups (each program loops over groups: an empty merge is cheap)
 
 
-def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window):
+def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
+           soft_cap, sinks):
     check_q(queries, "queries")
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, Hq, D], got shape {queries.shape}")
@@ -59,6 +60,11 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
         raise ValueError(f"distribution must have shape [3], got {distribution.shape}")
     if sliding_window is not None and is_concrete(sliding_window) and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1, got {int(sliding_window)}")
+    if soft_cap is not None and is_concrete(soft_cap) and not float(soft_cap) > 0:
+        raise ValueError(f"soft_cap must be > 0, got {float(soft_cap)}")
+    if sinks is not None and (jnp.shape(sinks) != (hq,) or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
+        raise ValueError(f"sinks must be a float array of shape [{hq}] (one logit per query head), got "
+                         f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
     if not is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
         return
     kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
@@ -81,8 +87,8 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
 
 
 def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
-                           causal=True, sm_scale=None, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, num_ctas=None, backend=None, impl="auto", config=None):
+                           causal=True, sm_scale=None, sliding_window=None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, num_ctas=None, backend=None, impl="auto", config=None):
     """One serving step: writes the new K/V, then ragged attention over the paged cache.
 
     queries [T, Hq, D]; keys, values [T, Hkv, D] (row-aligned with queries); kv_cache: a
@@ -96,7 +102,10 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
 
     sm_scale: a static float (default 1 / sqrt(D); RPA v3's own default is 1.0).
     sliding_window W (int, may be traced; needs causal): the query at position p sees keys
-    p - W < k <= p. soft_cap c (float, may be traced): logits s -> c * tanh(s / c) after sm_scale.
+    p - W < k <= p. soft_cap c > 0 (float, may be traced; a traced c <= 0 turns it off): logits
+    s -> c * tanh(s / c) after sm_scale. sinks f32[Hq] (may be traced): attention sinks (gpt-oss),
+    one logit per query head added to every row's softmax denominator: o = sum_j e^(s_j) v_j /
+    (e^sink + sum_j e^(s_j)). With sinks the long sequences run on the Triton kernel (dispatch).
     k_scale / v_scale: fp8 caches' dequantization scales (scalars or [Hkv]).
     impl: the kernel of the long sequences (past the decode tiles): "auto" (jaxinfer.dispatch
     decides: the mixed launch, else the Mosaic GPU prefill kernel where they can run, compiled on
@@ -112,14 +121,16 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     mixed launch reads queries as they are: a slice of a larger array (q split from a fused qkv
     with no op after it) is first copied to a buffer of its own (H100, a 2108-row step: ~15 µs).
     """
-    _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window)
+    _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
+           soft_cap, sinks)
     if sliding_window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
     hq, d = queries.shape[1:]
     hkv = kv_cache.num_kv_heads
     window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
     cap = None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32)
-    variant = _variant(window is not None, cap is not None)
+    sink = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    variant = _variant(window is not None, cap is not None, sink is not None)
     interpret = _backend.use_interpret(backend)
     problem = dispatch.Problem("decode", hq, hkv, d, "paged", kv_cache.page_size, kv_cache.layout, variant,
                                interpret=interpret)
@@ -139,24 +150,25 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
         mixed = ragged_plan.mixed_sizes(queries.shape[0], kv_lens.shape[0], hq // hkv, long_config.tile_tokens,
                              num_ctas or _backend.num_sms())
     return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap,
-                scales, causal=causal, sm_scale=sm_scale, num_cells=max(1, ctas // hkv), mosaic_cells=mosaic_cells,
-                mixed=mixed, interpret=interpret,
+                sink, scales, causal=causal, sm_scale=sm_scale, num_cells=max(1, ctas // hkv),
+                mosaic_cells=mosaic_cells, mixed=mixed, interpret=interpret,
                 decode_config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"], problem, configs),
                 long_config=long_config)
 
 
-def _variant(has_window, has_cap):
-    """The static variant of the sliding window and soft-cap options (None without either)."""
-    parts = ([variants.sliding_window()] if has_window else []) + ([variants.soft_cap()] if has_cap else [])
+def _variant(has_window, has_cap, has_sinks):
+    """The static variant of the sliding window, soft-cap and sinks options (None without any)."""
+    parts = ([variants.sliding_window()] if has_window else []) + ([variants.soft_cap()] if has_cap else []) \
+        + ([variants.sinks()] if has_sinks else [])
     return None if not parts else parts[0] if len(parts) == 1 else variants.compose(*parts)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "mosaic_cells", "mixed",
                                              "interpret", "decode_config", "long_config"))
-def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, scales, *,
-         causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, decode_config, long_config):
-    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None; mixed: the mixed
-    launch's sizes, or None for the class launches alone)."""
+def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, sink, scales,
+         *, causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, decode_config, long_config):
+    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None; sink: f32[Hq] or
+    None; mixed: the mixed launch's sizes, or None for the class launches alone)."""
     t, hq, d = queries.shape
     hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
     s = kv_lens.shape[0]
@@ -167,12 +179,14 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     kv_lens = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
     cu_q_lens = jnp.clip(cu_q_lens, 0, t)
     distribution = jnp.clip(distribution, 0, s)
-    variant = _variant(window is not None, cap is not None)
+    variant = _variant(window is not None, cap is not None, sink is not None)
     params = {}
     if window is not None:  # keys p - W < k <= p: window_left W - 1
         params["window_left"] = window - 1
     if cap is not None:
         params["logits_soft_cap"] = cap
+    if sink is not None:  # (the kernels leave it to variants.finish below)
+        params["sinks"] = sink
 
     # The KV write: padding rows go to page num_pages, dropped.
     row_seq, row_live = ragged_plan.row_seqs(cu_q_lens, distribution, t)
@@ -252,8 +266,10 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             parts[0].reshape(part_cap, hq, d), parts[1].reshape(part_cap, hq), sec["merge_indptr"],
             sec["merge_dest"], out=out, interpret=interpret, num_programs=MERGE_PROGRAMS,
             num_live=sec["merge_live"])
-    # window and soft cap leave (o, lse) final (variants.finish is the identity on them). The
-    # returned cache is tied to the output, so every kernel reading the written cache runs before
-    # any later in-place write to it: without the tie XLA copied the whole K cache before the next
-    # call's write (H100, q4 B64 kv4096, 10 chained calls: 852 -> 416 us per call).
-    return jax.lax.optimization_barrier((out[0], new_cache))
+    # Sinks rescale each row by its lse (window and soft cap leave (o, lse) final; padding rows
+    # have lse -inf and stay 0). The returned cache is tied to the output, so every kernel reading
+    # the written cache runs before any later in-place write to it: without the tie XLA copied the
+    # whole K cache before the next call's write (H100, q4 B64 kv4096, 10 chained calls: 852 ->
+    # 416 us per call).
+    o = variants.finish(variant, params, out[0], out[1], False)
+    return jax.lax.optimization_barrier((o, new_cache))

@@ -1,8 +1,9 @@
-"""tpu-inference's RPA v3 test grid (tests/kernels/ragged_paged_attention_kernel_v3_test.py at
-tpu_inference.TPU_INFERENCE_COMMIT: its sequence lists, heads, head_dims, dtypes, scales, window,
-soft cap, KV sharing) through jaxinfer.compat.tpu_inference in interpret mode. Each case checks
-RPA v3's own bars against its reference (copied below): outputs within its tolerance, cache
-writes exact; and jaxinfer's bar against a float64 NumPy oracle. Default: a subset; -m slow: all."""
+"""tpu-inference's RPA v3 test grids (tests/kernels/ragged_paged_attention_kernel_v3_test.py and
+its hd64 variant's ragged_paged_attention_kernel_v3_hd64_test.py at TPU_INFERENCE_COMMIT: their
+sequence lists, heads, head_dims, dtypes, scales, window, soft cap, attention sinks, KV sharing)
+through jaxinfer.compat.tpu_inference in interpret mode. Each case checks RPA v3's own bars
+against its reference (copied below): outputs within its tolerance, cache writes exact; and
+jaxinfer's bar against a float64 NumPy oracle. Default: a subset; -m slow: all."""
 import os
 import sys
 import time
@@ -21,9 +22,10 @@ NAN_INT = np.iinfo(np.int32).min  # RPA v3's tests pad int32 tables with NaN: th
 
 # ---- Copied from vllm-project/tpu-inference at TPU_INFERENCE_COMMIT (Apache License 2.0,
 # Copyright 2025 Google LLC): ref_ragged_paged_attention and merge_kv
-# (tpu_inference/kernels/ragged_paged_attention/v3/kernel.py), align_to, cdiv, get_dtype_packing
-# (v3/util.py). Changes: no input validation call (the entry point's checks are tested below),
-# jnp.clip's bounds positional, get_dtype_packing through the itemsize, formatting.
+# (tpu_inference/kernels/ragged_paged_attention/v3/kernel.py), ref_ragged_paged_attention_hd64 and
+# its merge_kv (as merge_kv_hd64) with DEFAULT_MASK_VALUE (v3/kernel_hd64.py), align_to, cdiv,
+# get_dtype_packing (v3/util.py). Changes: no input validation call (the entry point's checks are
+# tested below), jnp.clip's bounds positional, get_dtype_packing through the itemsize, formatting.
 def cdiv(a, b):
     assert b != 0
     return (a + b - 1) // b
@@ -142,21 +144,133 @@ def ref_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_in
 
     result = jnp.concatenate(outputs, axis=0)
     return result, kv_cache
+
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.dtype("float32")).max)
+
+
+def merge_kv_hd64(k, v):
+    assert k.shape == v.shape
+    assert k.dtype == v.dtype
+    max_num_tokens, actual_num_kv_heads, actual_head_dim = k.shape
+    kv_packing = get_dtype_packing(k.dtype)
+    num_kv_heads = align_to(actual_num_kv_heads, kv_packing)
+    kv = jnp.pad(
+        jnp.concat([k, v], axis=-1),
+        ((0, 0), (0, num_kv_heads - actual_num_kv_heads), (0, 0)),
+        constant_values=0,
+    ).reshape(max_num_tokens, num_kv_heads // kv_packing, kv_packing, actual_head_dim * 2)
+    return kv
+
+
+def ref_ragged_paged_attention_hd64(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                                    attention_sink=None, *, sm_scale=1.0, sliding_window=None, soft_cap=None,
+                                    mask_value=DEFAULT_MASK_VALUE, q_scale=None, k_scale=None, v_scale=None):
+    if mask_value is None:
+        mask_value = DEFAULT_MASK_VALUE
+    actual_head_dim = queries.shape[2]
+    actual_num_q_heads = queries.shape[1]
+    actual_num_kv_heads = keys.shape[1]
+    assert actual_head_dim == 64
+    _, page_size, _, kv_packing, actual_head_dim_x2 = kv_cache.shape
+    assert actual_num_q_heads % actual_num_kv_heads == 0
+    assert actual_head_dim_x2 == 128
+    assert get_dtype_packing(kv_cache.dtype) == kv_packing
+    actual_num_q_heads_per_kv_head = actual_num_q_heads // actual_num_kv_heads
+    padded_actual_num_kv_heads = align_to(actual_num_kv_heads, kv_packing)
+    max_num_seqs = kv_lens.shape[0]
+    num_page_indices = page_indices.shape[0]
+    assert num_page_indices % max_num_seqs == 0
+    pages_per_seq = num_page_indices // max_num_seqs
+
+    # prepare kv and queries
+    merged_kv = merge_kv_hd64(keys, values)
+    queries = jnp.pad(queries, ((0, 0), (0, 0), (0, 64)), constant_values=0.0)
+    outputs = []
+
+    for i in range(distribution[-1]):
+        q_start = cu_q_lens[i]
+        q_end = cu_q_lens[i + 1]
+        q_len = q_end - q_start
+
+        kv_len = kv_lens[i]
+        indices_start = i * pages_per_seq
+        indices_end = indices_start + cdiv(kv_len, page_size)
+        indices = page_indices[indices_start:indices_end]
+        q = queries[q_start:q_end, :, :]
+
+        # Update the kv cache.
+        assert kv_len - q_len >= 0
+        gathered_kv = kv_cache[indices]
+        gathered_shape = gathered_kv.shape
+        gathered_kv = gathered_kv.reshape(-1, *gathered_shape[-3:])
+        gathered_kv = gathered_kv.at[kv_len - q_len:kv_len].set(merged_kv[q_start:q_end])
+        kv_cache = kv_cache.at[indices].set(gathered_kv.reshape(gathered_shape))
+
+        kv = gathered_kv.reshape(-1, padded_actual_num_kv_heads, actual_head_dim_x2)[:, :actual_num_kv_heads, :]
+        kv = kv[:kv_len, :, :]
+        kv = jnp.repeat(kv, actual_num_q_heads_per_kv_head, axis=1)
+        if q_scale is not None:
+            q = q / q_scale
+            if jnp.issubdtype(kv.dtype, jnp.floating):
+                dtype_info = jnp.finfo(kv.dtype)
+                minval = float(dtype_info.min)
+                maxval = float(dtype_info.max)
+                q = jnp.clip(q, minval, maxval)
+            q = q.astype(kv.dtype)
+        attn = jnp.einsum("qhd,khd->hqk", q, kv, preferred_element_type=jnp.float32)
+        attn *= sm_scale
+        if k_scale is not None:
+            attn *= k_scale
+        if q_scale is not None:
+            attn *= q_scale
+
+        q_span = (kv_len - q_len) + jax.lax.broadcasted_iota(jnp.int32, attn.shape, 1)
+        kv_span = jax.lax.broadcasted_iota(jnp.int32, attn.shape, 2)
+        mask = q_span < kv_span
+        if sliding_window is not None:
+            mask = jnp.logical_or(mask, q_span - sliding_window >= kv_span)
+        if soft_cap is not None:
+            attn = soft_cap * jnp.tanh(attn / soft_cap)
+        attn = jnp.where(mask, mask_value, attn)
+
+        if attention_sink is not None:
+            reshaped_attention_sink = attention_sink.reshape(actual_num_q_heads, 1, 1)
+            reshaped_attention_sink = jnp.repeat(reshaped_attention_sink, q_len, axis=1)
+            attn = jnp.concat([reshaped_attention_sink, attn], axis=2)
+            attn = jax.nn.softmax(attn, axis=-1).astype(kv.dtype)
+            attn = attn[..., 1:]
+        else:
+            attn = jax.nn.softmax(attn, axis=-1).astype(kv.dtype)
+
+        out = jnp.einsum("hqk,khd->qhd", attn, kv).astype(queries.dtype)
+        if v_scale is not None:
+            out *= v_scale
+
+        outputs.append(out)
+
+    result = jnp.concatenate(outputs, axis=0)
+    result = result[:, :, actual_head_dim:]
+    return result, kv_cache
 # ---- End of the copy.
 
 
 def _reference(args, **kwargs):
     """ref_ragged_paged_attention jitted around the concrete metadata: one XLA compilation, not
-    one per eager op and sequence."""
-    meta = tuple(np.asarray(x) for x in args[4:])
+    one per eager op and sequence. Nine arguments (attention_sink last): the hd64 variant's."""
+    meta = tuple(np.asarray(x) for x in args[4:8])
+    if len(args) == 9:
+        return jax.jit(lambda q, k, v, cache, sink: ref_ragged_paged_attention_hd64(
+            q, k, v, cache, *meta, sink, **kwargs))(*args[:4], args[8])
     return jax.jit(lambda q, k, v, cache: ref_ragged_paged_attention(q, k, v, cache, *meta, **kwargs))(*args[:4])
 
 
 def _inputs(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pages, *, max_num_batched_tokens=512,
-            max_num_seq=8, distribution=None):
+            max_num_seq=8, distribution=None, hd64=False, sink_scale=None):
     """RPA v3's test inputs (its _test_ragged_paged_attention: seed, uniform values, NaN where no
     sequence's token lies; built in float32 NumPy, cast once). distribution: default RPA v3's
-    (0, 0, n)."""
+    (0, 0, n). hd64: its hd64 test's (the hd64 cache, and attention_sink uniform x sink_scale, or
+    None, as a ninth argument)."""
     rng = np.random.default_rng(1234)
 
     def gen_random(shape):
@@ -174,8 +288,9 @@ def _inputs(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pag
     q = jnp.asarray(gen_random((max_num_batched_tokens, num_q_heads, head_dim))).astype(q_dtype)
     k, v = (jnp.asarray(gen_random((max_num_batched_tokens, num_kv_heads, head_dim))).astype(kv_dtype)
             for _ in "kv")
+    sinks = None if sink_scale is None else jnp.asarray(gen_random((num_q_heads,)) * sink_scale)
     kv_packing = get_dtype_packing(kv_dtype)
-    words = align_to(num_kv_heads * 2, kv_packing) // kv_packing
+    words = align_to(num_kv_heads * (1 if hd64 else 2), kv_packing) // kv_packing
     padded_head_dim = align_to(head_dim, 128)
     pages, page_indices, page_cnt = [], np.full((max_num_seq, pages_per_seq), NAN_INT, np.int32), 0
     for i, kv_len in enumerate(kv_lens):
@@ -192,13 +307,16 @@ def _inputs(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pag
     cu[:len(cu_q_lens)] = cu_q_lens
     kv_lens = np.pad(np.asarray(kv_lens, np.int32), (0, max_num_seq - len(kv_lens)))
     dist = (0, 0, len(seq_lens)) if distribution is None else distribution
-    return (q, k, v, kv_cache, jnp.asarray(kv_lens), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(cu),
+    args = (q, k, v, kv_cache, jnp.asarray(kv_lens), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(cu),
             jnp.asarray(dist, jnp.int32))
+    return args + (sinks,) if hd64 else args
 
 
 def _oracle(queries, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, num_kv_heads, *, use_causal_mask=True,
-            sm_scale=1.0, sliding_window=None, soft_cap=None, q_scale=None, k_scale=None, v_scale=None):
-    """RPA v3's semantics in float64 NumPy over a fused cache (q quantized as RPA v3 does)."""
+            sm_scale=1.0, sliding_window=None, soft_cap=None, q_scale=None, k_scale=None, v_scale=None, hd64=False,
+            attention_sink=None):
+    """RPA v3's semantics in float64 NumPy over a fused cache (q quantized as RPA v3 does; hd64:
+    the hd64 cache, attention_sink f32[Hq] an extra logit in each row's softmax denominator)."""
     if q_scale is not None:
         info = jnp.finfo(kv_cache.dtype)
         queries = jnp.clip(queries / q_scale, float(info.min), float(info.max)).astype(kv_cache.dtype)
@@ -208,16 +326,18 @@ def _oracle(queries, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, n
     t, hq, d = q.shape
     num_pages, page_size, words, p, dp = kv_cache.shape  # heads K0, V0, K1, V1, ...: [K_h, V_h] rows
     kv_cache, g = _f32(kv_cache).reshape(num_pages, page_size, words * p, dp), hq // num_kv_heads
+    rows, v_at = (num_kv_heads, d) if hd64 else (2 * num_kv_heads, dp)  # hd64: [K_h | V_h] in one row
     pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
     scale = sm_scale * (k_scale or 1.0) * (q_scale or 1.0)
     out = np.zeros((t, hq, d))
     for i in range(int(distribution[2])):
         a, b, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
         pages = page_indices[i * pages_per_seq: i * pages_per_seq + cdiv(kv_len, page_size)]
-        kv = kv_cache[pages, :, :2 * num_kv_heads].astype(np.float64).reshape(-1, num_kv_heads, 2 * dp)[:kv_len]
+        kv = kv_cache[pages, :, :rows].astype(np.float64).reshape(-1, num_kv_heads, rows // num_kv_heads * dp)
+        kv = kv[:kv_len]
         # [Hq, kv_len, D], contiguous (BLAS)
         k, v = (np.ascontiguousarray(np.repeat(x, g, axis=1).transpose(1, 0, 2))
-                for x in (kv[..., :d], kv[..., dp:dp + d]))
+                for x in (kv[..., :d], kv[..., v_at:v_at + d]))
         s = np.matmul(np.ascontiguousarray(q[a:b].transpose(1, 0, 2)), k.transpose(0, 2, 1)) * scale  # [Hq, q, kv]
         if soft_cap is not None:
             s = soft_cap * np.tanh(s / soft_cap)
@@ -228,8 +348,14 @@ def _oracle(queries, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, n
         if sliding_window is not None:
             vis &= np.arange(kv_len)[None, :] > q_pos - sliding_window
         s = np.where(vis[None], s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[a:b] = np.matmul(p / p.sum(-1, keepdims=True), v).transpose(1, 0, 2) * (v_scale or 1.0)
+        m = s.max(-1, keepdims=True)
+        den = 0.0
+        if attention_sink is not None:
+            sink = np.asarray(attention_sink, np.float64)[:, None, None]  # [Hq, 1, 1]
+            m = np.maximum(m, sink)
+            den = np.exp(sink - m)
+        p = np.exp(s - m)
+        out[a:b] = np.matmul(p / (p.sum(-1, keepdims=True) + den), v).transpose(1, 0, 2) * (v_scale or 1.0)
     return out
 
 
@@ -238,15 +364,26 @@ def _f32(x):
 
 
 def _run_case(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pages, *, distribution=None,
-              block_sizes=(64, 256, 32, 128), **kwargs):
-    """RPA v3's _test_ragged_paged_attention through the compat entry point, and the oracle."""
+              block_sizes=(64, 256, 32, 128), hd64=False, use_attention_sink=False, **kwargs):
+    """RPA v3's _test_ragged_paged_attention (hd64: its hd64 test's, the sequences sorted by q_len,
+    decode ones first) through the compat entry point, and the oracle."""
+    if hd64:
+        seq_lens = sorted(seq_lens, key=lambda x: x[0])
+        num_decode = sum(q_len == 1 for q_len, _ in seq_lens)
+        distribution = (num_decode, num_decode, len(seq_lens))
     args = _inputs(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pages,
-                   distribution=distribution)
+                   distribution=distribution, hd64=hd64, sink_scale=100.0 if use_attention_sink else None)
     expected, expected_cache = _reference(args, **kwargs)
-    want = _oracle(args[0], expected_cache, *args[4:], num_heads[1], **kwargs)
+    want = _oracle(args[0], expected_cache, *args[4:8], num_heads[1], hd64=hd64,
+                   attention_sink=args[8] if hd64 else None, **kwargs)
     t0 = time.perf_counter()
-    output, updated_cache = tpu_inference.ragged_paged_attention(
-        *args, **kwargs, m_block_sizes=block_sizes, vmem_limit_bytes=100 * 1024 * 1024, num_ctas=NUM_CTAS)
+    if hd64:
+        output, updated_cache = tpu_inference.ragged_paged_attention_hd64(
+            *args, **kwargs, num_kv_pages_per_block=8, num_queries_per_block=64,
+            vmem_limit_bytes=100 * 1024 * 1024, num_ctas=NUM_CTAS)
+    else:
+        output, updated_cache = tpu_inference.ragged_paged_attention(
+            *args, **kwargs, m_block_sizes=block_sizes, vmem_limit_bytes=100 * 1024 * 1024, num_ctas=NUM_CTAS)
     output.block_until_ready()
     print(f"compat call: {time.perf_counter() - t0:.1f} s")
     n = int(args[6][args[7][2]])
@@ -321,6 +458,33 @@ DEFAULT = {"mixed-bfloat16-engine"}
 @pytest.mark.parametrize("seq_lens,num_heads,head_dim,q_dtype,kv_dtype,distribution,kwargs", _params(CASES, DEFAULT))
 def test_rpa_v3_grid(seq_lens, num_heads, head_dim, q_dtype, kv_dtype, distribution, kwargs):
     _run_case(seq_lens, num_heads, head_dim, 16, q_dtype, kv_dtype, 1000, distribution=distribution, **kwargs)
+
+
+# The hd64 variant's grid (head_dim 64, always causal): (id, seq_lens, (Hq, Hkv), q dtype, kv dtype, kwargs).
+HD64_CASES = (
+    [(f"basic-{d}", SEQ_BASIC, (32, 8), DT[d], DT[d], {}) for d in ("f32", "bf16")]
+    + [(f"quantized_kv-{kv}-scales{s[0]}", SEQ_BASIC, (32, 8), jnp.bfloat16, DT[kv], dict(k_scale=s[0], v_scale=s[1]))
+       for kv in ("e5m2", "e4m3") for s in ((0.5, 0.5), (None, None))]
+    + [(f"quantized_attention-{kv}-scales{s[0]}", SEQ_BASIC, (32, 8), jnp.bfloat16, DT[kv],
+        dict(q_scale=0.5, k_scale=s[0], v_scale=s[1])) for kv in ("e5m2", "e4m3") for s in ((0.5, 0.5), (None, None))]
+    + [(f"{name}-{d}", seqs, (32, 8), DT[d], DT[d], {})
+       for name, seqs in (("decode_only", SEQ_DECODE), ("prefill_only", SEQ_PREFILL), ("mixed", SEQ_MIXED))
+       for d in ("f32", "bf16")]
+    + [(f"complex-s{n}-h{h[0]}x{h[1]}-{d}", _random_seqs(n), h, DT[d], DT[d], {})
+       for n in (1, 17) for h in ((32, 8), (12, 2), (5, 1), (3, 3)) for d in ("f32", "bf16")]
+    + [(f"sliding_window-{w}", _random_seqs(5), (4, 4), jnp.float32, jnp.float32, dict(sliding_window=w))
+       for w in (None, 5, 128)]
+    + [(f"sliding_window_sink-{w}-h{h[0]}x{h[1]}", _random_seqs(5), h, jnp.float32, jnp.float32,
+        dict(sliding_window=w, use_attention_sink=True)) for w in (5, 128) for h in ((4, 4), (8, 4), (64, 8))]
+    + [(f"soft_cap-{c}", _random_seqs(2), (16, 2), jnp.float32, jnp.float32, dict(soft_cap=c)) for c in (None, 50.0)]
+)
+HD64_DEFAULT = {"sliding_window_sink-5-h8x4"}
+
+
+@pytest.mark.parametrize("seq_lens,num_heads,q_dtype,kv_dtype,kwargs", _params(HD64_CASES, HD64_DEFAULT))
+def test_rpa_v3_hd64_grid(seq_lens, num_heads, q_dtype, kv_dtype, kwargs):
+    """The hd64 variant (ragged_paged_attention_hd64: its cache, attention sinks) on its test grid."""
+    _run_case(seq_lens, num_heads, 64, 16, q_dtype, kv_dtype, 1000, hd64=True, **kwargs)
 
 
 def _kv_share_inputs(*, q_len, kv_len, kv_input_seed, num_q_heads=8, num_kv_heads=1, head_dim=128, page_size=16,
@@ -402,6 +566,58 @@ def test_rejects_bad_metadata_when_concrete(index, value, match):
     the cache: ValueError (RPA v3's messages) when the metadata are concrete."""
     with pytest.raises(ValueError, match=match):
         tpu_inference.ragged_paged_attention(*_replace(_small(), index, value))
+
+
+def _small_hd64():
+    """_small's step for the hd64 variant: its cache, and attention sinks."""
+    return _inputs([(3, 20), (1, 9), (6, 6)], (4, 2), 64, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16,
+                   max_num_seq=4, hd64=True, sink_scale=10.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(attention_sink=jnp.zeros((5,), jnp.float32)), "attention_sink.shape=.5,. to be .4,."),
+    (dict(attention_sink=jnp.zeros((4,), jnp.bfloat16)), "attention_sink.dtype=bfloat16"),
+    (dict(soft_cap=0.0), "must not be 0.0"), (dict(soft_cap=-50.0), "must be positive"),
+    (dict(sliding_window=0), "must be positive"),
+    (dict(kv_lens=(2, 9, 6)), "Require 0 < q_len=3 <= kv_len=2 at sequence 0"),
+    (dict(distribution=(0, 0, 9)), "num_seqs=9 must be <="), (dict(distribution=(0, 4, 3)), "Invalid distribution"),
+])
+def test_hd64_rejects_as_rpa_v3(kwargs, match):
+    """The hd64 entry point's checks (its messages): attention_sink f32[Hq], soft cap, window, and
+    the metadata when concrete."""
+    args = list(_small_hd64())
+    for i, name in ((4, "kv_lens"), (7, "distribution"), (8, "attention_sink")):
+        if name in kwargs:
+            value = kwargs.pop(name)
+            args = list(_replace(tuple(args), i, value)) if i < 8 else args[:8] + [value]
+    with pytest.raises(ValueError, match=match):
+        tpu_inference.ragged_paged_attention_hd64(*args, **kwargs)
+
+
+def test_hd64_rejects_other_head_dims_and_caches():
+    args = _inputs([(3, 20)], (4, 2), 80, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16, max_num_seq=4)
+    with pytest.raises(ValueError, match="actual_head_dim=80 to be 64"):
+        tpu_inference.ragged_paged_attention_hd64(*args)
+    with pytest.raises(ValueError, match="Expected kv_cache.shape"):  # RPA v3's cache, not the hd64 one
+        tpu_inference.ragged_paged_attention_hd64(*_small())
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads", [(jnp.float32, 3), (jnp.bfloat16, 1), (jnp.float8_e4m3fn, 3)])
+def test_hd64_layout_helpers_match_rpa_v3(dtype, num_kv_heads):
+    """get_kv_cache_shape_hd64 and merge_kv_hd64 as the hd64 variant's; split_kv_hd64 undoes merge_kv_hd64."""
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.random((6, 16, num_kv_heads, 64), np.float32)).astype(dtype) for _ in "kv")
+    p = get_dtype_packing(dtype)
+    assert tpu_inference.get_kv_cache_shape_hd64(6, 16, num_kv_heads, 64, dtype) == (
+        6, 16, align_to(num_kv_heads, p) // p, p, 128)
+    np.testing.assert_array_equal(_f32(tpu_inference.merge_kv_hd64(k[0], v[0])), _f32(merge_kv_hd64(k[0], v[0])))
+    cache = tpu_inference.merge_kv_hd64(k, v)
+    assert cache.shape == tpu_inference.get_kv_cache_shape_hd64(6, 16, num_kv_heads, 64, dtype)
+    split = tpu_inference.split_kv_hd64(cache, num_kv_heads)
+    np.testing.assert_array_equal(_f32(split.k_pages), _f32(k))
+    np.testing.assert_array_equal(_f32(split.v_pages), _f32(v))
+    with pytest.raises(ValueError, match="head_dim must be 64"):
+        tpu_inference.get_kv_cache_shape_hd64(6, 16, num_kv_heads, 128, dtype)
 
 
 @pytest.mark.parametrize("dtype,num_kv_heads,head_dim", [

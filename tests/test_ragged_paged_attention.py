@@ -174,6 +174,27 @@ def test_decode_only_and_prefill_only(rng, kind):
     _check(args, want_cache, table, out, new_cache)
 
 
+# Decode-only, prefill-only and mixed compositions of SMALL's shapes.
+COMPOSITIONS = (([1] * 5, [33, 0, 17, 90, 8], (5, 5, 5)), ([20, 12, 30], [0, 15, 40], (0, 3, 3)),
+                ([1, 1, 4, 0, 19, 12], [60, 3, 9, 5, 30, 0], (2, 2, 6)))
+
+
+@pytest.mark.parametrize("causal, window", [(True, 6), (False, None), pytest.param(True, None, marks=pytest.mark.slow)])
+def test_sinks_match_reference(rng, causal, window):
+    """Attention sinks, traced: decode-only, prefill-only and mixed steps through one compilation,
+    against the reference's sinks variant (sinks about the rows' lse, so that they matter)."""
+    fn = jax.jit(lambda *a: ji.ragged_paged_attention(*a[:8], sinks=a[8], causal=causal, sliding_window=window,
+                                                      num_ctas=NUM_CTAS))
+    variant = variants.compose(*([variants.sliding_window()] if window else []), variants.sinks())
+    for q_lens, cached, dist in COMPOSITIONS:
+        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+        sinks = jnp.asarray(rng.normal(2.0, 2.0, HQ).astype(np.float32))
+        out, new_cache = fn(*args, sinks)
+        params = {"sinks": sinks} | ({"window_left": jnp.int32(window - 1)} if window else {})
+        _check(args, want_cache, table, out, new_cache, causal=causal, variant=variant, params=params)
+    assert fn._cache_size() == 1
+
+
 @pytest.mark.parametrize("n", [1, 7, ragged_plan.DENSE_PREFIX_MAX, ragged_plan.DENSE_PREFIX_MAX + 3])
 def test_device_plan_prefix_sums(rng, n):
     """The device plan's prefix sums (one masked row sum up to DENSE_PREFIX_MAX, XLA's scan past
@@ -248,9 +269,10 @@ def test_bad_inputs_raise(rng):
     q, k, v, cache, kv_lens, pi, cu, dist = args
     with pytest.raises(ValueError, match="keys"):
         ji.ragged_paged_attention(q, k[:3], v, cache, kv_lens, pi, cu, dist)
-    with pytest.raises(ValueError, match="distribution"):
-        ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, jnp.asarray([2, 1, 2], jnp.int32))
-    with pytest.raises(ValueError, match="kv_lens"):
+    for bad in ([2, 1, 2], [0, 0, 3], [-1, 0, 2], [0, 3, 2]):  # d[0] > d[1], d[2] > S = 2, negative, d[1] > d[2]
+        with pytest.raises(ValueError, match="distribution"):
+            ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, jnp.asarray(bad, jnp.int32))
+    with pytest.raises(ValueError, match="kv_lens"):  # shorter than its q_len 3
         ji.ragged_paged_attention(q, k, v, cache, kv_lens.at[1].set(2), pi, cu, dist)
     with pytest.raises(ValueError, match="kv_lens"):
         ji.ragged_paged_attention(q, k, v, cache, kv_lens.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16),
@@ -259,6 +281,12 @@ def test_bad_inputs_raise(rng):
         ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi.at[0].set(cache.num_pages), cu, dist)
     with pytest.raises(ValueError, match="sliding_window"):
         ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, causal=False, sliding_window=4)
+    for cap in (0.0, -50.0):
+        with pytest.raises(ValueError, match="soft_cap"):
+            ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, soft_cap=cap)
+    for sinks in (jnp.zeros((HQ + 1,), jnp.float32), jnp.zeros((HQ,), jnp.int32)):
+        with pytest.raises(ValueError, match="sinks"):
+            ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, sinks=sinks)
 
 
 # The Mosaic class (long sequences on the Mosaic GPU kernel, forced with impl="mosaic": its
@@ -396,8 +424,8 @@ def test_mosaic_plan_matches_numpy(rng):
 
 def test_long_impl_dispatch(monkeypatch):
     """dispatch.ragged_long_impl: the mixed launch where it can run (compiled on a Hopper GPU: faked
-    here), else the Mosaic prefill kernel (variants: a sliding window), else Triton; impl="mixed" /
-    "mosaic" name what they lack."""
+    here), else the Mosaic prefill kernel (variants: a sliding window), else Triton (sinks: they
+    need each row's lse); impl="mixed" / "mosaic" name what they lack."""
     from jaxinfer import _backend, dispatch
 
     def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD",
@@ -409,8 +437,12 @@ def test_long_impl_dispatch(monkeypatch):
     assert pick("mosaic") == "prefill_mosaic" and pick("mixed") == "batch_mosaic"
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
     assert pick() == "batch_mosaic" and pick(page=8) == "batch_mosaic" and pick("triton") == "prefill_triton"
-    window = ragged._variant(True, False)
+    window = ragged._variant(True, False, False)
     assert pick(variant=window) == "prefill_mosaic" and pick("mosaic", variant=window) == "prefill_mosaic"
+    for sinks in (ragged._variant(False, False, True), ragged._variant(True, True, True)):
+        assert pick(variant=sinks) == "prefill_triton" and pick("triton", variant=sinks) == "prefill_triton"
+        with pytest.raises(ValueError, match="impl='mosaic': variant .*sinks"):
+            pick("mosaic", variant=sinks)
     with pytest.raises(ValueError, match="impl='mixed': variants"):
         pick("mixed", variant=window)
     assert pick(heads=(128, 2)) == "batch_mosaic" and pick(heads=(128, 1)) == "prefill_mosaic"  # group <= 64

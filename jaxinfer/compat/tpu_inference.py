@@ -3,7 +3,9 @@
 Follows tpu_inference/kernels/ragged_paged_attention/v3/kernel.py at TPU_INFERENCE_COMMIT: its
 signature, defaults (sm_scale 1.0), input checks and fused KV cache [num_pages, page_size,
 align(2 Hkv, p) // p, p, align(D, 128)], K and V heads interleaved (K0, V0, K1, V1, ...), p the
-values per 32-bit word (1 for 32-bit, 2 for 16-bit, 4 for 8-bit dtypes).
+values per 32-bit word (1 for 32-bit, 2 for 16-bit, 4 for 8-bit dtypes). Its head_dim-64 variant
+(v3/kernel_hd64.py: ragged_paged_attention_hd64, with attention sinks) over its own cache
+[num_pages, page_size, align(Hkv, p) // p, p, 128], each head's K and V side by side.
 
 Each call splits the pages its sequences list out of the fused cache into a PagedKVCache (a copy
 of min(num_pages, S * pages_per_seq) pages: the cost of the layout), runs
@@ -69,6 +71,45 @@ def split_kv(kv_cache, num_kv_heads, head_dim):
     return PagedKVCache(heads[:, :, 0:2 * num_kv_heads:2, :head_dim], heads[:, :, 1:2 * num_kv_heads:2, :head_dim])
 
 
+HD64 = 64  # the hd64 variant's head_dim: [K_h, V_h] fill one 128-lane row
+
+
+def kv_cache_shape_hd64(num_pages, page_size, num_kv_heads, head_dim, dtype):
+    """The hd64 variant's fused cache shape (its get_kv_cache_shape): [num_pages, page_size,
+    align(Hkv, p) // p, p, 128]."""
+    if head_dim != HD64:
+        raise ValueError(f"head_dim must be {HD64} for the hd64 cache, got {head_dim}")
+    p = packing(dtype)
+    return (num_pages, page_size, _align(num_kv_heads, p) // p, p, 2 * HD64)
+
+
+get_kv_cache_shape_hd64 = kv_cache_shape_hd64  # tpu-inference's name (layers/common/attention_interface.py)
+
+
+def merge_kv_hd64(k, v):
+    """k, v [..., Hkv, 64] -> hd64 fused rows [..., align(Hkv, p) // p, p, 128] (each head's K then
+    V, zero head padding). Tokens [T, Hkv, 64] give the hd64 variant's merge_kv; NHD pages
+    [num_pages, page_size, Hkv, 64] a whole fused cache."""
+    if k.shape != v.shape or k.dtype != v.dtype or k.ndim < 2 or k.shape[-1] != HD64:
+        raise ValueError(f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must have one shape [..., Hkv, {HD64}] "
+                         "and one dtype")
+    *lead, hkv, d = k.shape
+    p = packing(k.dtype)
+    kv = jnp.concatenate([k, v], axis=-1)  # [..., Hkv, 128]
+    kv = jnp.pad(kv, [(0, 0)] * len(lead) + [(0, _align(hkv, p) - hkv), (0, 0)])
+    return kv.reshape(*lead, _align(hkv, p) // p, p, 2 * d)
+
+
+def split_kv_hd64(kv_cache, num_kv_heads):
+    """An hd64 fused cache -> PagedKVCache (NHD) [num_pages, page_size, Hkv, 64] of its K and V
+    halves, padding dropped (strided slices, as split_kv)."""
+    if kv_cache.ndim != 5 or kv_cache.shape[2] * kv_cache.shape[3] < num_kv_heads or kv_cache.shape[4] != 2 * HD64:
+        raise ValueError(f"kv_cache {kv_cache.shape} is not an hd64 fused cache of {num_kv_heads} KV heads")
+    n, page_size, words, p, dp = kv_cache.shape
+    heads = kv_cache.reshape(n, page_size, words * p, dp)[:, :, :num_kv_heads]  # [num_pages, page_size, Hkv, 128]
+    return PagedKVCache(heads[..., :HD64], heads[..., HD64:])
+
+
 def ragged_paged_attention(
         queries,  # [T, Hq, D]
         keys,  # [T, Hkv, D], in the cache's dtype
@@ -103,25 +144,65 @@ def ragged_paged_attention(
     del debug_mode, disable_bounds_checks, disable_semaphore_checks
     _check_static(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                   use_causal_mask=use_causal_mask, skip_kv_mask=skip_kv_mask, sliding_window=sliding_window,
-                  soft_cap=soft_cap)
+                  soft_cap=soft_cap, hd64=False, attention_sink=None)
+    return _call(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, None,
+                 causal=use_causal_mask, update_kv_cache=update_kv_cache, sm_scale=sm_scale,
+                 sliding_window=sliding_window, soft_cap=soft_cap, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                 out_dtype=out_dtype, hd64=False, num_ctas=num_ctas, backend=backend)
+
+
+def ragged_paged_attention_hd64(
+        queries,  # [T, Hq, 64]
+        keys,  # [T, Hkv, 64], in the cache's dtype
+        values,  # [T, Hkv, 64], in the cache's dtype
+        kv_cache,  # [num_pages, page_size, align(Hkv, p) // p, p, 128]
+        kv_lens,  # i32[S], each including its sequence's new tokens
+        page_indices,  # i32[S * pages_per_seq]
+        cu_q_lens,  # i32[S + 1]
+        distribution,  # i32[3]: (decode_end, prefill_end, num_seqs)
+        attention_sink=None,  # f32[Hq]
+        *, sm_scale=1.0, sliding_window=None, soft_cap=None, mask_value=None, q_scale=None, k_scale=None,
+        v_scale=None, chunk_prefill_size=None, num_kv_pages_per_block=None, num_queries_per_block=None,
+        vmem_limit_bytes=None, debug_mode=False, num_ctas=None, backend=None):
+    """RPA v3's head_dim-64 variant (kernel_hd64.py at TPU_INFERENCE_COMMIT) over its cache
+    (kv_cache_shape_hd64): ragged_paged_attention's semantics, always causal, plus attention_sink:
+    one logit per query head in every row's softmax denominator (gpt-oss). Returns (out [T, Hq, 64]
+    in queries' dtype, the updated cache); ignores mask_value and the TPU tuning as
+    ragged_paged_attention does."""
+    del mask_value, chunk_prefill_size, num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes, debug_mode
+    _check_static(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                  use_causal_mask=True, skip_kv_mask=False, sliding_window=sliding_window, soft_cap=soft_cap,
+                  hd64=True, attention_sink=attention_sink)
+    return _call(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sink,
+                 causal=True, update_kv_cache=True, sm_scale=sm_scale, sliding_window=sliding_window,
+                 soft_cap=soft_cap, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out_dtype=None, hd64=True,
+                 num_ctas=num_ctas, backend=backend)
+
+
+def _call(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sink, *,
+          causal, update_kv_cache, sm_scale, sliding_window, soft_cap, q_scale, k_scale, v_scale, out_dtype, hd64,
+          num_ctas, backend):
+    """Either entry point after its static checks: the metadata's checks when concrete, then _run."""
     if is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
         _check_metadata(queries.shape[0], kv_cache.shape[0], kv_cache.shape[1], kv_lens, page_indices, cu_q_lens,
                         distribution)
     scale = float(sm_scale)
     for s in (k_scale, q_scale):  # RPA v3 scales the logits by both
         scale *= 1.0 if s is None else float(s)
-    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                causal=bool(use_causal_mask), update_kv_cache=bool(update_kv_cache), sm_scale=scale,
+    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sink,
+                causal=bool(causal), update_kv_cache=bool(update_kv_cache), sm_scale=scale,
                 sliding_window=None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32),
                 soft_cap=None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32),
                 q_scale=None if q_scale is None else float(q_scale),
                 v_scale=None if v_scale is None else float(v_scale),
-                out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), num_ctas=num_ctas, backend=backend)
+                out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), hd64=hd64, num_ctas=num_ctas,
+                backend=backend)
 
 
 def _check_static(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
-                  use_causal_mask, skip_kv_mask, sliding_window, soft_cap):
-    """RPA v3's static_validate_inputs (its messages), and what jaxinfer cannot run."""
+                  use_causal_mask, skip_kv_mask, sliding_window, soft_cap, hd64, attention_sink):
+    """RPA v3's static_validate_inputs (its messages; hd64: the hd64 variant's, with its cache shape
+    and attention_sink), and what jaxinfer cannot run."""
     if use_causal_mask and skip_kv_mask:
         raise ValueError("Can not skip kv mask when using causal mask.")
     if not queries.ndim == keys.ndim == values.ndim == 3:
@@ -132,9 +213,17 @@ def _check_static(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_l
     hq, hkv, d = queries.shape[1], keys.shape[1], queries.shape[2]
     if hq % hkv:
         raise ValueError(f"Expected actual_num_q_heads={hq} to be divisible by actual_num_kv_heads={hkv}.")
+    if hd64 and d != HD64:
+        raise ValueError(f"Expected actual_head_dim={d} to be {HD64}.")
+    if attention_sink is not None:
+        if jnp.ndim(attention_sink) != 1 or attention_sink.shape[0] != hq:
+            raise ValueError(f"Expected attention_sink.shape={tuple(jnp.shape(attention_sink))} to be ({hq},) "
+                             f"(num_q_heads).")
+        if attention_sink.dtype != jnp.float32:
+            raise ValueError(f"Expected attention_sink.dtype={attention_sink.dtype} to be equal to float32.")
     if kv_cache.ndim != 5:
         raise ValueError(f"kv_cache must be RPA v3's 5-D fused cache (kv_cache_shape), got shape {kv_cache.shape}")
-    want = kv_cache_shape(*kv_cache.shape[:2], hkv, d, kv_cache.dtype)
+    want = (kv_cache_shape_hd64 if hd64 else kv_cache_shape)(*kv_cache.shape[:2], hkv, d, kv_cache.dtype)
     if tuple(kv_cache.shape) != want:
         raise ValueError(f"Expected kv_cache.shape={tuple(kv_cache.shape)} to be equal to {want}")
     if not kv_cache.dtype == keys.dtype == values.dtype:
@@ -219,12 +308,13 @@ def _token_slots(kv_lens, cu_q_lens, distribution, num_rows, page_size, pages_pe
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "update_kv_cache", "sm_scale", "q_scale", "v_scale",
-                                             "out_dtype", "num_ctas", "backend"),
+                                             "out_dtype", "hd64", "num_ctas", "backend"),
                    donate_argnames=("kv_cache",))
-def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *, causal,
-         update_kv_cache, sm_scale, sliding_window, soft_cap, q_scale, v_scale, out_dtype, num_ctas, backend):
-    """ragged_paged_attention after its checks (sm_scale: RPA v3's times k_scale and q_scale;
-    sliding_window, soft_cap: 0-d arrays or None, so that their values share one compilation)."""
+def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, *, causal,
+         update_kv_cache, sm_scale, sliding_window, soft_cap, q_scale, v_scale, out_dtype, hd64, num_ctas, backend):
+    """Either entry point after its checks (sm_scale: RPA v3's times k_scale and q_scale;
+    sliding_window, soft_cap: 0-d arrays or None, so that their values share one compilation;
+    sinks f32[Hq] or None; hd64: the hd64 cache layout)."""
     t, _, d = queries.shape
     hkv = keys.shape[1]
     num_pages, page_size = kv_cache.shape[:2]
@@ -232,11 +322,12 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     pages_per_seq = page_indices.shape[0] // s
     entry, slot, live = _token_slots(kv_lens, cu_q_lens, distribution, t, page_size, pages_per_seq)
     page = page_indices[entry]  # [T]
+    split = (lambda c: split_kv_hd64(c, hkv)) if hd64 else (lambda c: split_kv(c, hkv, d))
     if s * pages_per_seq < num_pages:  # split only the listed pages, renumbered in listing order
-        cache = split_kv(kv_cache[jnp.clip(page_indices, 0, num_pages - 1)], hkv, d)
+        cache = split(kv_cache[jnp.clip(page_indices, 0, num_pages - 1)])
         table, view_page = jnp.arange(s * pages_per_seq, dtype=jnp.int32), entry
     else:
-        cache = split_kv(kv_cache, hkv, d)
+        cache = split(kv_cache)
         table, view_page = page_indices, jnp.clip(page, 0, num_pages - 1)
     k_new, v_new = keys, values
     if not update_kv_cache:  # KV sharing: the rows are in the cache already; written back unchanged
@@ -247,12 +338,14 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         q = jnp.clip(q / q_scale, float(info.min), float(info.max)).astype(kv_cache.dtype).astype(queries.dtype)
     out, _ = ragged.ragged_paged_attention(
         q, k_new, v_new, cache, kv_lens, table, cu_q_lens, distribution, causal=causal, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, v_scale=v_scale, num_ctas=num_ctas, backend=backend)
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, v_scale=v_scale, num_ctas=num_ctas,
+        backend=backend)
     out = out.astype(queries.dtype if out_dtype is None else out_dtype)
     if not update_kv_cache:
         return out, kv_cache
     # The scatter after the reads of the cache (tied to out), so that it can write in place.
-    rows, out = jax.lax.optimization_barrier((merge_kv(keys, values), out))  # rows [T, words, p, Dp]
+    rows = merge_kv_hd64(keys, values) if hd64 else merge_kv(keys, values)  # [T, words, p, Dp]
+    rows, out = jax.lax.optimization_barrier((rows, out))
     dest = jnp.where(live & (page >= 0) & (page < num_pages), page * page_size + slot, num_pages * page_size)
     flat = kv_cache.reshape(num_pages * page_size, *kv_cache.shape[2:])
     return out, flat.at[dest].set(rows, mode="drop").reshape(kv_cache.shape)
