@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import generate  # noqa: E402
 import llama  # noqa: E402
 import quickstart  # noqa: E402
+import mla  # noqa: E402
 import serve  # noqa: E402
 
 TINY = llama.get_config("tiny")  # float32
@@ -172,6 +173,14 @@ def test_quickstart_runs_the_readme_api_tour():
                  "append_paged_kv_cache", "append_kv", "single_prefill_with_kv_cache", "merge_state", "reference.attention",
                  "ragged_paged_attention"):
         assert call in tour and call in open(quickstart.__file__).read(), call
+
+
+def test_mla_example_absorbed_decode_and_192_128_prefill_match_dense():
+    """examples/mla.py (tiny, float32): the 192 / 128-form prefill (q / K of 48 here, V of 32) and
+    two absorbed decode steps over the paged latent cache (one compilation) match the dense layer."""
+    r = mla.main(["--batch", "2", "--prompt-len", "3", "9", "--new-tokens", "2", "--page-size", "4"])
+    assert r["decode_compiles"] == 1 and len(r["decode_errs"]) == 2
+    assert max([r["prefill_err"]] + r["decode_errs"]) < 1e-5
 
 
 def test_page_allocator_refcounts_and_prefix_cache():
