@@ -3,7 +3,9 @@
     PYTHONPATH=. python3 benchmarks/bench_mla.py [--sweep] [--smoke] [--fp8]
 
 Rows (bf16, ckv 512 + kpe 64, page 64, sm_scale 0.1352): decode 16 heads B64 kv4096 (and page 1),
-128 heads B64 kv4096 and B16 kv8192, causal prefill 16 heads B4 S4096 (absorbed). Each row is
+128 heads B64 kv4096 and B16 kv8192, causal prefill 16 heads B4 S4096 (absorbed); then DeepSeek's
+unabsorbed prefill, ragged causal attention with q / k of 192 and v / o of 128, 128 heads B4 S8192
+(BatchPrefillWithRaggedKVCache head_dim_vo=128 beside FlashInfer's ragged wrapper). Each row is
 checked against jaxinfer.reference.mla_reference first, then timed (median; `CALLS` calls per
 program so host dispatch hides no GPU time). FlashInfer (fa3, fa2) runs on the same inputs through
 DLPack when torch and flashinfer import (../shared/anchors/README.md), else its columns stay
@@ -25,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import bench, record, rel_err, save  # noqa: E402
+import jaxinfer as ji  # noqa: E402
 from jaxinfer.mla import BatchMLAPagedAttention  # noqa: E402
 from jaxinfer.reference import mla_reference  # noqa: E402
 from pallas_kernels.mla import MLAConfig  # noqa: E402
@@ -53,6 +56,11 @@ SMOKE_ROWS = (
     Row(name="smoke decode H16 B3", heads=16, qo_lens=(1, 1, 1), kv_lens=(1, 130, 77), page_size=16),
     Row(name="smoke prefill H8 B2 causal", heads=8, qo_lens=(9, 4), kv_lens=(9, 40), page_size=16, causal=True),
 )
+PREFILL_192 = (Row(name="ragged prefill 192/128 H128 B4 S8192 causal", heads=128, qo_lens=(8192,) * 4,
+                   kv_lens=(8192,) * 4, causal=True),)
+SMOKE_PREFILL_192 = (Row(name="smoke ragged prefill 192/128 H4 B2 causal", heads=4, qo_lens=(40, 300),
+                         kv_lens=(40, 300), causal=True),)
+QK, VO = 192, 128
 SWEEP = (MLAConfig(), MLAConfig(num_stages=2), MLAConfig(num_stages=4, block_kv=32),
          MLAConfig(num_stages=3, block_kv=32), MLAConfig(num_warps=4), MLAConfig(num_warps=8),
          MLAConfig(num_cells=132), MLAConfig(num_cells=264), MLAConfig(block_rows=32), MLAConfig(block_rows=16))
@@ -136,6 +144,52 @@ class FlashInfer:
         return float(np.median(ts)), o
 
 
+def time_prefill_192(row, backend, fi):
+    """The unabsorbed prefill row: (jaxinfer seconds, rel err of request 0's last 256 rows against
+    jaxinfer.reference, {FlashInfer backend: seconds}, FLOPs, bytes of q, k, v and o)."""
+    h, lens = row.heads, np.asarray(row.qo_lens)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t_all, s0 = int(indptr[-1]), int(lens[0])
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, (t_all, h, d), jnp.bfloat16) for key, d in zip(keys, (QK, QK, VO)))
+    scale = 1.0 / np.sqrt(QK)
+    pre = ji.BatchPrefillWithRaggedKVCache(h, h, QK, head_dim_vo=VO, causal=True, sm_scale=scale, backend=backend)
+    plan = pre.plan(indptr, indptr)
+    run = jax.jit(pre.run)
+    n = min(256, s0)
+    want = ji.reference.attention(q[s0 - n:s0], k[:s0], v[:s0], causal=True, sm_scale=scale).o
+    err = rel_err(run(q, k, v, plan)[s0 - n:s0], want)
+    reps = 3 if backend == "interpret" else 7
+    t = bench(run, q, k, v, plan, iters=2 if backend == "interpret" else 10, reps=reps)
+    pairs = float(np.sum(lens * (lens + 1) // 2))
+    flops, nbytes = 2 * h * (QK + VO) * pairs, t_all * h * (2 * QK + 2 * VO) * 2
+    fi_s = {}
+    for fb in ("fa3", "fa2") if fi is not None else ():
+        try:
+            torch = fi.torch
+            tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+            ti = torch.as_tensor(indptr, device="cuda")
+            w = fi.fi.BatchPrefillWithRaggedKVCacheWrapper(fi.ws, "NHD", backend=fb)
+            w.plan(ti, ti, h, h, QK, head_dim_vo=VO, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
+            o = jnp.from_dlpack(w.run(tq, tk, tv).contiguous())
+            ts = []
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    w.run(tq, tk, tv)
+                end.record()
+                torch.cuda.synchronize()
+                ts.append(start.elapsed_time(end) / 10 / 1e3)
+            fi_s[fb] = float(np.median(ts))
+            record("flashinfer_prefill_192", row=row.name, backend=fb, us=fi_s[fb] * 1e6,
+                   TFLOPs=flops / fi_s[fb] / 1e12, rel_err=rel_err(o[s0 - n:s0], want))
+        except Exception as e:
+            record("flashinfer_prefill_192", row=row.name, backend=fb, error=f"{type(e).__name__}: {str(e)[:300]}")
+    record("jaxinfer_prefill_192", row=row.name, impl=plan.impl, us=t * 1e6, TFLOPs=flops / t / 1e12, rel_err=err)
+    return t, err, fi_s, flops, nbytes
+
+
 def load_flashinfer():
     try:
         return FlashInfer()
@@ -185,6 +239,10 @@ def main():
             except Exception as e:
                 record("flashinfer_mla", row=row.name, backend=fb, error=f"{type(e).__name__}: {str(e)[:300]}")
         table_rows.append((row, best, fi_us, flops, nbytes))
+    for row in () if args.sweep or args.fp8 else SMOKE_PREFILL_192 if args.smoke else PREFILL_192:
+        if re.search(args.rows, row.name):
+            t, err, fi_s, flops, nbytes = time_prefill_192(row, backend, fi)
+            table_rows.append((row, (t, err, "ragged, Triton"), {b: x * 1e6 for b, x in fi_s.items()}, flops, nbytes))
     save(("mla_sweep" if args.sweep else "mla") + ("_fp8" if args.fp8 else ""))
     print("\n| row | jaxinfer µs | GB/s | TFLOP/s | rel err | FlashInfer fa3 µs | fa2 µs | config |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
