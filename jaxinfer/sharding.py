@@ -18,6 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.batch import BatchAttention
+from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
 from jaxinfer.formats import AttentionState, PagedKVCache
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache
@@ -36,7 +37,8 @@ else:  # older jax (check_rep)
         return _legacy_shard_map(f, mesh, in_specs, out_specs, check_rep=False)
 
 
-_WRAPPERS = (BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, BatchAttention)
+_WRAPPERS = (BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, BatchAttention)  # context_parallel's
+_TP_WRAPPERS = _WRAPPERS + (MultiLevelCascadeAttention,)  # head_parallel's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,10 +103,10 @@ def put(tree, sharding):
     return jax.tree.map(one, tree)
 
 
-def _check_wrapper(wrapper):
-    if not isinstance(wrapper, _WRAPPERS):
-        raise ValueError("wrapper must be a BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache or "
-                         f"BatchAttention, got {type(wrapper).__name__}")
+def _check_wrapper(wrapper, allowed=_WRAPPERS):
+    if not isinstance(wrapper, allowed):
+        names = [w.__name__ for w in allowed]
+        raise ValueError(f"wrapper must be a {', '.join(names[:-1])} or {names[-1]}, got {type(wrapper).__name__}")
 
 
 def _check_axis(mesh, name, axis):
@@ -119,13 +121,15 @@ def _check_axis(mesh, name, axis):
 def head_parallel(wrapper, mesh, *, tp_axis="tp", return_lse=False):
     """wrapper.run over heads split on mesh axis tp_axis: run(q, kv_cache, plan, kv_lens=None).
 
-    wrapper: the per-device wrapper (split_heads' head counts); plan: its plan, replicated. q, o
-    [T, Hq, D] split on heads (head_spec), the cache on KV heads (cache_spec). kv_lens (decode
-    only, may be traced): as the decode wrapper's run(). Returns o or AttentionState(o, lse [T, Hq])."""
-    _check_wrapper(wrapper)
+    wrapper: the per-device wrapper (split_heads' head counts): decode, prefill, BatchAttention or
+    MultiLevelCascadeAttention; plan: its plan, replicated. q, o [T, Hq, D] split on heads
+    (head_spec), the cache on KV heads (cache_spec). kv_lens (decode only, may be traced): as the
+    decode wrapper's run(). Returns o or AttentionState(o, lse [T, Hq])."""
+    _check_wrapper(wrapper, _TP_WRAPPERS)
     _check_axis(mesh, "tp_axis", tp_axis)
     decode = isinstance(wrapper, BatchDecodeWithPagedKVCache)
-    spec_q, spec_c = head_spec(tp_axis), cache_spec(wrapper.layout, tp_axis=tp_axis)
+    layout = wrapper.prefill.layout if isinstance(wrapper, MultiLevelCascadeAttention) else wrapper.layout
+    spec_q, spec_c = head_spec(tp_axis), cache_spec(layout, tp_axis=tp_axis)
     out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
 
     def body(q, kv_cache, plan, kv_lens):  # q [T, Hq / tp, D]
@@ -142,18 +146,20 @@ def head_parallel(wrapper, mesh, *, tp_axis="tp", return_lse=False):
     return run
 
 
-def head_parallel_ragged(mesh, *, tp_axis="tp", causal=True, sm_scale=None, backend=None, impl="auto"):
+def head_parallel_ragged(mesh, *, tp_axis="tp", causal=True, sm_scale=None, num_ctas=None, backend=None,
+                         impl="auto"):
     """ragged_paged_attention over heads split on tp_axis: run(queries, keys, values, kv_cache,
     kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None, soft_cap=None) ->
     (out, kv_cache). queries [T, Hq, D], keys / values [T, Hkv, D] and the cache split on heads
-    (Hkv: after replicate_kv_heads when fewer KV heads than devices); metadata replicated."""
+    (Hkv: after replicate_kv_heads when fewer KV heads than devices); metadata replicated.
+    causal, sm_scale, num_ctas, backend, impl: as ragged_paged_attention's, on every device."""
     _check_axis(mesh, "tp_axis", tp_axis)
     spec_q = head_spec(tp_axis)
 
     def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
         return ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                                       distribution, causal=causal, sm_scale=sm_scale, sliding_window=window,
-                                      soft_cap=cap, backend=backend, impl=impl)
+                                      soft_cap=cap, num_ctas=num_ctas, backend=backend, impl=impl)
 
     def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
             sliding_window=None, soft_cap=None):

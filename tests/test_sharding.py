@@ -79,6 +79,19 @@ def test_split_page_table_covers_every_page_once():
         sharding.split_page_table(indptr, indices, last, page, 0)
 
 
+def test_head_parallel_takes_every_paged_wrapper():
+    """head_parallel takes the cascade wrapper too (its levels are split on heads like any plan);
+    context_parallel only the wrappers it splits by context; anything else is a ValueError."""
+    import jax
+    devices = np.asarray(jax.devices()[:1])
+    cascade = ji.MultiLevelCascadeAttention(2, 4, 2, 32, 4)
+    sharding.head_parallel(cascade, jax.sharding.Mesh(devices, ("tp",)))
+    with pytest.raises(ValueError, match="got MultiLevelCascadeAttention"):
+        sharding.context_parallel(cascade, jax.sharding.Mesh(devices, ("cp",)))
+    with pytest.raises(ValueError, match="wrapper must be"):
+        sharding.head_parallel(object(), jax.sharding.Mesh(devices, ("tp",)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Multi-device checks (subprocesses)
 
@@ -92,7 +105,7 @@ def test_sharded_equals_one_device():
 
 @pytest.mark.slow
 def test_sharded_grid_equals_one_device():
-    """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND."""
+    """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND (TP cascade too)."""
     _check_script(["grid"], timeout=3600)
 
 
@@ -331,6 +344,35 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2):
     print(f"TP{tp} ragged_paged_attention: o rel err {err:.1e}", flush=True)
 
 
+def _check_tp_cascade(rng, tp, hq=8, hkv=4):
+    """TP MultiLevelCascadeAttention (decode rows over a shared prefix, then their own pages)
+    against one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    d, page, batch = 32, 4, 3
+    num_pages = 5 + 3 * batch + 2
+    perm = rng.permutation(num_pages).astype(np.int32)
+    kv_indices = np.concatenate([np.concatenate([perm[:5], perm[5 + 3 * r:8 + 3 * r]]) for r in range(batch)])
+    kv_indptr = (np.arange(batch + 1) * 8).astype(np.int32)
+    last = np.array([4, 1, 3], np.int32)
+    levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices, last, page,
+                                         causal=False)
+    assert saved > 0
+    mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    q, cache = mk((batch, hq, d)), ji.PagedKVCache(mk((num_pages, page, hkv, d)), mk((num_pages, page, hkv, d)))
+    one = ji.MultiLevelCascadeAttention(2, hq, hkv, d, page, causal=False, num_ctas=8)
+    ref = one.run(q, cache, one.plan(levels, num_pages=num_pages), return_lse=True)
+    mesh = _mesh(tp, 1)
+    hs = sharding.split_heads(hq, hkv, tp)
+    w = ji.MultiLevelCascadeAttention(2, hs.num_qo_heads, hs.num_kv_heads, d, page, causal=False, num_ctas=8)
+    cache = sharding.put(sharding.replicate_kv_heads(cache, hs.kv_replicas),
+                         NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp")))
+    q = sharding.put(q, NamedSharding(mesh, sharding.head_spec("tp")))
+    run = jax.jit(sharding.head_parallel(w, mesh, return_lse=True))
+    _compare(f"TP{tp} cascade", run(q, cache, w.plan(levels, num_pages=num_pages)), ref)
+
+
 def _short_mix(kind):
     """kv_lens, qo_lens with an empty request, requests shorter than a share, and long ones."""
     kv = [0, 1, 6, 45, 70]
@@ -363,6 +405,7 @@ def _main_grid():
                 _check_cp(_Case(rng, kind, 8, 2, layout, cp, kv, qo, True, True), tp, cp)
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
+        _check_tp_cascade(rng, n)
         _check_cp_scan(rng, n)
 
 
