@@ -4,7 +4,7 @@
     python examples/generate.py --scan 4             # 4 decode steps per jitted lax.scan (horizon plan)
     python examples/generate.py --config llama3-8b --batch 16 --prompt-len 512 2048 --new-tokens 128
     python examples/generate.py --temperature 0.8 --top-k 50 --top-p 0.9   # sampling (jaxinfer.sampling)
-    python examples/generate.py --config llama3-70b --tp 4                # 4 GPUs, tensor parallel
+    python examples/generate.py --config llama3-70b --tp 4 --batch 1 64   # 4 GPUs, tensor parallel
 
 One prefill for all prompts (BatchPrefillWithPagedKVCache), then one decode step per token
 (BatchDecodeWithPagedKVCache). Each step makes one plan on the host, shared by all layers;
@@ -14,18 +14,22 @@ default, see llama.py; LM head and sampling inside, the cache donated). The host
 stalls the device: step t + 1 is planned, copied over and queued, its tokens input the
 device output of step t, before the host waits for step t's tokens (--sync: the old order).
 Weights are random: the tokens are meaningless, the timings are not. Prints compile times,
-TTFT, ITL (the interval between successive tokens' arrival on the host) and tokens/s.
+TTFT, ITL (the interval between successive tokens' arrival on the host) and tokens/s. Several
+--batch values run one after another on one model and one KV cache (sized for the largest); the
+programs of all of them are compiled first, in parallel threads.
 
 Tokens are greedy (one argmax) unless --temperature > 0: then jaxinfer.sampling draws them on the
 device inside the step (--top-k, --top-p, --min-p filter), with a jax.random key threaded from
 step to step (deterministic given --seed; --scan gives the same tokens). --tp N shards the model
-over N devices (llama.py: weights column/row parallel, the cache on KV heads, attention through
-jaxinfer.sharding.head_parallel, plans replicated); the decode step then appends the K/V through
-the page table instead of inside the decode kernel.
+over N devices (llama.py: weights column/row parallel and made on the devices, each device its
+share, never on the host; the cache on KV heads, attention through jaxinfer.sharding.head_parallel,
+plans replicated); the decode step then appends the K/V through the page table instead of inside
+the decode kernel.
 """
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -46,7 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--layer-loop", default="unroll", choices=llama.LAYER_LOOPS,
                     help="unroll: per-layer weights, layers unrolled under one jit (fast); "
                          "scan: stacked weights in one lax.scan (copies each layer's weights)")
-    ap.add_argument("--batch", type=int, default=4, help="requests generated together")
+    ap.add_argument("--batch", type=int, nargs="+", default=[4],
+                    help="requests generated together; several values run one after another on the same "
+                         "weights and cache (e.g. --batch 1 64), their programs compiled in parallel")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
                     help="prompt lengths are uniform on [MIN, MAX]")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
@@ -68,9 +74,11 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    for name in ("batch", "new_tokens", "page_size"):
+    for name in ("new_tokens", "page_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.batch) < 1:
+        raise ValueError(f"--batch values must be >= 1, got {args.batch}")
     if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
         raise ValueError(f"--prompt-len must satisfy 1 <= MIN <= MAX, got {args.prompt_len}")
     if args.scan < 0:
@@ -105,11 +113,15 @@ class Progress:
             sys.stderr.flush()
 
 
-def compile_timed(fn, *args):
-    """Ahead-of-time compile of a jitted fn for these arguments: (compiled, seconds)."""
-    t = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    return compiled, time.perf_counter() - t
+def compile_all(lowered):
+    """Compiles jit(...).lower(...) results in parallel threads (XLA compiles without the GIL), so
+    that the programs of several batch sizes cost about one compile of wall time. Returns
+    [(compiled, seconds of its compile)] in order."""
+    def one(low):
+        t = time.perf_counter()
+        return low.compile(), time.perf_counter() - t
+    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+        return list(pool.map(one, lowered))
 
 
 def decode_loop(dispatch, inputs, first, num_calls, overlap=True, on_tokens=None):
@@ -143,129 +155,178 @@ def decode_loop(dispatch, inputs, first, num_calls, overlap=True, on_tokens=None
     return out, times
 
 
+def device_memory():
+    """'X GB in use (peak Y) of Z GB on device 0 (its kind)', or '' where the backend does not say."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_in_use" not in stats:
+        return ""
+    return (f"{stats['bytes_in_use'] / 1e9:.1f} GB in use (peak {stats.get('peak_bytes_in_use', 0) / 1e9:.1f}) "
+            f"of {stats.get('bytes_limit', 0) / 1e9:.1f} GB on device 0 ({jax.devices()[0].device_kind})")
+
+
+class BatchRun:
+    """One --batch value's generation: random prompts, pages for the whole generation (allocated up
+    front), the prefill and decode wrappers, each call's host inputs (sent on with put) and the
+    decode loop. Every batch value shares the model's weights and one KV cache."""
+
+    def __init__(self, args, cfg, batch, rng):
+        self.args, self.cfg, self.batch = args, cfg, batch
+        self.k = max(args.scan, 1)
+        self.prompt_lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, batch)
+        self.prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in self.prompt_lens]
+        # The last scan may run past new_tokens; extra tokens are dropped.
+        self.decode_steps = -(-(args.new_tokens - 1) // self.k) * self.k
+        self.pages_needed = -(-(self.prompt_lens + self.decode_steps) // args.page_size)  # per request
+
+    def lower(self, num_pages, graphdef, params, kv_cache, step, sampler, put, mesh):
+        """Builds the wrappers over kv_cache (num_pages pages per layer); returns the prefill's and
+        (with decode steps) the decode call's programs, lowered (traced, not compiled)."""
+        args, cfg, batch, ps = self.args, self.cfg, self.batch, self.args.page_size
+        self.num_pages, self.params, self.put, self.mesh = num_pages, params, put, mesh
+        allocator = PageAllocator(num_pages)
+        self.page_lists = [allocator.alloc(int(n)) for n in self.pages_needed]
+        hs, d = cfg.heads, cfg.head_dim  # per-device heads (all of them without TP)
+        opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode runs the grid serially
+        self.prefill = ji.BatchPrefillWithPagedKVCache(
+            hs.num_qo_heads, hs.num_kv_heads, d, ps, causal=True, max_batch_size=batch,
+            max_num_tokens=int(self.prompt_lens.sum()), max_num_pages=num_pages, **opts)
+        self.decode = ji.BatchDecodeWithPagedKVCache(hs.num_qo_heads, hs.num_kv_heads, d, ps, max_batch_size=batch,
+                                                     max_num_pages=num_pages, **opts)
+        self.sampling, self.key = put((llama.SamplingParams.full(batch, args.temperature, args.top_k, args.top_p,
+                                                                 args.min_p), jax.random.key(args.seed)))
+        self.decode_fn = (llama.make_decode_scan(graphdef, self.decode, num_pages, self.k, sampler, mesh)
+                          if args.scan else step)
+        lowered = [step.lower(*self.prefill_inputs(kv_cache))]
+        if self.decode_steps:
+            tokens = put(np.zeros(batch, np.int32))  # placed as the prefill's tokens are
+            lowered.append(self.decode_fn.lower(*self.call_args(tokens, self.decode_inputs(0), kv_cache, self.key)))
+        return lowered
+
+    def prefill_inputs(self, kv_cache):
+        """The prefill call's arguments: every prompt in one call."""
+        batch, lens = self.batch, self.prompt_lens
+        qo_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        kv_indptr, kv_indices, last = page_table(self.page_lists, lens, self.args.page_size)
+        plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,
+                                 q_data_type=self.cfg.dtype)
+        positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+        attention = llama.PagedAttention(self.prefill, self.num_pages, plan,
+                                         np.repeat(np.arange(batch), lens).astype(np.int32), positions,
+                                         kv_indptr, pad(kv_indices, self.num_pages), mesh=self.mesh)
+        return (self.params, *self.put((np.concatenate(self.prompts), positions)), kv_cache,
+                self.put(attention), self.put(qo_indptr[1:] - 1), self.sampling, self.key)
+
+    def decode_inputs(self, call):
+        """Host plan for decode call `call` (k steps from token `call * k`), sent to the device.
+        Row b is request b at its last position, so the decode kernel appends the K/V itself
+        (under TP through the page table, which is also sent)."""
+        args, k, mesh = self.args, self.k, self.mesh
+        lens = self.prompt_lens + call * k + (k if args.scan else 1)  # after the call's last token is appended
+        kv_indptr, kv_indices, last = page_table(self.page_lists, lens, args.page_size)
+        plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
+                                horizon=k if args.scan else 1)
+        table = (kv_indptr, pad(kv_indices, self.num_pages))
+        if args.scan:
+            return self.put((plan, table if mesh else None))
+        positions = (lens - 1).astype(np.int32)
+        append = (np.arange(self.batch, dtype=np.int32), positions, *table) if mesh else ()
+        return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, *append, mesh=mesh)))
+
+    def call_args(self, tokens, inputs, kv_cache, key):
+        """The decode call's arguments."""
+        if self.args.scan:
+            plan, table = inputs
+            return (self.params, tokens, kv_cache, plan, self.sampling, key, table)
+        positions, attention = inputs
+        return (self.params, tokens, positions, kv_cache, attention, None, self.sampling, key)
+
+    def generate(self, prefill_fn, decode_fn, kv_cache):
+        """Prefill, then the decode calls (compiled programs of lower(); decode_fn None without
+        decode steps); returns (result dict, the KV cache after the last call)."""
+        args, batch, new, k = self.args, self.batch, self.args.new_tokens, self.k
+        t = time.perf_counter()
+        first, kv_cache, key = prefill_fn(*self.prefill_inputs(kv_cache))
+        tokens = np.asarray(first)
+        ttft = time.perf_counter() - t
+        out = [tokens]
+        progress = Progress(batch * new, enabled=not args.quiet)
+        progress.update(batch, f"TTFT {ttft * 1e3:.1f} ms")
+        state = {"kv_cache": kv_cache, "key": key}
+
+        def dispatch(tokens, inputs):
+            generated, state["kv_cache"], state["key"] = decode_fn(*self.call_args(tokens, inputs, state["kv_cache"],
+                                                                                  state["key"]))
+            return generated, generated[-1] if args.scan else generated
+
+        def on_tokens(call, host, seconds):
+            shown = min(k, new - 1 - call * k)
+            if shown > 0:
+                progress.update(batch * shown, f"ITL {seconds / k * 1e3:.1f} ms")
+
+        itl = []
+        if self.decode_steps:
+            generated, times = decode_loop(dispatch, self.decode_inputs, first, self.decode_steps // k,
+                                           overlap=not args.sync, on_tokens=on_tokens)
+            for g, dt in zip(generated, times):
+                out.extend(g.reshape(-1, batch))
+                itl += [dt / k] * k
+        tokens_out = np.stack(out[:new], axis=1)  # [B, new]
+        itl = itl[:new - 1]
+        decode_time = float(np.sum(itl))
+        nan = float("nan")
+        return dict(batch=batch, tokens=tokens_out, prompt_lens=self.prompt_lens, ttft_s=ttft,
+                    itl_s=float(np.mean(itl)) if itl else nan, itl_p50_s=float(np.median(itl)) if itl else nan,
+                    decode_tokens_per_s=batch * len(itl) / decode_time if itl else nan,
+                    tokens_per_s=batch * new / (ttft + decode_time)), state["kv_cache"]
+
+
 def main(argv=None):
-    """Runs generation; returns a dict with tokens [B, new_tokens] and the timings."""
+    """Runs generation once per --batch value, on one model and KV cache; returns one dict per
+    value (tokens [B, new_tokens], TTFT, ITL, tokens/s, compile seconds)."""
     args = parse_args(argv)
-    on_gpu = jax.default_backend() == "gpu"
     cfg = llama.get_config(args.config, args.layers, args.layer_loop, args.tp)
     mesh = Mesh(np.asarray(jax.devices()[:args.tp]), ("tp",)) if args.tp > 1 else None
     # Host inputs (tokens, plans, ...): replicated under TP.
     put = jax.device_put if mesh is None else lambda x: jax.device_put(x, NamedSharding(mesh, P()))
-    ps = args.page_size
-    kernel_opts = {} if on_gpu else {"num_ctas": 8}  # interpret mode runs the grid serially
-    batch, new = args.batch, args.new_tokens
     rng = np.random.default_rng(args.seed)
-    prompt_lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, batch)
-    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in prompt_lens]
-    k = max(args.scan, 1)
-    decode_steps = -(-(new - 1) // k) * k  # the last scan may run past new_tokens; extra tokens are dropped
-
-    # Pages for each request's whole generation, allocated up front.
-    pages_needed = -(-(prompt_lens + decode_steps) // ps)
-    num_pages = int(pages_needed.sum())
-    allocator = PageAllocator(num_pages)
-    page_lists = [allocator.alloc(int(n)) for n in pages_needed]
+    runs = [BatchRun(args, cfg, batch, rng) for batch in args.batch]
+    num_pages = max(int(r.pages_needed.sum()) for r in runs)  # per layer: the largest batch value's pages
 
     t = time.perf_counter()
     graphdef, params = llama.build(cfg, args.seed, mesh)
-    kv_cache = llama.paged_kv_cache(cfg, num_pages, ps, mesh)
+    kv_cache = llama.paged_kv_cache(cfg, num_pages, args.page_size, mesh)
     jax.block_until_ready((params, kv_cache))
     print(f"{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
           f"{cfg.num_kv_heads}, {cfg.dtype}, {jax.default_backend()}" + (f", TP {args.tp}" if mesh else "")
-          + f"; batch {batch}, prompts {int(prompt_lens.min())}-{int(prompt_lens.max())} tokens, {new} new "
-          f"tokens, page {ps} (weights + cache {time.perf_counter() - t:.1f} s)", flush=True)
+          + f"; {args.new_tokens} new tokens, page {args.page_size}, {num_pages} pages per layer "
+          f"(weights + cache {time.perf_counter() - t:.1f} s)", flush=True)
+    print(f"memory after weights and cache: {device_memory() or 'not reported by this backend'}", flush=True)
     sampler = llama.Sampler.of(args.temperature, args.top_k, args.top_p, args.min_p)
     step = llama.make_step(graphdef, sampler, mesh)
-    sampling, key = put((llama.SamplingParams.full(batch, args.temperature, args.top_k, args.top_p, args.min_p),
-                         jax.random.key(args.seed)))
-    hs, d = cfg.heads, cfg.head_dim  # per-device heads (all of them without TP)
-    hq, hkv = hs.num_qo_heads, hs.num_kv_heads
-
-    # Prefill: every prompt in one call.
-    nnz = int(prompt_lens.sum())
-    prefill = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, ps, causal=True, max_batch_size=batch,
-                                              max_num_tokens=nnz, max_num_pages=num_pages, **kernel_opts)
-    qo_indptr = np.concatenate([[0], np.cumsum(prompt_lens)]).astype(np.int32)
-
-    def prefill_inputs():
-        kv_indptr, kv_indices, last = page_table(page_lists, prompt_lens, ps)
-        plan = prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=num_pages,
-                            q_data_type=cfg.dtype)
-        positions = np.concatenate([np.arange(n) for n in prompt_lens]).astype(np.int32)
-        attention = llama.PagedAttention(prefill, num_pages, plan,
-                                         np.repeat(np.arange(batch), prompt_lens).astype(np.int32),
-                                         positions, kv_indptr, pad(kv_indices, num_pages), mesh=mesh)
-        return (params, *put((np.concatenate(prompts), positions)), kv_cache, put(attention),
-                put(qo_indptr[1:] - 1), sampling, key)
-
-    prefill_fn, prefill_compile_s = compile_timed(step, *prefill_inputs())
     t = time.perf_counter()
-    first, kv_cache, key = prefill_fn(*prefill_inputs())
-    tokens = np.asarray(first)
-    ttft = time.perf_counter() - t
-    out = [tokens]
-    progress = Progress(batch * new, enabled=not args.quiet)
-    progress.update(batch, f"TTFT {ttft * 1e3:.1f} ms")
-
-    # Decode.
-    decode = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, ps, max_batch_size=batch,
-                                            max_num_pages=num_pages, **kernel_opts)
-
-    def decode_inputs(call):
-        """Host plan for decode call `call` (k steps from token `call * k`), sent to the device.
-        Row b is request b at its last position, so the decode kernel appends the K/V itself
-        (under TP through the page table, which is also sent)."""
-        lens = prompt_lens + call * k + (k if args.scan else 1)  # after the call's last token is appended
-        kv_indptr, kv_indices, last = page_table(page_lists, lens, ps)
-        plan = decode.plan(kv_indptr, kv_indices, last, num_pages=num_pages, horizon=k if args.scan else 1)
-        table = (kv_indptr, pad(kv_indices, num_pages))
-        if args.scan:
-            return put((plan, table if mesh else None))
-        positions = (lens - 1).astype(np.int32)
-        append = (np.arange(batch, dtype=np.int32), positions, *table) if mesh else ()
-        return put((positions, llama.PagedAttention(decode, num_pages, plan, *append, mesh=mesh)))
-
-    state = {"kv_cache": kv_cache, "key": key}
-
-    def call_args(tokens, inputs):
-        if args.scan:
-            plan, table = inputs
-            return (params, tokens, state["kv_cache"], plan, sampling, state["key"], table)
-        positions, attention = inputs
-        return (params, tokens, positions, state["kv_cache"], attention, None, sampling, state["key"])
-
-    def dispatch(tokens, inputs):
-        generated, state["kv_cache"], state["key"] = decode_fn(*call_args(tokens, inputs))
-        return generated, generated[-1] if args.scan else generated
-
-    def on_tokens(call, host, seconds):
-        shown = min(k, new - 1 - call * k)
-        if shown > 0:
-            progress.update(batch * shown, f"ITL {seconds / k * 1e3:.1f} ms")
-
-    decode_compile_s, itl = 0.0, []
-    if decode_steps:
-        fn = (llama.make_decode_scan(graphdef, decode, num_pages, k, sampler, mesh) if args.scan else step)
-        decode_fn, decode_compile_s = compile_timed(fn, *call_args(first, decode_inputs(0)))
-        generated, times = decode_loop(dispatch, decode_inputs, first, decode_steps // k,
-                                       overlap=not args.sync, on_tokens=on_tokens)
-        for g, dt in zip(generated, times):
-            out.extend(g.reshape(-1, batch))
-            itl += [dt / k] * k
-
-    tokens_out = np.stack(out[:new], axis=1)  # [B, new]
-    decode_time = float(np.sum(itl[:new - 1]))
-    result = dict(tokens=tokens_out, prompt_lens=prompt_lens, ttft_s=ttft,
-                  itl_s=float(np.mean(itl[:new - 1])) if new > 1 else float("nan"),
-                  decode_tokens_per_s=batch * (new - 1) / decode_time if new > 1 else float("nan"),
-                  tokens_per_s=batch * new / (ttft + decode_time),
-                  prefill_compile_s=prefill_compile_s, decode_compile_s=decode_compile_s)
-    print(f"compile: prefill {prefill_compile_s:.1f} s, decode {decode_compile_s:.1f} s "
-          f"(layers: {cfg.layer_loop}" + (f"; {k} steps per lax.scan)" if args.scan else ")"))
-    print(f"TTFT {ttft * 1e3:.1f} ms ({nnz} prompt tokens) | ITL {result['itl_s'] * 1e3:.2f} ms | "
-          f"decode {result['decode_tokens_per_s']:.1f} tokens/s | overall {result['tokens_per_s']:.1f} tokens/s")
-    print(f"request 0 ({prompt_lens[0]} prompt tokens) -> {tokens_out[0].tolist()}")
-    return result
+    lowered = [r.lower(num_pages, graphdef, params, kv_cache, step, sampler, put, mesh) for r in runs]
+    trace_s = time.perf_counter() - t
+    t = time.perf_counter()
+    compiled = iter(compile_all([low for lows in lowered for low in lows]))
+    print(f"compile: {sum(map(len, lowered))} programs in {time.perf_counter() - t:.1f} s in parallel (trace "
+          f"{trace_s:.1f} s; layers: {cfg.layer_loop}" + (f"; {args.scan} steps per lax.scan)" if args.scan else ")"),
+          flush=True)
+    results = []
+    for r in runs:
+        prefill_fn, prefill_s = next(compiled)
+        decode_fn, decode_s = next(compiled) if r.decode_steps else (None, 0.0)
+        result, kv_cache = r.generate(prefill_fn, decode_fn, kv_cache)
+        result.update(prefill_compile_s=prefill_s, decode_compile_s=decode_s)
+        results.append(result)
+        lens = r.prompt_lens
+        print(f"batch {r.batch}: TTFT {result['ttft_s'] * 1e3:.1f} ms ({int(lens.sum())} prompt tokens, "
+              f"{int(lens.min())}-{int(lens.max())} each) | ITL {result['itl_s'] * 1e3:.2f} ms (p50 "
+              f"{result['itl_p50_s'] * 1e3:.2f}) | decode {result['decode_tokens_per_s']:.1f} tokens/s | overall "
+              f"{result['tokens_per_s']:.1f} tokens/s | compile prefill {prefill_s:.1f} s, decode {decode_s:.1f} s",
+              flush=True)
+        print(f"  request 0 ({lens[0]} prompt tokens) -> {result['tokens'][0].tolist()}", flush=True)
+    print(f"memory at the end: {device_memory() or 'not reported by this backend'}", flush=True)
+    return results
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ Attention goes through an attention object passed to the model with the step's i
                   (impl="jnp") or jax.nn.dot_product_attention(implementation="cudnn").
 
 Tensor parallelism (cfg.tp devices on a mesh axis "tp"): build(cfg, seed, mesh) makes the weights
-as global arrays (fused q/k/v and MLP gate/up column-parallel, o_proj and MLP down row-parallel;
-XLA adds the all-reduces), paged_kv_cache(..., mesh) the cache split on KV heads, and
+as global arrays, each device generating its own share of each layer (one jitted call per layer;
+fused q/k/v, MLP gate/up and the LM head column-parallel, o_proj and MLP down row-parallel; XLA
+adds the all-reduces), so no host holds the model; paged_kv_cache(..., mesh) makes the cache split
+on KV heads, and
 PagedAttention(..., mesh=mesh) attends through jaxinfer.sharding.head_parallel.
 
 Sampling (sample, Sampler): greedy argmax, or jaxinfer.sampling (temperature, top-k, top-p,
@@ -168,13 +170,28 @@ def qkv_columns(cfg):
     return (np.asarray(heads)[:, None] * cfg.head_dim + np.arange(cfg.head_dim)).reshape(-1).astype(np.int32)
 
 
+# LM head column-parallel too: each device reads its slice of the vocabulary (logits gathered to
+# sample). The rest (embeddings: one row per token read; norms): replicated.
 TP_SPECS = dict(wqkv=P(None, "tp"), wo=P("tp", None), w_gate=P(None, "tp"), w_up=P(None, "tp"),
-                w_down=P("tp", None))  # the rest (embeddings, norms, LM head): replicated
+                w_down=P("tp", None), lm_head=P(None, "tp"))
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "fan_in"))
 def _normal(key, shape, dtype, fan_in):
     return (jax.random.normal(key, shape, dtype) * fan_in ** -0.5).astype(dtype)
+
+
+def layer_arrays(cfg, keys, l):
+    """Layer l's arrays {name: array} (LAYER_PARAMS): weights normal(fold_in(keys[name], l)) /
+    sqrt(fan_in), norms ones; wqkv's columns in per-device blocks for cfg.tp (qkv_columns). l may be
+    traced (lax.map over the layers, or one jitted call for every layer)."""
+    dtype = jnp.dtype(cfg.dtype)
+    arrays = {name: jnp.ones(shape, dtype) if fan_in is None
+              else _normal(jax.random.fold_in(keys[name], l), shape, dtype, fan_in)
+              for name, (shape, fan_in) in layer_param_shapes(cfg).items()}
+    if cfg.tp > 1:  # the same weights, wqkv's columns in per-device blocks
+        arrays["wqkv"] = jnp.take(arrays["wqkv"], qkv_columns(cfg), axis=1)
+    return arrays
 
 
 class LayerWeights(nnx.Module):
@@ -227,25 +244,19 @@ class Llama(nnx.Module):
         logits, kv_cache = model(tokens, positions, kv_cache, attention, logits_index=last)
     """
 
-    def __init__(self, cfg, *, rngs):
+    def __init__(self, cfg, *, rngs, layer_fn=None):
+        """layer_fn(keys, l) -> layer l's arrays: layer_arrays (default), or build()'s jitted and
+        sharded version of it."""
         self.cfg = cfg
         dtype = jnp.dtype(cfg.dtype)
         self.embed = nnx.Param(_normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype, 1))  # [V, H]
-        # Layer l's array of each name comes from fold_in(that name's key, l): both loops get the same weights.
-        per_layer = []
-        for name, (shape, fan_in) in layer_param_shapes(cfg).items():
-            key = rngs.params()
-            per_layer.append([jnp.ones(shape, dtype) if fan_in is None
-                              else _normal(jax.random.fold_in(key, l), shape, dtype, fan_in)
-                              for l in range(cfg.num_layers)])
-        if cfg.tp > 1:  # the same weights, wqkv's columns in per-device blocks
-            wqkv = LAYER_PARAMS.index("wqkv")
-            per_layer[wqkv] = [jnp.take(w, qkv_columns(cfg), axis=1) for w in per_layer[wqkv]]
-        if cfg.layer_loop == "scan":
-            self.layers = LayerWeights({name: jnp.stack(arrays) for name, arrays in zip(LAYER_PARAMS, per_layer)})
+        # One key per name (norms included), layer l's array from fold_in(key, l): both loops get the same weights.
+        keys = {name: rngs.params() for name in LAYER_PARAMS}
+        layer_fn = layer_fn or functools.partial(layer_arrays, cfg)
+        if cfg.layer_loop == "scan":  # stacked [L, ...], made in place by one loop
+            self.layers = LayerWeights(jax.lax.map(lambda l: layer_fn(keys, l), jnp.arange(cfg.num_layers)))
         else:
-            self.layers = nnx.List([LayerWeights(dict(zip(LAYER_PARAMS, arrays))) for arrays in zip(*per_layer)])
-        del per_layer
+            self.layers = nnx.List([LayerWeights(layer_fn(keys, l)) for l in range(cfg.num_layers)])
         self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         self.lm_head = nnx.Param(_normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype,
                                          cfg.hidden_size))                                 # [H, V]
@@ -300,16 +311,24 @@ def _tp_spec(path, x):
 
 def build(cfg, seed, mesh=None):
     """(graphdef, params) of Llama(cfg, rngs=nnx.Rngs(seed)). mesh: tensor parallel over its
-    "tp" axis of cfg.tp devices; params are global arrays placed as TP_SPECS says, built in one
-    jit so that each device makes only its share (a model larger than one device fits)."""
+    "tp" axis of cfg.tp devices; params are global arrays placed as TP_SPECS says, each device
+    making only its share of every layer (a model larger than one device fits; no host holds
+    it): unroll, one jitted call per layer (compiled once); scan, one jit (its lax.map makes the
+    stacked layers). Embeddings, norms and LM head are made on the first device, then placed."""
     if mesh is None:
         return nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))
     if mesh.shape.get("tp") != cfg.tp:
         raise ValueError(f"mesh must have an axis 'tp' of cfg.tp = {cfg.tp} devices, got {dict(mesh.shape)}")
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed))))
-    placed = jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, _tp_spec(path, x)), abstract)
-    params = jax.jit(lambda: nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))[1], out_shardings=placed)()
-    return graphdef, params
+    placed = functools.partial(jax.tree_util.tree_map_with_path,
+                               lambda path, x: NamedSharding(mesh, _tp_spec(path, x)))
+    if cfg.layer_loop == "scan":
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed))))
+        return graphdef, jax.jit(lambda: nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))[1],
+                                 out_shardings=placed(abstract))()
+    layer_fn = jax.jit(functools.partial(layer_arrays, cfg),
+                       out_shardings={name: NamedSharding(mesh, TP_SPECS.get(name, P())) for name in LAYER_PARAMS})
+    graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed), layer_fn=layer_fn))
+    return graphdef, jax.device_put(params, placed(params))
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -385,12 +404,8 @@ def paged_kv_cache(cfg, pages_per_layer, page_size, mesh=None):
     unroll = cfg.layer_loop == "unroll"
     shape = (pages_per_layer * (1 if unroll else cfg.num_layers), page_size, cfg.cache_kv_heads, cfg.head_dim)
 
-    def zeros():
-        if mesh is None:
-            return jnp.zeros(shape, cfg.dtype)
-        placed = NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))
-        return jax.jit(lambda: jnp.zeros(shape, cfg.dtype), out_shardings=placed)()
-
+    placed = {} if mesh is None else {"out_shardings": NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))}
+    zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.dtype), **placed)  # compiled once for every array
     if unroll:
         return tuple(ji.PagedKVCache(zeros(), zeros()) for _ in range(cfg.num_layers))
     return ji.PagedKVCache(zeros(), zeros())

@@ -5,6 +5,7 @@
     python examples/serve.py --config llama3-8b --page-size 16 --num-pages 4096 --max-batch 64
     python examples/serve.py --chunk 32 --check  # chunked prefill mixed into decode steps
     python examples/serve.py --temperature 0.8 --top-p 0.9 --min-p 0.05   # sampled requests
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/serve.py --tp 2 --check   # 2 devices
 
 Requests arrive over time (some share a system prompt; some ask for n > 1 parallel samples),
 join the running batch after their prefill and leave when done. The host side is NumPy:
@@ -24,6 +25,11 @@ With --chunk N, each engine step is one forward pass, one attention call per lay
 (ji.ragged_paged_attention, which also writes the step's K/V): a decode row for every
 sequence past its prompt, plus up to N prompt tokens of the sequences still prefilling
 (chunked prefill, in admission order).
+
+--tp N shards the model over N devices (llama.py: weights column/row parallel and made on the
+devices, the cache on KV heads): prefill, decode and cascade attention through
+jaxinfer.sharding.head_parallel, the --chunk step through sharding.head_parallel_ragged; plans and
+the step's other inputs replicated. The host side (allocator, prefix cache, plans) is unchanged.
 """
 import argparse
 import dataclasses
@@ -33,9 +39,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxinfer as ji
 import llama
+from jaxinfer import sharding
 from planner.allocator import PageAllocator, PrefixCache, page_table, pad
 
 CASCADE_MODES = ("always", "auto", "off")
@@ -72,23 +81,28 @@ class Sequence:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["kv_lens", "page_indices", "cu_q_lens", "distribution"],
-                   meta_fields=["pages_per_layer", "num_ctas"])
+                   meta_fields=["pages_per_layer", "num_ctas", "mesh"])
 @dataclasses.dataclass(frozen=True)
 class RaggedAttention:
     """One mixed step's attention for every layer: ji.ragged_paged_attention writes the step's
     K/V and attends (the arguments as RPA v3's; page ids of one layer). pages_per_layer: a
-    stacked cache (scan) holds layer l's page p at l * pages_per_layer + p."""
+    stacked cache (scan) holds layer l's page p at l * pages_per_layer + p. mesh: tensor
+    parallel over its "tp" axis (sharding.head_parallel_ragged; q, k, v and the cache on heads)."""
     kv_lens: Any
     page_indices: Any
     cu_q_lens: Any
     distribution: Any
     pages_per_layer: int
     num_ctas: Any = None
+    mesh: Any = None
 
     def __call__(self, layer, q, k, v, kv_cache):
         pages = self.page_indices if layer is None else self.page_indices + layer * self.pages_per_layer
-        return ji.ragged_paged_attention(q, k, v, kv_cache, self.kv_lens, pages, self.cu_q_lens,
-                                         self.distribution, num_ctas=self.num_ctas)
+        if self.mesh is None:
+            run = functools.partial(ji.ragged_paged_attention, num_ctas=self.num_ctas)
+        else:
+            run = sharding.head_parallel_ragged(self.mesh, num_ctas=self.num_ctas)
+        return run(q, k, v, kv_cache, self.kv_lens, pages, self.cu_q_lens, self.distribution)
 
 
 class Engine:
@@ -101,7 +115,8 @@ class Engine:
     cost estimate decides) or "off". chunk N: every step is one forward pass (decode rows plus up
     to N prompt tokens, see _mixed_step); cascade does not apply. filters: the sampling filters
     that requests may use (a subset of FILTERS; each one compiled into the sampling step).
-    seed: of the weights and of the sampling key.
+    seed: of the weights and of the sampling key. cfg.tp > 1: tensor parallel over the first
+    cfg.tp devices (see the module docstring).
     """
 
     def __init__(self, cfg, *, seed=0, page_size=8, num_pages=128, max_batch=8,
@@ -120,11 +135,16 @@ class Engine:
         self.max_batch, self.max_prefill_tokens, self.max_len = max_batch, max_prefill_tokens, max_len
         self.cascade_mode, self.chunk, self.seed, self.filters = cascade, chunk, seed, tuple(filters)
         self.index_cap = max_batch * -(-max_len // page_size)  # page-table entries of a batch
-        graphdef, self.params = llama.build(cfg, seed)
+        if not 1 <= cfg.tp <= len(jax.devices()):
+            raise ValueError(f"cfg.tp must lie in [1, {len(jax.devices())}] (the devices there are), got {cfg.tp}")
+        self.mesh = Mesh(np.asarray(jax.devices()[:cfg.tp]), ("tp",)) if cfg.tp > 1 else None
+        graphdef, self.params = llama.build(cfg, seed, self.mesh)
         # By greedy: an argmax only when every row of the step is greedy, else jaxinfer.sampling.
-        self.step_fns = {True: llama.make_step(graphdef),
-                         False: llama.make_step(graphdef, llama.Sampler(False, **{f: True for f in filters}))}
-        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
+        self.step_fns = {True: llama.make_step(graphdef, mesh=self.mesh),
+                         False: llama.make_step(graphdef, llama.Sampler(False, **{f: True for f in filters}),
+                                                self.mesh)}
+        hs = cfg.heads  # per-device heads (all of them without TP)
+        heads = (hs.num_qo_heads, hs.num_kv_heads, cfg.head_dim, page_size)
         opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode: small grid
         self.num_ctas = opts.get("num_ctas")
         self.prefill = ji.BatchPrefillWithPagedKVCache(
@@ -167,8 +187,8 @@ class Engine:
             raise ValueError("requests must have distinct rid")
         self.allocator = PageAllocator(self.num_pages)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size)
-        self.kv_cache = llama.paged_kv_cache(self.cfg, self.num_pages, self.page_size)
-        self.key = jax.random.key(self.seed)
+        self.kv_cache = llama.paged_kv_cache(self.cfg, self.num_pages, self.page_size, self.mesh)
+        self.key = self._put(jax.random.key(self.seed))
         self.stats = dict(steps=0, prefill_tokens=0, cached_prompt_tokens=0, cascade_steps=0,
                           page_reads_saved=0, peak_pages=0, peak_pages_unshared=0, shared_logits_rows=0)
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
@@ -252,7 +272,7 @@ class Engine:
         cap, bcap = self.max_prefill_tokens, self.max_batch
         attention = llama.PagedAttention(
             self.prefill, self.num_pages, plan, pad(rows, cap, -1), pad(positions, cap, -1),
-            pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap))
+            pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap), mesh=self.mesh)
         first = self._step(seqs, pad(tokens, cap), pad(positions, cap, -1), attention, qo_indptr[1:] - 1)
         for s, t in zip(seqs, first):
             s.tokens.append(int(t))
@@ -293,7 +313,7 @@ class Engine:
         bcap, tcap = self.max_batch, self.max_batch + self.chunk
         attention = RaggedAttention(
             pad(np.asarray(kv_lens, np.int32), bcap), page_indices.reshape(-1), pad(cu, bcap + 1, cu[-1]),
-            np.array([len(decoding), len(decoding), len(seqs)], np.int32), self.num_pages, self.num_ctas)
+            np.array([len(decoding), len(decoding), len(seqs)], np.int32), self.num_pages, self.num_ctas, self.mesh)
         out = self._step(sampled, pad(np.asarray(tokens, np.int32), tcap),
                          pad(np.asarray(positions, np.int32), tcap, -1), attention, last_rows)
         for s in decoding:
@@ -316,7 +336,8 @@ class Engine:
         bcap = self.max_batch
         attention = llama.PagedAttention(
             wrapper, self.num_pages, plan, pad(np.arange(batch, dtype=np.int32), bcap, -1),
-            pad(positions, bcap, -1), pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap))
+            pad(positions, bcap, -1), pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap),
+            mesh=self.mesh)
         tokens = np.array([s.tokens[-1] for s in running], np.int32)
         out = self._step(running, pad(tokens, bcap), pad(positions, bcap, -1), attention, None)
         for s, t in zip(running, out):
@@ -367,9 +388,13 @@ class Engine:
             pad(np.array([r.top_p for r in reqs], np.float32), bcap, 1.0),
             pad(np.array([r.min_p for r in reqs], np.float32), bcap), pad(indices.astype(np.int32), bcap))
         step_fn = self.step_fns[all(r.temperature == 0 for r in reqs)]
-        out, self.kv_cache, self.key = step_fn(self.params, tokens, positions, self.kv_cache, attention,
-                                               logits_index, sampling, self.key)
+        inputs = self._put((tokens, positions, attention, logits_index, sampling))
+        out, self.kv_cache, self.key = step_fn(self.params, *inputs[:2], self.kv_cache, *inputs[2:], self.key)
         return np.asarray(out)[:len(seqs)]
+
+    def _put(self, tree):
+        """Host inputs as the step takes them: as they are on one device, replicated over the mesh under TP."""
+        return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, P()))
 
     def _retire(self, running, outputs):
         """Removes finished sequences (freeing their page references and prefix locks). Returns
@@ -430,6 +455,8 @@ def main(argv=None):
     ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS),
                     help="model shapes (weights are random); tiny runs on CPU")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel over the first N devices (heads, MLP columns and the cache split)")
     ap.add_argument("--requests", type=int, default=8, help="requests in the scenario")
     ap.add_argument("--page-size", type=int, default=8, help="tokens per KV cache page")
     ap.add_argument("--num-pages", type=int, default=128, help="cache pages per layer")
@@ -454,7 +481,7 @@ def main(argv=None):
     filters = [f for f, on in zip(FILTERS, (args.top_k > 0, args.top_p < 1, args.min_p > 0)) if on]
     if filters and args.temperature == 0:
         raise ValueError("--top-k, --top-p and --min-p filter samples: give a --temperature > 0 (0 is greedy)")
-    cfg = llama.get_config(args.config, args.layers)
+    cfg = llama.get_config(args.config, args.layers, tp=args.tp)
     engine = Engine(cfg, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
                     max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, cascade=args.cascade,
                     chunk=args.chunk, filters=filters)

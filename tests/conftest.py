@@ -33,7 +33,8 @@ LONG_TESTS = frozenset({
     "test_serve_chunked_prefill_equals_unchunked", "test_mixed_kernel_matches_reference",
     "test_paged_prefill_boundaries", "test_paged_prefill", "test_sharded_equals_one_device",
     "test_two_processes_jax_distributed", "test_renorm_and_mask_match_reference",
-    "test_generate_tensor_parallel_on_two_host_devices", "test_rpa_v3_grid"})
+    "test_generate_tensor_parallel_on_host_devices",
+    "test_serve_tensor_parallel_on_host_devices", "test_rpa_v3_grid"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 """The model examples: the Flax Llama on jaxinfer against dense jnp attention, the serving loop
-against requests served alone, generate.py end to end (greedy, sampled, tensor parallel on two
-forced host devices), quickstart.py (the README's API tour), bench_e2e.py's chunked-prefill row
-and the host page allocator."""
+against requests served alone, generate.py end to end (greedy, sampled, tensor parallel on forced
+host devices, several batch sizes in one run), serve.py tensor parallel, quickstart.py (the
+README's API tour), bench_e2e.py's chunked-prefill row and the host page allocator."""
 import functools
 import json
 import os
@@ -28,12 +28,19 @@ TINY = llama.get_config("tiny")  # float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--batch", "2", "--prompt-len", "3", "11", "--new-tokens", "4", "--page-size", "4", "--quiet"]
 SAMPLED = ("--layers", "1", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9")
+TWO_BATCHES = ("--batch", "2", "1")  # two generations on one model and cache
 
 
 @functools.lru_cache(maxsize=None)
+def _runs(*extra):
+    """generate.main(SMALL + extra)'s tokens, one array per --batch value, computed once per argument
+    list (tests share runs)."""
+    return tuple(r["tokens"] for r in generate.main(SMALL + list(extra)))
+
+
 def _tokens(*extra):
-    """generate.main(SMALL + extra)'s tokens, computed once per argument list (tests share runs)."""
-    return generate.main(SMALL + list(extra))["tokens"]
+    """The tokens of the first --batch value of _runs(*extra)."""
+    return _runs(*extra)[0]
 
 
 def test_llama_logits_paged_equal_dense(rng):
@@ -135,13 +142,13 @@ def test_generate_end_to_end_and_scan_horizon():
     """generate.py runs; K decode steps per lax.scan (a horizon plan) give the per-step tokens,
     including a last scan that runs past new_tokens."""
     args = ["--batch", "3", "--prompt-len", "5", "20", "--new-tokens", "6", "--page-size", "4", "--quiet"]
-    step = generate.main(args)
+    (step,) = generate.main(args)
     assert step["tokens"].shape == (3, 6)
-    assert step["ttft_s"] > 0 and step["itl_s"] > 0
-    scanned = generate.main(args + ["--scan", "4"])
+    assert step["ttft_s"] > 0 and step["itl_s"] > 0 and step["itl_p50_s"] > 0
+    (scanned,) = generate.main(args + ["--scan", "4"])
     np.testing.assert_array_equal(scanned["tokens"], step["tokens"])
     with pytest.raises(ValueError, match="--batch"):
-        generate.parse_args(["--batch", "0"])
+        generate.parse_args(["--batch", "2", "0"])
 
 
 def test_bench_e2e_mixed_row_smoke(tmp_path, monkeypatch, capsys):
@@ -237,7 +244,7 @@ def test_layer_loops_same_weights_and_greedy_tokens():
             np.testing.assert_array_equal(getattr(layer, name)[...], getattr(scanned.layers, name)[...][l])
     np.testing.assert_array_equal(unrolled.lm_head[...], scanned.lm_head[...])
 
-    scan = generate.main(SMALL + ["--layer-loop", "scan", "--sync"])
+    (scan,) = generate.main(SMALL + ["--layer-loop", "scan", "--sync"])
     np.testing.assert_array_equal(scan["tokens"], _tokens())  # unroll (the default)
 
     rows = np.zeros((1, 1), np.int32)
@@ -248,24 +255,31 @@ def test_layer_loops_same_weights_and_greedy_tokens():
         llama.get_config("tiny", layer_loop="while")
 
 
-def _tp_subprocess(runs):
-    """generate.main(SMALL + run + ["--tp", "2"])'s tokens for each run, in a subprocess with two forced
-    host devices (jax fixes the device count when it starts): a started Popen and its reader."""
-    code = ("import json, sys; sys.path.insert(0, 'examples'); import generate; print('TOKENS', json.dumps("
-            f"[generate.main({SMALL!r} + x + ['--tp', '2'])['tokens'].tolist() for x in {runs!r}]))")
+def _host_devices_subprocess(code, devices):
+    """Python `code` (printing 'RESULT ' + JSON) in a subprocess with `devices` forced host devices
+    (jax fixes the device count when it starts): a started Popen, and its reader returning the JSON."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
+    proc = subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, 'examples'); " + code],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def tokens():
+    def result():
         try:
             out, _ = proc.communicate(timeout=600)
         finally:
             proc.kill()
-        assert proc.returncode == 0 and "TOKENS" in out, out[-6000:]
-        return [np.asarray(x) for x in json.loads(out.split("TOKENS ")[1])]
-    return tokens
+        assert proc.returncode == 0 and "RESULT" in out, out[-6000:]
+        return json.loads(out.split("RESULT ")[1])
+    return result
+
+
+def _tp_subprocess(runs):
+    """generate.main(SMALL + run)'s tokens (one array per --batch value) for each run (each naming its
+    --tp), in a subprocess with four forced host devices."""
+    code = ("import generate; print('RESULT', json.dumps([[r['tokens'].tolist() for r in "
+            f"generate.main({SMALL!r} + x)] for x in {runs!r}]))")
+    result = _host_devices_subprocess(code, 4)
+    return lambda: [[np.asarray(t) for t in run] for run in result()]
 
 
 def test_generate_sampling_deterministic_and_in_range():
@@ -273,8 +287,9 @@ def test_generate_sampling_deterministic_and_in_range():
     threaded from step to step: tokens lie in the vocabulary, and a second run with the same seed
     draws the same first tokens (the TP test below compares whole runs across processes; the slow
     one, per lax.scan). Filters without a temperature are refused."""
-    tokens = _tokens(*SAMPLED)
-    assert tokens.shape == (2, 4) and tokens.min() >= 0 and tokens.max() < TINY.vocab_size
+    tokens, single = _runs(*SAMPLED, *TWO_BATCHES)
+    assert tokens.shape == (2, 4) and single.shape == (1, 4)
+    assert min(tokens.min(), single.min()) >= 0 and max(tokens.max(), single.max()) < TINY.vocab_size
     np.testing.assert_array_equal(_tokens(*SAMPLED, "--new-tokens", "1")[:, 0], tokens[:, 0])
     with pytest.raises(ValueError, match="temperature"):
         generate.parse_args(["--top-k", "5"])
@@ -302,29 +317,55 @@ def test_serve_parallel_samples_draw_through_sampling_indices(rng):
         engine.check(serve.Request(0, np.zeros(4, np.int32), 2, temperature=1.0, top_p=0.5))
 
 
-def test_generate_tensor_parallel_on_two_host_devices():
-    """Sampled generate.py --tp 2 on two forced host devices (weights column/row parallel, the cache
-    on KV heads, attention through jaxinfer.sharding.head_parallel, the sampling call replicated),
-    in another process, draws the tokens of one device with the same seed. The fused q/k/v layout
-    for fewer KV heads than devices; --tp past the devices and llama3-70b on a CPU are refused."""
-    tokens = _tp_subprocess([list(SAMPLED)])
-    want = _tokens(*SAMPLED)
-    np.testing.assert_array_equal(tokens()[0], want)
+def test_generate_tensor_parallel_on_host_devices():
+    """Sampled generate.py --tp 4 --batch 2 1 on four forced host devices (weights column/row parallel
+    and made on the devices, the cache on KV heads: tiny's 2 KV heads replicated, attention through
+    jaxinfer.sharding.head_parallel, logits gathered from the vocabulary-split LM head for the
+    replicated sampling call; two batch sizes on one model and cache), in another process, draws the
+    tokens of one device with the same seed. The fused q/k/v layout for fewer KV heads than devices;
+    --tp past the devices and llama3-70b on a CPU are refused."""
+    tokens = _tp_subprocess([list(SAMPLED + TWO_BATCHES) + ["--tp", "4"]])
+    want = _runs(*SAMPLED, *TWO_BATCHES)
+    for got, ref in zip(tokens()[0], want, strict=True):
+        np.testing.assert_array_equal(got, ref)
     # With fewer KV heads than devices (tiny: 2 on 4), device i holds KV head i // 2 (replicated).
     cols = llama.qkv_columns(llama.get_config("tiny", tp=4))
     np.testing.assert_array_equal(cols[::TINY.head_dim] // TINY.head_dim, [0, 4, 6, 1, 4, 6, 2, 5, 7, 3, 5, 7])
     with pytest.raises(ValueError, match="--tp"):
-        generate.parse_args(["--tp", "2"])
+        generate.parse_args(["--tp", "2"])  # one device in this process
     with pytest.raises(ValueError, match="GPUs"):
         generate.parse_args(["--config", "llama3-70b"])
+
+
+@pytest.mark.parametrize("chunk", [None, pytest.param(16, marks=pytest.mark.slow)])
+def test_serve_tensor_parallel_on_host_devices(chunk):
+    """serve.Engine with cfg.tp = 2 on two forced host devices, in another process (weights and the
+    cache split on heads; prefill, decode and two-level cascade attention through
+    jaxinfer.sharding.head_parallel; with chunk, the mixed step through head_parallel_ragged), serves
+    shared-prefix requests with n > 1 samples to the tokens of one device. tp past the devices is
+    refused."""
+    code = ("import numpy as np, llama, serve; cfg = llama.get_config('tiny', num_layers=1, tp=2); "
+            f"engine = serve.Engine(cfg, page_size=8, num_pages=96, max_batch=6, chunk={chunk}); "
+            "out = engine.run(serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), "
+            "arrivals=2)); print('RESULT', json.dumps([{str(k): v for k, v in out.items()}, "
+            "engine.stats['cascade_steps']]))")
+    result = _host_devices_subprocess(code, 2)
+    cfg = llama.get_config("tiny", num_layers=1)
+    requests = serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), arrivals=2)
+    want = serve.Engine(cfg, page_size=8, num_pages=96, max_batch=6, chunk=chunk).run(requests)
+    got, cascade_steps = result()
+    assert got == {str(k): v for k, v in want.items()}
+    assert cascade_steps > 0 or chunk
+    with pytest.raises(ValueError, match="cfg.tp"):
+        serve.Engine(llama.get_config("tiny", tp=2))  # one device in this process
 
 
 @pytest.mark.slow
 def test_generate_scan_and_tensor_parallel_greedy():
     """Sampled tokens per lax.scan equal those per step (the key threaded alike); generate.py --tp 2,
     greedy, per step and per lax.scan (K/V appended through the page table): one device's tokens."""
-    tokens = _tp_subprocess([[], ["--scan", "3"]])
+    tokens = _tp_subprocess([["--tp", "2"], ["--scan", "3", "--tp", "2"]])
     np.testing.assert_array_equal(_tokens(*SAMPLED, "--scan", "3"), _tokens(*SAMPLED))
     want = _tokens()
-    for got in tokens():
+    for (got,) in tokens():
         np.testing.assert_array_equal(got, want)
