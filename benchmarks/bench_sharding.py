@@ -1,21 +1,37 @@
 """Attention over several GPUs (jaxinfer.sharding): context parallel (CP) and head parallel (TP)
 against one GPU, on Llama-3-70B heads (64 query / 8 KV, head_dim 128, bf16, pages of 16).
 
-    PYTHONPATH=. python3 benchmarks/bench_sharding.py            # 1, 2, 4 GPUs (as many as present)
-    PYTHONPATH=. python3 benchmarks/bench_sharding.py --smoke    # tiny shapes, 4 forced CPU devices
+    PYTHONPATH=. python3 benchmarks/bench_sharding.py --out $OUT/bench_sharding.json   # 1, 2, 4 GPUs
+    PYTHONPATH=. python3 benchmarks/bench_sharding.py --smoke --out /tmp/s.json   # tiny, 4 forced CPU devices
 
-Rows: CP decode B8 kv131072, TP decode B64 kv4096, CP prefill B1 S65536 (causal), TP prefill B4
-S8192 (causal). Each config first checks its sharded output against the one-GPU output (o relative
-error), then times the jitted call (median); the speedup / efficiency table prints last. The CP
-caches are page-sharded (each GPU holds its pages only); the one-GPU row is the plain wrapper.
+Rows: CP decode B8 kv131072, CP prefill B1 S65536 (causal), TP decode B64 kv4096, TP prefill B4
+S8192 (causal), each on 1, 2 and 4 devices (as many as there are). Every row first checks its
+output: the one-device output against float32 dense attention on a few query rows (the first and
+last request), each sharded output against the one-device output on the same random K/V (o
+relative error); then it times them: the median over repeated loops of a jitted program of
+`calls` attention calls, each with its own q (10 for decode rows, so that host dispatch hides
+behind the device; CP calls chained one after another, so that XLA does not combine their merges'
+collectives). The one-device row is the plain wrapper; CP caches are page-sharded (each device
+holds its own pages only).
+
+Each config runs in a process of its own (the same script with --only), bounded by --row-timeout-s
+and the whole run by --budget-s: a crash, hang or out-of-memory costs that config only, and the
+rows it finished are kept. JSON (every row, errors included) goes to --out; the speedup /
+efficiency table prints last.
 """
 import argparse
+import dataclasses
+import functools
+import json
 import os
+import subprocess
 import sys
+import time
 
-if "--smoke" in sys.argv:  # before jax starts
+if "--smoke" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-                               " --xla_backend_optimization_level=0").strip()
+                               " --xla_backend_optimization_level=0").strip()  # before jax starts
+if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -25,45 +41,74 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxinfer as ji  # noqa: E402
-from benchmarks.common import bench, record, save  # noqa: E402
+from benchmarks.common import bench  # noqa: E402
 from jaxinfer import sharding  # noqa: E402
 
 HQ, HKV, D, PAGE = 64, 8, 128, 16
 DTYPE = jnp.bfloat16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _configs(smoke):
-    """(name, mode, kind, batch, kv_len): prefill rows have qo_len = kv_len."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """One benchmark row; prefill rows have qo_len = kv_len (whole prompts, causal)."""
+    name: str
+    mode: str      # "cp" or "tp"
+    kind: str      # "decode" or "prefill"
+    batch: int
+    kv_len: int
+    calls: int     # attention calls per jitted program, each with its own q (hides host dispatch;
+                   # CP calls chained, so that XLA cannot combine their merges' collectives)
+    iters: int     # programs per timed loop
+    reps: int      # timed loops (the median is reported)
+
+
+def configs(smoke):
     if smoke:
-        return [("CP decode B2 kv256", "cp", "decode", 2, 256), ("TP decode B4 kv64", "tp", "decode", 4, 64),
-                ("CP prefill B1 S64", "cp", "prefill", 1, 64), ("TP prefill B2 S32", "tp", "prefill", 2, 32)]
-    return [("CP decode B8 kv131072", "cp", "decode", 8, 131072), ("TP decode B64 kv4096", "tp", "decode", 64, 4096),
-            ("CP prefill B1 S65536", "cp", "prefill", 1, 65536), ("TP prefill B4 S8192", "tp", "prefill", 4, 8192)]
+        return [Config(name="CP decode B2 kv256", mode="cp", kind="decode", batch=2, kv_len=256, calls=2, iters=1,
+                       reps=1),
+                Config(name="CP prefill B1 S64", mode="cp", kind="prefill", batch=1, kv_len=64, calls=1, iters=1, reps=1),
+                Config(name="TP decode B4 kv64", mode="tp", kind="decode", batch=4, kv_len=64, calls=2, iters=1, reps=1),
+                Config(name="TP prefill B2 S32", mode="tp", kind="prefill", batch=2, kv_len=32, calls=1, iters=1,
+                       reps=1)]
+    return [Config(name="CP decode B8 kv131072", mode="cp", kind="decode", batch=8, kv_len=131072, calls=10,
+                   iters=3, reps=7),
+            Config(name="CP prefill B1 S65536", mode="cp", kind="prefill", batch=1, kv_len=65536, calls=1, iters=2,
+                   reps=5),
+            Config(name="TP decode B64 kv4096", mode="tp", kind="decode", batch=64, kv_len=4096, calls=10, iters=5,
+                   reps=7),
+            Config(name="TP prefill B4 S8192", mode="tp", kind="prefill", batch=4, kv_len=8192, calls=1, iters=5,
+                   reps=7)]
 
 
-def _wrapper(kind, hq, hkv, batch, tokens, pages, capacities, smoke, impl="auto"):
+def _wrapper(cfg, hq, hkv, pages, capacities, smoke, impl):
     """The decode or causal prefill wrapper (capacities: the fixed shapes CP's stacked plans need;
     impl: the prefill kernel, as the wrapper's impl=)."""
     ctas = 8 if smoke else None
-    if kind == "decode":
-        return ji.BatchDecodeWithPagedKVCache(hq, hkv, D, PAGE, num_ctas=ctas,
-                                              max_batch_size=batch if capacities else None,
-                                              max_num_pages=pages if capacities else None)
-    return ji.BatchPrefillWithPagedKVCache(hq, hkv, D, PAGE, causal=True, num_ctas=ctas, impl=impl,
-                                           max_batch_size=batch if capacities else None,
-                                           max_num_tokens=tokens if capacities else None,
-                                           max_num_pages=pages if capacities else None)
+    rows = cfg.batch if cfg.kind == "decode" else cfg.batch * cfg.kv_len
+    caps = dict(max_batch_size=cfg.batch, max_num_pages=pages) if capacities else {}
+    if cfg.kind == "decode":
+        return ji.BatchDecodeWithPagedKVCache(hq, hkv, D, PAGE, num_ctas=ctas, **caps)
+    if capacities:
+        caps["max_num_tokens"] = rows
+    return ji.BatchPrefillWithPagedKVCache(hq, hkv, D, PAGE, causal=True, num_ctas=ctas, impl=impl, **caps)
 
 
-def _plan(w, kind, qo_indptr, table, num_pages):
-    if kind == "decode":
+def _qo_indptr(cfg):
+    """int32[B+1] (prefill: whole prompts) or None (decode)."""
+    return None if cfg.kind == "decode" else (np.arange(cfg.batch + 1) * cfg.kv_len).astype(np.int32)
+
+
+def _plan(w, cfg, table, num_pages):
+    if cfg.kind == "decode":
         return w.plan(*table, num_pages=num_pages)
-    return w.plan(qo_indptr, *table, num_pages=num_pages, q_data_type="bfloat16")
+    return w.plan(_qo_indptr(cfg), *table, num_pages=num_pages, q_data_type="bfloat16")
 
 
 def _cp_table(batch, kv_len, n, qo_indptr, causal):
     """A page table allocated device by device along split_page_table's balanced shares (by keys,
-    or by causal work): request pages [b_k, b_k+1) get ids from device k's block of N pages."""
+    or by causal work): request pages [b_k, b_k+1) get ids from device k's block of N pages.
+    Returns ((kv_indptr, kv_indices, kv_last_page_len), N)."""
     npages = -(-kv_len // PAGE)
     indptr = (np.arange(batch + 1) * npages).astype(np.int32)
     last = np.full(batch, kv_len - (npages - 1) * PAGE, np.int32)
@@ -80,102 +125,229 @@ def _cp_table(batch, kv_len, n, qo_indptr, causal):
     return (indptr, np.concatenate(indices).astype(np.int32), last), per
 
 
-def _run_config(name, mode, kind, batch, kv_len, counts, smoke, rng, impl):
-    qo_indptr = None if kind == "decode" else (np.arange(batch + 1) * kv_len).astype(np.int32)
-    rows = batch if kind == "decode" else batch * kv_len
-    q = jnp.asarray(rng.standard_normal((rows, HQ, D), np.float32), DTYPE)
-    times, base = {}, None
-    for n in counts:
-        mesh_devices = np.asarray(jax.devices()[:n])
-        if mode == "cp":
-            table, per = _cp_table(batch, kv_len, n, qo_indptr, kind == "prefill")
-            num_pages = n * per
-        else:
-            npages = -(-kv_len // PAGE)
-            table = ((np.arange(batch + 1) * npages).astype(np.int32),
-                     rng.permutation(batch * npages).astype(np.int32),
-                     np.full(batch, kv_len - (npages - 1) * PAGE, np.int32))
-            num_pages = batch * npages
-        key = jax.random.key(n)
-        shape = (num_pages, PAGE, HKV, D)
-        cache = ji.PagedKVCache(jax.random.normal(key, shape, DTYPE), jax.random.normal(jax.random.fold_in(key, 1),
-                                                                                       shape, DTYPE))
-        if n == 1:  # the plain wrapper on one GPU
-            w = _wrapper(kind, HQ, HKV, batch, rows, num_pages, False, smoke, impl)
-            plan = _plan(w, kind, qo_indptr, table, num_pages)
-            f = jax.jit(lambda q, c, p, w=w: w.run(q, c, p))
-            args = (q, cache, plan)
-            ref_args = None
-        elif mode == "tp":
-            mesh = jax.sharding.Mesh(mesh_devices, ("tp",))
-            hs = sharding.split_heads(HQ, HKV, n)
-            w = _wrapper(kind, hs.num_qo_heads, hs.num_kv_heads, batch, rows, num_pages, False, smoke, impl)
-            plan = _plan(w, kind, qo_indptr, table, num_pages)
-            c = sharding.replicate_kv_heads(cache, hs.kv_replicas) if hs.kv_replicas > 1 else cache
-            c = jax.device_put(c, NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp")))
-            args = (jax.device_put(q, NamedSharding(mesh, sharding.head_spec("tp"))), c, plan)
-            f = jax.jit(sharding.head_parallel(w, mesh))
-            ref_args = (cache, table, num_pages)
-        else:
-            mesh = jax.sharding.Mesh(mesh_devices, ("cp",))
-            split = sharding.split_page_table(*table, PAGE, n, qo_indptr=qo_indptr, pages_per_shard=per)
-            pages_cap = max(int(t[0][-1]) for t in split.tables)
-            w = _wrapper(kind, HQ, HKV, batch, rows, pages_cap, True, smoke, impl)
-            if kind == "decode":
-                plan = sharding.context_plan(w, split, num_pages=num_pages)
-            else:
-                plan = sharding.context_plan(w, split, num_pages=num_pages, q_data_type="bfloat16")
-            plan = jax.device_put(plan, NamedSharding(mesh, P("cp")))
-            c = jax.device_put(cache, NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp")))
-            args = (jax.device_put(q, NamedSharding(mesh, sharding.head_spec(None))), c, plan)
-            f = jax.jit(sharding.context_parallel(w, mesh))
-            ref_args = (cache, table, num_pages)
-        if ref_args is not None:  # correctness first: the same cache and table on one GPU
-            w1 = _wrapper(kind, HQ, HKV, batch, rows, ref_args[2], False, smoke, impl)
-            want = jax.jit(lambda q, c, p: w1.run(q, c, p))(q, ref_args[0],
-                                                             _plan(w1, kind, qo_indptr, ref_args[1], ref_args[2]))
-            got = f(*args)
-            err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) /
-                        jnp.linalg.norm(want.astype(jnp.float32)))
-            print(f"{name} on {n}: o relative error vs one GPU {err:.2e}", flush=True)
-            if not err <= 2e-2:
-                raise SystemExit(f"{name} on {n} devices: relative error {err:.2e} > 2e-2")
-        kernels = (plan.full.impl + (" + " + plan.diag.impl if plan.diag is not None else "")
-                   if isinstance(plan, sharding.ContextPlan) else plan.impl)
-        print(f"{name} on {n}: kernels {kernels}", flush=True)
-        t = bench(f, *args, iters=1 if smoke else 10, reps=1 if smoke else 7)
-        times[n] = t
-        base = base or t
-        record("sharding", config=name, devices=n, ms=t * 1e3, speedup=base / t, efficiency=base / t / n,
-               kernels=kernels, device=jax.devices()[0].device_kind)
-        del args, cache, f
-    return times
+def _table(cfg, n, rng):
+    """(page table, num_pages, pages per device or None): CP tables device by device (_cp_table),
+    TP and one-device tables a random permutation of the pages."""
+    if cfg.mode == "cp":
+        table, per = _cp_table(cfg.batch, cfg.kv_len, n, _qo_indptr(cfg), cfg.kind == "prefill")
+        return table, n * per, per
+    npages = -(-cfg.kv_len // PAGE)
+    table = ((np.arange(cfg.batch + 1) * npages).astype(np.int32), rng.permutation(cfg.batch * npages).astype(np.int32),
+             np.full(cfg.batch, cfg.kv_len - (npages - 1) * PAGE, np.int32))
+    return table, cfg.batch * npages, None
 
 
-def main():
+@functools.partial(jax.jit, static_argnames="num_pages")
+def _physical(k_logical, v_logical, indices, num_pages):
+    """The cache whose page indices[j] holds logical page j (request-major order): every table of
+    a config sees the same K/V, so the one-device output is every row's reference."""
+    shape = (num_pages,) + k_logical.shape[1:]
+    return ji.PagedKVCache(jnp.zeros(shape, DTYPE).at[indices].set(k_logical),
+                           jnp.zeros(shape, DTYPE).at[indices].set(v_logical))
+
+
+@jax.jit
+def _rel_err(got, want):
+    diff = (got.astype(jnp.float32) - want.astype(jnp.float32)).ravel()
+    return jnp.linalg.norm(diff) / jnp.linalg.norm(want.astype(jnp.float32).ravel())
+
+
+@jax.jit
+def _dense(q, k, v, seen):
+    """float32 attention of query rows q [R, Hq, D] over k, v [L, Hkv, D]; row r sees keys < seen[r]."""
+    qg = q.astype(jnp.float32).reshape(q.shape[0], HKV, HQ // HKV, D)
+    s = jnp.einsum("rhgd,lhd->rhgl", qg, k.astype(jnp.float32), precision="highest") * D ** -0.5
+    s = jnp.where(jnp.arange(k.shape[0]) < seen[:, None, None, None], s, -jnp.inf)
+    o = jnp.einsum("rhgl,lhd->rhgd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32), precision="highest")
+    return o.reshape(q.shape)
+
+
+def _spot_check(cfg, q, out, k_logical, v_logical):
+    """Largest o relative error of the first and last request's checked rows against _dense:
+    decode its one row; prefill its first 4 and last 12 queries (query i sees keys <= i)."""
+    npages = -(-cfg.kv_len // PAGE)
+    worst = 0.0
+    for r in sorted({0, cfg.batch - 1}):
+        keys = k_logical[r * npages:(r + 1) * npages].reshape(-1, HKV, D)[:cfg.kv_len]
+        values = v_logical[r * npages:(r + 1) * npages].reshape(-1, HKV, D)[:cfg.kv_len]
+        if cfg.kind == "decode":
+            rows, seen = np.array([r]), np.array([cfg.kv_len])
+        else:
+            pos = np.concatenate([np.arange(4), np.arange(cfg.kv_len - 12, cfg.kv_len)])
+            rows, seen = r * cfg.kv_len + pos, pos + 1
+        want = _dense(q[rows], keys, values, jnp.asarray(seen, jnp.int32))
+        worst = max(worst, float(_rel_err(out[rows], want)))
+    return worst
+
+
+def _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl):
+    """(attention fn of (q, cache, plan), its args (qs [calls, T, Hq, D], cache, plan) placed for
+    the first n devices, kernel names)."""
+    devices = np.asarray(jax.devices()[:n])
+    if n == 1:  # the plain wrapper on one device
+        w = _wrapper(cfg, HQ, HKV, num_pages, False, smoke, impl)
+        plan = _plan(w, cfg, table, num_pages)
+        return w.run, (qs, cache, plan), plan.impl
+    if cfg.mode == "tp":
+        mesh = jax.sharding.Mesh(devices, ("tp",))
+        hs = sharding.split_heads(HQ, HKV, n)
+        w = _wrapper(cfg, hs.num_qo_heads, hs.num_kv_heads, num_pages, False, smoke, impl)
+        plan = _plan(w, cfg, table, num_pages)
+        c = sharding.replicate_kv_heads(cache, hs.kv_replicas) if hs.kv_replicas > 1 else cache
+        args = (jax.device_put(qs, NamedSharding(mesh, P(None, *sharding.head_spec("tp")))),
+                jax.device_put(c, NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))),
+                jax.device_put(plan, NamedSharding(mesh, P())))
+        return sharding.head_parallel(w, mesh), args, plan.impl
+    mesh = jax.sharding.Mesh(devices, ("cp",))
+    split = sharding.split_page_table(*table, PAGE, n, qo_indptr=_qo_indptr(cfg), pages_per_shard=per)
+    w = _wrapper(cfg, HQ, HKV, max(int(t[0][-1]) for t in split.tables), True, smoke, impl)
+    dtype = {} if cfg.kind == "decode" else {"q_data_type": "bfloat16"}
+    plan = sharding.context_plan(w, split, num_pages=num_pages, **dtype)
+    args = (jax.device_put(qs, NamedSharding(mesh, P())),
+            jax.device_put(cache, NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp"))),
+            jax.device_put(plan, NamedSharding(mesh, P("cp"))))
+    kernels = plan.full.impl + (" + " + plan.diag.impl if plan.diag is not None else "")
+    return sharding.context_parallel(w, mesh), args, kernels
+
+
+def _program(run, calls, chained):
+    """jit of (qs, cache, plan) -> [run(qs[i], cache, plan) for i < calls]. chained: call i's q
+    waits for call i - 1's output (adds 0 x one of its elements; XLA keeps x * 0 for floats), so
+    that the calls' collectives stay apart, as they are in a real step."""
+    def program(qs, cache, plan):
+        outs = []
+        for i in range(calls):
+            q = qs[i] + 0 * outs[-1][0, 0, 0] if chained and outs else qs[i]
+            outs.append(run(q, cache, plan))
+        return outs
+    return jax.jit(program)
+
+
+def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl):
+    """One device count's row (checked, then timed: cfg.calls attention calls in one jitted
+    program, one per q of qs) and the output of qs[0]."""
+    row = dict(config=cfg.name, devices=n, device=jax.devices()[0].device_kind, calls=cfg.calls)
+    table, num_pages, per = _table(cfg, n, rng)
+    cache = _physical(k_logical, v_logical, jnp.asarray(table[1]), num_pages)
+    run, args, row["kernels"] = _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl)
+    f = _program(run, cfg.calls, chained=cfg.mode == "cp")
+    t = time.perf_counter()
+    got = jax.block_until_ready(f(*args))[0]
+    row["first_call_s"] = time.perf_counter() - t  # compile included
+    if want is None:
+        row["check"] = "vs float32 dense, first and last request"
+        row["rel_err"] = _spot_check(cfg, qs[0], got, k_logical, v_logical)
+    else:
+        row["check"] = "vs one device"
+        row["rel_err"] = float(_rel_err(jax.device_put(got, want.sharding), want))
+    if not row["rel_err"] <= 2e-2:
+        raise RuntimeError(f"o relative error {row['rel_err']:.2e} > 2e-2 ({row['check']})")
+    row["ms"] = bench(f, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
+    return row, got
+
+
+def run_config(cfg, smoke, impl, emit):
+    """Every device count of cfg, one device first (the reference); emit(row) after each, errors
+    included (a failed one-device row ends the config: nothing to check the others against)."""
+    npages = -(-cfg.kv_len // PAGE)
+    rows = cfg.batch if cfg.kind == "decode" else cfg.batch * cfg.kv_len
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    qs = jax.random.normal(kq, (cfg.calls, rows, HQ, D), DTYPE)               # [calls, T, Hq, D]
+    k_logical = jax.random.normal(kk, (cfg.batch * npages, PAGE, HKV, D), DTYPE)  # [B * pages, page, Hkv, D]
+    v_logical = jax.random.normal(kv, (cfg.batch * npages, PAGE, HKV, D), DTYPE)
+    rng = np.random.default_rng(0)
+    want, base = None, None
+    for n in [n for n in (1, 2, 4) if n <= len(jax.devices())]:
+        try:
+            row, got = _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl)
+            if want is None:
+                want, base = got, row["ms"]
+            row.update(speedup=base / row["ms"], efficiency=base / row["ms"] / n)
+        except Exception as err:  # noqa: BLE001  (recorded; the next device count still runs)
+            row = dict(config=cfg.name, devices=n, error=f"{type(err).__name__}: {err}"[:2000])
+        emit(row)
+        if want is None:
+            return
+
+
+def _write(path, rows):
+    with open(path, "w") as fh:
+        json.dump(dict(jax=jax.__version__, rows=rows), fh, indent=1)
+
+
+def _isolated(cfgs, args):
+    """Runs each config in a child process of this script; returns every row (failures too)."""
+    rows, start = [], time.perf_counter()
+    for cfg in cfgs:
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 10:
+            rows.append(dict(config=cfg.name, error=f"skipped: --budget-s {args.budget_s:.0f} s spent"))
+            continue
+        part = f"{args.out}.part"
+        if os.path.exists(part):
+            os.remove(part)
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", cfg.name, "--out", part,
+               "--prefill-impl", args.prefill_impl] + (["--smoke"] if args.smoke else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        timeout = min(args.row_timeout_s, left)
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+            failure = None if rc == 0 else f"process exited with {rc}"
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout:.0f} s"
+        if os.path.exists(part):  # the rows the child finished
+            with open(part) as fh:
+                rows += json.load(fh)["rows"]
+            os.remove(part)
+        if failure:
+            rows.append(dict(config=cfg.name, error=failure))
+        _write(args.out, rows)
+    return rows
+
+
+def _table_text(rows):
+    """The speedup / efficiency table, then one line per failure."""
+    counts = sorted({r["devices"] for r in rows if "ms" in r})
+    kinds = sorted({r["device"] for r in rows if "device" in r})
+    lines = [f"{', '.join(kinds) or 'no device'}: time per call, speedup and efficiency against one device",
+             f"{'config':<24}" + "".join(f"{f'{n} dev ms':>12}{'speedup':>9}{'eff':>7}" for n in counts)]
+    for name in dict.fromkeys(r["config"] for r in rows):
+        timed = {r["devices"]: r for r in rows if r["config"] == name and "ms" in r}
+        cells = [(f"{timed[n]['ms']:>12.3f}{timed[n]['speedup']:>9.2f}{timed[n]['efficiency']:>7.2f}"
+                  if n in timed else f"{'-':>12}{'-':>9}{'-':>7}") for n in counts]
+        lines.append(f"{name:<24}" + "".join(cells))
+    lines += [f"FAILED {r['config']}" + (f" on {r['devices']}" if "devices" in r else "") + f": {r['error']}"
+              for r in rows if "error" in r]
+    return "\n".join(lines)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on 4 forced CPU devices")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sharding.json"),
+                    help="JSON of every row (default $OUT/bench_sharding.json)")
     ap.add_argument("--prefill-impl", default="auto", choices=("auto", "triton", "mosaic"),
                     help="the prefill rows' kernel on every device count (CP plans have fixed shapes, "
-                         "which may pick another kernel than 'auto' does for one GPU)")
+                         "which may pick another kernel than 'auto' does for one device)")
     ap.add_argument("--only", default=None, help="comma-separated config name prefixes (e.g. 'CP decode')")
-    args = ap.parse_args()
-    counts = [n for n in (1, 2, 4) if n <= len(jax.devices())]
-    rng = np.random.default_rng(0)
-    table = []
-    for name, mode, kind, batch, kv_len in _configs(args.smoke):
-        if args.only and not any(name.startswith(p.strip()) for p in args.only.split(",")):
-            continue
-        times = _run_config(name, mode, kind, batch, kv_len, counts, args.smoke, rng, args.prefill_impl)
-        table.append((name, times))
-    save("sharding")
-    print(f"\n{jax.devices()[0].device_kind}: time per call, speedup and efficiency against one device")
-    print(f"{'config':<24}" + "".join(f"{f'{n} dev ms':>12}{'speedup':>9}{'eff':>7}" for n in counts))
-    for name, times in table:
-        row = f"{name:<24}"
-        for n in counts:
-            row += f"{times[n] * 1e3:>12.3f}{times[1] / times[n]:>9.2f}{times[1] / times[n] / n:>7.2f}"
-        print(row)
+    ap.add_argument("--budget-s", type=float, default=330.0, help="start no config after this many seconds")
+    ap.add_argument("--row-timeout-s", type=float, default=150.0, help="each config's process is killed after this")
+    args = ap.parse_args(argv)
+    cfgs = [c for c in configs(args.smoke)
+            if not args.only or any(c.name.startswith(p.strip()) for p in args.only.split(","))]
+    if len(cfgs) == 1:  # in this process
+        rows = []
+
+        def emit(row):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            _write(args.out, rows)
+        run_config(cfgs[0], args.smoke, args.prefill_impl, emit)
+    else:
+        rows = _isolated(cfgs, args)
+    _write(args.out, rows)
+    print("\n" + _table_text(rows), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
