@@ -569,12 +569,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
             for src, dst in srcs:
                 plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot, dst], bar.at[slot])
 
-        def copy_v(step, srcs, slot):
-            """V of block `step`; the block that reaches a sanitized last page takes it from v_last
-            (positions recomputed there: the memory warpgroup has few registers)."""
-            if f.last_row is None:
+        def copy_v(step, srcs, slot, final):
+            """V of block `step`. Only an item's final block can reach its last page: there (final),
+            a sanitized last page comes from v_last (positions recomputed: the memory warpgroup
+            has few registers). Other blocks copy with no branch (branches there cost 6-11%)."""
+            if f.last_row is None or final is False:
                 return copy(srcs, slot, v_ref, v_smem, v_bar)
-            reaches = (f.last_row >= 0) & (position(step, pages_per_block - 1) == last_page)
+            reaches = final & (f.last_row >= 0) & (position(step, pages_per_block - 1) == last_page)
             pl.when(~reaches)(lambda: copy(srcs, slot, v_ref, v_smem, v_bar))
 
             @pl.when(reaches)
@@ -596,16 +597,19 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
             def _():
                 srcs = sources(i)
                 copy(srcs, i, k_ref, k_smem, k_bar)
-                copy_v(i, srcs, i)
+                copy_v(i, srcs, i, i == tile_steps - 1)
 
-        @pl.loop(0, jnp.maximum(tile_steps - max_steps, 0))
-        def _(step):
+        def refill(step, final):  # block `step` into the slot it reuses, once that slot is free
             slot = lax.rem(step, jnp.int32(slots))
-            srcs = sources(step + max_steps)
+            srcs = sources(step)
             plgpu.barrier_wait(k_free.at[slot])
             copy(srcs, slot, k_ref, k_smem, k_bar)
             plgpu.barrier_wait(v_free.at[slot])
-            copy_v(step + max_steps, srcs, slot)
+            copy_v(step, srcs, slot, final)
+
+        # the blocks after the first max_steps: all but the final one without the branch
+        pl.loop(max_steps, jnp.maximum(tile_steps - 1, max_steps))(lambda step: refill(step, False))
+        pl.when(tile_steps > max_steps)(lambda: refill(tile_steps - 1, True))
 
         @pl.loop(jnp.maximum(tile_steps - max_steps, 0), tile_steps)
         def _(step):  # the last blocks' releases: every barrier phase is awaited by its waiters

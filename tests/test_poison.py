@@ -32,6 +32,7 @@ import pytest
 import jaxinfer as ji
 from helpers import TOL, page_table, randn, random_cache
 from jaxinfer import _backend, dispatch, ragged_plan
+from pallas_kernels import prefill as prefill_kernels
 from jaxinfer import reference as ref
 
 HQ, HKV, D = 4, 2, 32               # Triton rows: float32, GQA group 2
@@ -268,7 +269,7 @@ BATCH = {  # group 2 (Triton): up to 32 tokens are short; group 1 (Mosaic): up t
 
 
 @poisons
-@pytest.mark.parametrize("row", ["batch_classes", pytest.param("batch_mosaic", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("row", ["batch_classes", "batch_mosaic"])
 def test_batch_attention(rng, row, poison, monkeypatch):
     """BatchAttention under capacities (5 padding rows): impl "auto" (batch_classes:
     decode_triton for the short requests, prefill_triton for the long one) and impl "mixed"
@@ -282,8 +283,11 @@ def test_batch_attention(rng, row, poison, monkeypatch):
     bad = _poison(clean, *table, values)
     qo_indptr = _indptr(qo)
     nnz, cap = int(qo.sum()), int(qo.sum()) + 5
+    # the mixed launch in 16-key blocks: items of up to 4 blocks through its 2 slots (the memory
+    # warpgroup's loop, and a sanitized last page in its final block)
+    config = prefill_kernels.MosaicPrefillConfig(block_kv=16) if mosaic else None
     attn = ji.BatchAttention(hq, hkv, d, page, impl="mixed" if mosaic else "auto", num_ctas=8, max_batch_size=8,
-                             max_num_tokens=cap, max_num_pages=64)
+                             max_num_tokens=cap, max_num_pages=64, config=config)
     plan = attn.plan(qo_indptr, *table, num_pages=num_pages, q_data_type="bfloat16" if mosaic else None)
     assert plan.impl == ("batch_mosaic" if mosaic else "decode_triton+prefill_triton")
     assert plan.info["num_short"] >= 3  # short requests beside the long one (packed tiles when mixed)
