@@ -584,7 +584,6 @@ class Fuzzer:
         npg = shared + own
         indptr = i32(np.concatenate([[0], np.cumsum(npg)]))
         indices, last = i32(indices), i32(rng.integers(1, P + 1, batch))
-        kv_lens = (npg - 1) * P + last
         qo_lens = rng.integers(1, 5, batch)
         edge = corr in ("none", "nan_q") and rng.random() < EDGE_SHARE
         if edge:  # query lengths at the boundaries (past kv_len - shared pages: less is shared, or nothing)

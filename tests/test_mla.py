@@ -71,7 +71,6 @@ def oracle(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len, cau
     q_nope, q_pe, ckv, kpe = (np.asarray(x, np.float64) for x in (q_nope, q_pe, ckv, kpe))
     t, h, _ = q_nope.shape
     o, lse = np.zeros((t, h, CKV)), np.full((t, h), -np.inf)
-    p = ckv.shape[1]
     for b in range(len(kv_len)):
         qs, qe, n = qo_indptr[b], qo_indptr[b + 1], int(kv_len[b])
         pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
