@@ -14,10 +14,17 @@ behind the device; CP calls chained one after another, so that XLA does not comb
 collectives). The one-device row is the plain wrapper; CP caches are page-sharded (each device
 holds its own pages only).
 
+CP rows on several devices also time the device-local part alone (local_ms: every device's
+partial state, context_partial_states, the same calls unchained: the chain's scalar would have to
+cross devices, and there are no collectives to keep apart) and name the merge
+that ran (merge: --merge, or what "auto" chose for the device count and bf16 o,
+sharding.merge_choice); merge_ms = ms - local_ms is the merge's share of the call (its
+collectives and arithmetic, with whatever of them overlaps the local part hidden).
+
 Each config runs in a process of its own (the same script with --only), bounded by --row-timeout-s
 and the whole run by --budget-s: a crash, hang or out-of-memory costs that config only, and the
 rows it finished are kept. JSON (every row, errors included) goes to --out; the speedup /
-efficiency table prints last.
+efficiency table prints last, then the CP rows' local / merge breakdown.
 """
 import argparse
 import dataclasses
@@ -180,14 +187,15 @@ def _spot_check(cfg, q, out, k_logical, v_logical):
     return worst
 
 
-def _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl):
+def _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl, merge="auto"):
     """(attention fn of (q, cache, plan), its args (qs [calls, T, Hq, D], cache, plan) placed for
-    the first n devices, kernel names)."""
+    the first n devices, kernel names, the device-local fn of the same args for CP on several
+    devices (o [n, T, Hq, D] unmerged) or None)."""
     devices = np.asarray(jax.devices()[:n])
     if n == 1:  # the plain wrapper on one device
         w = _wrapper(cfg, HQ, HKV, num_pages, False, smoke, impl)
         plan = _plan(w, cfg, table, num_pages)
-        return w.run, (qs, cache, plan), plan.impl
+        return w.run, (qs, cache, plan), plan.impl, None
     if cfg.mode == "tp":
         mesh = jax.sharding.Mesh(devices, ("tp",))
         hs = sharding.split_heads(HQ, HKV, n)
@@ -197,7 +205,7 @@ def _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl):
         args = (jax.device_put(qs, NamedSharding(mesh, P(None, *sharding.head_spec("tp")))),
                 jax.device_put(c, NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))),
                 jax.device_put(plan, NamedSharding(mesh, P())))
-        return sharding.head_parallel(w, mesh), args, plan.impl
+        return sharding.head_parallel(w, mesh), args, plan.impl, None
     mesh = jax.sharding.Mesh(devices, ("cp",))
     split = sharding.split_page_table(*table, PAGE, n, qo_indptr=_qo_indptr(cfg), pages_per_shard=per)
     w = _wrapper(cfg, HQ, HKV, max(int(t[0][-1]) for t in split.tables), True, smoke, impl)
@@ -206,8 +214,10 @@ def _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl):
     args = (jax.device_put(qs, NamedSharding(mesh, P())),
             jax.device_put(cache, NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp"))),
             jax.device_put(plan, NamedSharding(mesh, P("cp"))))
-    kernels = plan.full.impl + (" + " + plan.diag.impl if plan.diag is not None else "")
-    return sharding.context_parallel(w, mesh), args, kernels
+    kernels = " + ".join(p.impl for p in (plan.full, plan.diag) if p is not None)
+    partial = sharding.context_partial_states(w, mesh)
+    return (sharding.context_parallel(w, mesh, merge=merge), args, kernels,
+            lambda q, c, p: partial(q, c, p).o)
 
 
 def _program(run, calls, chained):
@@ -223,13 +233,14 @@ def _program(run, calls, chained):
     return jax.jit(program)
 
 
-def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl):
+def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto"):
     """One device count's row (checked, then timed: cfg.calls attention calls in one jitted
-    program, one per q of qs) and the output of qs[0]."""
+    program, one per q of qs) and the output of qs[0]. CP on several devices: also the
+    device-local part alone (local_ms) and the merge (merge, merge_ms)."""
     row = dict(config=cfg.name, devices=n, device=jax.devices()[0].device_kind, calls=cfg.calls)
     table, num_pages, per = _table(cfg, n, rng)
     cache = _physical(k_logical, v_logical, jnp.asarray(table[1]), num_pages)
-    run, args, row["kernels"] = _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl)
+    run, args, row["kernels"], local = _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl, merge)
     f = _program(run, cfg.calls, chained=cfg.mode == "cp")
     t = time.perf_counter()
     got = jax.block_until_ready(f(*args))[0]
@@ -243,10 +254,16 @@ def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl):
     if not row["rel_err"] <= 2e-2:
         raise RuntimeError(f"o relative error {row['rel_err']:.2e} > 2e-2 ({row['check']})")
     row["ms"] = bench(f, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
+    if local is not None:
+        row["merge"] = sharding.merge_choice(n, DTYPE) if merge == "auto" else merge
+        row["merge_option"] = merge
+        f_local = _program(local, cfg.calls, chained=False)  # (no collectives to keep apart)
+        row["local_ms"] = bench(f_local, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
+        row["merge_ms"] = row["ms"] - row["local_ms"]
     return row, got
 
 
-def run_config(cfg, smoke, impl, emit):
+def run_config(cfg, smoke, impl, emit, merge="auto"):
     """Every device count of cfg, one device first (the reference); emit(row) after each, errors
     included (a failed one-device row ends the config: nothing to check the others against)."""
     npages = -(-cfg.kv_len // PAGE)
@@ -259,7 +276,7 @@ def run_config(cfg, smoke, impl, emit):
     want, base = None, None
     for n in [n for n in (1, 2, 4) if n <= len(jax.devices())]:
         try:
-            row, got = _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl)
+            row, got = _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge)
             if want is None:
                 want, base = got, row["ms"]
             row.update(speedup=base / row["ms"], efficiency=base / row["ms"] / n)
@@ -287,7 +304,7 @@ def _isolated(cfgs, args):
         if os.path.exists(part):
             os.remove(part)
         cmd = [sys.executable, os.path.abspath(__file__), "--only", cfg.name, "--out", part,
-               "--prefill-impl", args.prefill_impl] + (["--smoke"] if args.smoke else [])
+               "--prefill-impl", args.prefill_impl, "--merge", args.merge] + (["--smoke"] if args.smoke else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         timeout = min(args.row_timeout_s, left)
         try:
@@ -316,6 +333,12 @@ def _table_text(rows):
         cells = [(f"{timed[n]['ms']:>12.3f}{timed[n]['speedup']:>9.2f}{timed[n]['efficiency']:>7.2f}"
                   if n in timed else f"{'-':>12}{'-':>9}{'-':>7}") for n in counts]
         lines.append(f"{name:<24}" + "".join(cells))
+    split = [r for r in rows if "local_ms" in r]
+    if split:
+        lines.append("CP breakdown: the call = device-local part (every device's partial state) + merge")
+        lines += [f"{r['config']:<24}{r['devices']:>2} dev {r['ms']:>10.3f} ms = local {r['local_ms']:>10.3f}"
+                  f" + merge {r['merge_ms']:>8.3f} ({r['merge']}" + (", auto" if r.get("merge_option") == "auto"
+                                                                   else "") + ")" for r in split]
     lines += [f"FAILED {r['config']}" + (f" on {r['devices']}" if "devices" in r else "") + f": {r['error']}"
               for r in rows if "error" in r]
     return "\n".join(lines)
@@ -329,6 +352,8 @@ def main(argv=None):
     ap.add_argument("--prefill-impl", default="auto", choices=("auto", "triton", "mosaic"),
                     help="the prefill rows' kernel on every device count (CP plans have fixed shapes, "
                          "which may pick another kernel than 'auto' does for one device)")
+    ap.add_argument("--merge", default="auto", choices=sharding.MERGES,
+                    help="the CP rows' merge (context_parallel(merge=)); auto: sharding.merge_choice")
     ap.add_argument("--only", default=None, help="comma-separated config name prefixes (e.g. 'CP decode')")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no config after this many seconds")
     ap.add_argument("--row-timeout-s", type=float, default=150.0, help="each config's process is killed after this")
@@ -342,7 +367,7 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(args.out, rows)
-        run_config(cfgs[0], args.smoke, args.prefill_impl, emit)
+        run_config(cfgs[0], args.smoke, args.prefill_impl, emit, args.merge)
     else:
         rows = _isolated(cfgs, args)
     _write(args.out, rows)

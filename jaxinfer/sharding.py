@@ -4,9 +4,11 @@ TP: q, o and the paged cache are split on heads along a mesh axis; every device 
 built for its heads (split_heads) with one replicated plan. CP: split_page_table gives each device
 a contiguous range of every request's pages; context_plan makes one plan per device (stacked on
 the mesh axis); each device computes its partial AttentionState and the states are merged exactly
-by a psum-based log-sum-exp merge (pmax of lse, psum of the weighted o). Both together on a 2-D
-mesh ("tp", "cp"). The runners are shard_map'd functions: they work under jax.jit, lax.scan and
-jax.distributed alike. Usage and the choice of merge: docs/sharding.md.
+in float32: by a psum-based log-sum-exp merge (pmax of lse, psum of the weighted o) or by an
+all-gather of the states and the same merge on every device, whichever moves fewer bytes
+(merge_choice). Both together on a 2-D mesh ("tp", "cp"). The runners are shard_map'd functions:
+they work under jax.jit, lax.scan and jax.distributed alike. Usage and the choice of merge:
+docs/sharding.md.
 """
 import dataclasses
 from typing import Optional
@@ -268,27 +270,35 @@ def split_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_sha
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class ContextPlan:
     """Per-device plans stacked on a leading device axis (context_plan); place it with
-    put(plan, NamedSharding(mesh, P(cp_axis))). Rows of q are gathered into each device's
-    sub-batches: `diag` (causal) holds the queries that lie inside the device's share, `full`
-    (no mask) those after it (all rows without causal); queries before the share see none of it."""
+    put(plan, NamedSharding(mesh, P(cp_axis))). Each device splits q's rows into two sub-batches
+    over its share: `diag` (causal) holds each request's queries up to the share's end (those
+    before the share see none of it: o = 0, lse = -inf), `full` (no mask) those after it (all
+    rows without causal). `base` (static) names the sub-batch whose rows are q's first rows, in
+    order, on every device (one prompt, for one): it runs on q itself and the other's rows are
+    scattered into its output. Otherwise (None) both sub-batches gather their rows from q and
+    one gather by `src` places their states."""
     full: object                       # stacked wrapper plans
     diag: object = None                # stacked causal plans, or None
-    full_rows: Optional[jax.Array] = None   # int32[n, Tcap]: q rows of the full sub-batch
-    diag_rows: Optional[jax.Array] = None   # int32[n, Tcap]
-    src: Optional[jax.Array] = None    # int32[n, T]: each q row's row of (diag, full, empty) outputs
+    full_rows: Optional[jax.Array] = None   # int32[n, Tcap]: q rows of the full sub-batch, then Tcap + j
+    diag_rows: Optional[jax.Array] = None   # int32[n, Tcap] (the same)
+    src: Optional[jax.Array] = None    # int32[n, T]: each q row's row of the (diag, full, empty) outputs
     key_offsets: jax.Array = None      # int32[n, B]
     share_lens: jax.Array = None       # int32[n, B]
     pages_per_shard: Optional[int] = None
+    base: Optional[str] = None         # "diag", "full" or None (see above)
+    has_full: bool = True              # a full launch runs (some device has full rows, or base "full")
 
     def tree_flatten(self):
         return ((self.full, self.diag, self.full_rows, self.diag_rows, self.src, self.key_offsets,
-                 self.share_lens), self.pages_per_shard)
+                 self.share_lens), (self.pages_per_shard, self.base, self.has_full))
 
     @classmethod
-    def tree_unflatten(cls, pages_per_shard, children):
+    def tree_unflatten(cls, aux, children):
         full, diag, full_rows, diag_rows, src, key_offsets, share_lens = children
+        pages_per_shard, base, has_full = aux
         return cls(full=full, diag=diag, full_rows=full_rows, diag_rows=diag_rows, src=src,
-                   key_offsets=key_offsets, share_lens=share_lens, pages_per_shard=pages_per_shard)
+                   key_offsets=key_offsets, share_lens=share_lens, pages_per_shard=pages_per_shard,
+                   base=base, has_full=has_full)
 
 
 def _stack(plans):
@@ -302,36 +312,39 @@ def _stack(plans):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *plans)
 
 
-def _ranges(starts, lens, cap, pad):
-    """int32[cap]: the concatenated row ranges [starts[i], starts[i] + lens[i]), then pad."""
-    rows = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
-    return np.concatenate([rows, np.full(cap - rows.shape[0], pad)]).astype(np.int32)
+def _ranges(starts, lens):
+    """int64[sum(lens)]: the concatenated row ranges [starts[i], starts[i] + lens[i])."""
+    lens = np.asarray(lens, np.int64)
+    return np.repeat(np.asarray(starts, np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
 
 
-def _sub_batches(split, k, causal, num_rows):
-    """Device k's (diag qo_indptr, diag rows, full qo_indptr, full rows, src) for num_rows q rows."""
+def _padded(rows, cap):
+    """int32[cap]: rows, then cap + j for the j-th padding entry (out of bounds and distinct, so
+    that a scatter by them drops the padding and every index stays unique and sorted)."""
+    return np.concatenate([rows, cap + np.arange(cap - rows.shape[0])]).astype(np.int32)
+
+
+def _sub_batches(split, k, causal):
+    """Device k's sub-batches as q rows: (diag rows, diag lengths [B], full rows, full lengths [B]).
+
+    Causal: request r's diag rows are its queries at positions < the share's end hi (its first
+    rows), its full rows those at >= hi (the rest). The queries before the share's start lo see
+    none of it, and in the diag sub-request (the whole share, bottom-right causal) they see no
+    key either, so they need no rows of their own. Without causal every row of a request with
+    keys on the device is full."""
     qo = split.qo_indptr
-    qo_lens, kv_lens = np.diff(qo), split.kv_lens
+    qo_lens, kv_lens = np.diff(qo).astype(np.int64), split.kv_lens.astype(np.int64)
     lo = split.key_offsets[k].astype(np.int64)
     hi = lo + split.share_lens[k]
-    first = kv_lens - qo_lens.astype(np.int64)  # global position of each request's first query
     has = hi > lo
-    if causal:  # queries at [lo, hi) see keys up to themselves; those at >= hi see the whole share
-        d0 = np.maximum(lo, first)
-        d_len = np.where(has, np.clip(hi - d0, 0, None), 0)
-        f0 = np.maximum(hi, first)
-        f_len = np.where(has, kv_lens - f0, 0)
+    if causal:
+        first = kv_lens - qo_lens  # global position of each request's first query
+        d_len = np.where(has, np.clip(hi - first, 0, qo_lens), 0)
+        f_len = np.where(has, qo_lens - d_len, 0)
     else:
-        d0, d_len, f0, f_len = first, np.zeros_like(first), first, np.where(has, qo_lens, 0)
-    d_start, f_start = qo[:-1] + (d0 - first), qo[:-1] + (f0 - first)
-    src = np.full(num_rows, 2 * num_rows, np.int64)
-    d_rows = _ranges(d_start, d_len, num_rows, 0)
-    f_rows = _ranges(f_start, f_len, num_rows, 0)
-    nd, nf = int(d_len.sum()), int(f_len.sum())
-    src[d_rows[:nd]] = np.arange(nd)
-    src[f_rows[:nf]] = num_rows + np.arange(nf)
-    indptr = lambda lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    return indptr(d_len), d_rows, indptr(f_len), f_rows, src.astype(np.int32)
+        d_len, f_len = np.zeros_like(qo_lens), np.where(has, qo_lens, 0)
+    starts = qo[:-1].astype(np.int64)
+    return _ranges(starts, d_len), d_len, _ranges(starts + d_len, f_len), f_len
 
 
 def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_data_type=None):
@@ -370,6 +383,7 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
         raise ValueError("context parallel prefill needs the wrapper's max_num_tokens (and max_batch_size, "
                          "max_num_pages)")
     num_rows = int(wrapper.max_num_tokens)
+    causal = wrapper.causal
 
     def full_plan(qo_indptr, table):  # no mask: BatchAttention's own prefill wrapper when it is causal
         if isinstance(wrapper, BatchAttention) and not wrapper.causal:
@@ -379,34 +393,94 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
         return runner.plan(qo_indptr, *table, num_pages=local_pages, causal=False, q_data_type=q_data_type,
                            kv_data_type=kv_data_type)
 
-    diag_plans, full_plans, d_rows, f_rows, srcs = [], [], [], [], []
-    for k, table in enumerate(split.tables):
-        d_qo, d_r, f_qo, f_r, src = _sub_batches(split, k, wrapper.causal, num_rows)
-        if wrapper.causal:
-            diag_plans.append(wrapper.plan(d_qo, *table, num_pages=local_pages, q_data_type=q_data_type,
-                                           kv_data_type=kv_data_type))
-        full_plans.append(full_plan(f_qo, table))
-        d_rows.append(d_r), f_rows.append(f_r), srcs.append(src)
-    causal = wrapper.causal
-    return ContextPlan(full=_stack(full_plans), diag=_stack(diag_plans) if causal else None,
-                       full_rows=jnp.asarray(np.stack(f_rows)),
-                       diag_rows=jnp.asarray(np.stack(d_rows)) if causal else None,
-                       src=jnp.asarray(np.stack(srcs)), key_offsets=key_offsets, share_lens=share_lens,
-                       pages_per_shard=split.pages_per_shard)
+    indptr = lambda lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    subs = [_sub_batches(split, k, causal) for k in range(n)]
+    has_full = any(f_r.shape[0] for _, _, f_r, _ in subs)
+    in_order = lambda rows: bool(np.array_equal(rows, np.arange(rows.shape[0])))
+    base = None
+    if causal and all(in_order(d_r) for d_r, _, _, _ in subs):
+        base = "diag"
+    elif not causal and all(in_order(f_r) for _, _, f_r, _ in subs):
+        base = "full"
+    diag_plans, full_plans, srcs = [], [], []
+    for table, (d_r, d_len, f_r, f_len) in zip(split.tables, subs):
+        if causal:
+            diag_plans.append(wrapper.plan(indptr(d_len), *table, num_pages=local_pages,
+                                           q_data_type=q_data_type, kv_data_type=kv_data_type))
+        if has_full or base == "full":
+            full_plans.append(full_plan(indptr(f_len), table))
+        if base is None:  # rows of the (diag, full) outputs as concatenated, then the empty row
+            full_at = num_rows if causal else 0
+            src = np.full(num_rows, full_at + (num_rows if has_full else 0), np.int64)
+            src[d_r] = np.arange(d_r.shape[0])
+            src[f_r] = full_at + np.arange(f_r.shape[0])
+            srcs.append(src.astype(np.int32))
+    rows = lambda i: jnp.asarray(np.stack([_padded(sub[i], num_rows) for sub in subs]))
+    return ContextPlan(full=_stack(full_plans) if full_plans else None,
+                       diag=_stack(diag_plans) if causal else None,
+                       full_rows=rows(2) if full_plans and base != "full" else None,
+                       diag_rows=rows(0) if causal and base is None else None,
+                       src=jnp.asarray(np.stack(srcs)) if base is None else None,
+                       key_offsets=key_offsets, share_lens=share_lens,
+                       pages_per_shard=split.pages_per_shard, base=base, has_full=bool(full_plans))
 
 
-def merge_over(state, axis):
-    """The exact ⊕ of the states (o [..., H, D], lse [..., H]) of every device along mesh axis
-    `axis` (inside shard_map): pmax of lse, psum of exp(lse - max), psum of the weighted o in
-    float32. Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
-    o, lse = state
-    top = lax.pmax(lse, axis)
+# ---------------------------------------------------------------------------------------------
+# Merging the devices' states
+
+MERGES = ("auto", "psum", "all_gather")
+
+
+def merge_choice(num_devices, dtype):
+    """The merge that merge="auto" runs over num_devices devices for o of `dtype`: "all_gather"
+    where num_devices x itemsize < 8, else "psum". Per element of o and device, an all-gather of
+    o in its dtype receives (n - 1) x itemsize bytes, the float32 psum 8 (n - 1) / n: bfloat16 o
+    gathers on 2 or 3 devices (2 against 4 bytes on 2), ties at 4 (the psum then: it holds one
+    state, not n); float32 o never gathers."""
+    return "all_gather" if num_devices * np.dtype(dtype).itemsize < 8 else "psum"
+
+
+def _check_merge(merge):
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {', '.join(map(repr, MERGES))}, got {merge!r}")
+
+
+def _axis_size(axis):
+    if hasattr(lax, "axis_size"):
+        return lax.axis_size(axis)
+    return lax.psum(1, axis)  # (older jax: a constant under shard_map)
+
+
+def _lse_merge(o, lse, reduce_max, reduce_sum):
+    """The exact ⊕ of states o [..., H, D], lse [..., H] in float32, reduce_max / reduce_sum
+    reducing over the states (collectives over a mesh axis, or a stacked axis kept as 1). An
+    empty state (lse = -inf) weighs 0; all empty gives o = 0, lse = -inf."""
+    top = reduce_max(lse)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse - top)  # [..., H]: 0 for an empty state
-    total = lax.psum(w, axis)
+    total = reduce_sum(w)
     scale = w / jnp.where(total > 0, total, 1.0)
-    merged = lax.psum(o.astype(jnp.float32) * scale[..., None], axis)
-    return AttentionState(merged.astype(o.dtype), jnp.where(total > 0, top + jnp.log(total), -jnp.inf))
+    merged = reduce_sum(o.astype(jnp.float32) * scale[..., None])
+    return merged.astype(o.dtype), jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
+
+
+def merge_over(state, axis, *, merge="auto"):
+    """The exact ⊕ of the states (o [..., H, D], lse [..., H]) of every device along mesh axis
+    `axis` (inside shard_map), in float32; every device gets the result. merge="psum": pmax of
+    lse, psum of exp(lse - max), psum of the weighted o (float32); "all_gather": o (in its
+    dtype) and lse gathered from every device, then the same arithmetic on each; "auto":
+    merge_choice's. Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
+    _check_merge(merge)
+    o, lse = state
+    if merge == "auto":
+        merge = merge_choice(_axis_size(axis), o.dtype)
+    if merge == "psum":
+        out = _lse_merge(o, lse, lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis))
+        return AttentionState(*out)
+    o_all, lse_all = lax.all_gather(o, axis), lax.all_gather(lse, axis)  # [n, ...]
+    o_m, lse_m = _lse_merge(o_all, lse_all, lambda x: jnp.max(x, 0, keepdims=True),
+                            lambda x: jnp.sum(x, 0, keepdims=True))
+    return AttentionState(o_m[0], lse_m[0])
 
 
 def _local_state(wrapper, q, kv_cache, plan, kv_lens):
@@ -415,37 +489,44 @@ def _local_state(wrapper, q, kv_cache, plan, kv_lens):
         lens = None if kv_lens is None else jnp.clip(kv_lens - plan.key_offsets, 0, plan.share_lens)
         return wrapper.run(q, kv_cache, plan.full, kv_lens=lens, return_lse=True)
     full_wrapper = wrapper.prefill if isinstance(wrapper, BatchAttention) and wrapper.causal else wrapper
-    states = [full_wrapper.run(q[plan.full_rows], kv_cache, plan.full, return_lse=True)]
+    take = lambda rows: jnp.take(q, rows, axis=0, mode="clip")  # (padding entries read row T - 1)
+    if plan.base == "full":  # no diag sub-batch
+        return full_wrapper.run(q, kv_cache, plan.full, return_lse=True)
+    if plan.base == "diag":  # the diag outputs in place, the full rows scattered in (padding dropped)
+        o, lse = wrapper.run(q, kv_cache, plan.diag, return_lse=True)
+        if plan.has_full:
+            full = full_wrapper.run(take(plan.full_rows), kv_cache, plan.full, return_lse=True)
+            put_rows = lambda x, y: x.at[plan.full_rows].set(y, mode="drop", indices_are_sorted=True,
+                                                             unique_indices=True)
+            o, lse = put_rows(o, full.o), put_rows(lse, full.lse)
+        return AttentionState(o, lse)
+    states = []
     if plan.diag is not None:
-        states.insert(0, wrapper.run(q[plan.diag_rows], kv_cache, plan.diag, return_lse=True))
-    else:  # keep the (diag, full, empty) row numbering of src
-        states.insert(0, AttentionState(jnp.zeros_like(states[0].o), jnp.full_like(states[0].lse, -jnp.inf)))
-    h, d = q.shape[1:]
-    o = jnp.concatenate([s.o for s in states] + [jnp.zeros((1, h, d), q.dtype)])[plan.src]
-    lse = jnp.concatenate([s.lse for s in states] + [jnp.full((1, h), -jnp.inf, jnp.float32)])[plan.src]
-    return AttentionState(o, lse)
+        states.append(wrapper.run(take(plan.diag_rows), kv_cache, plan.diag, return_lse=True))
+    if plan.has_full:
+        states.append(full_wrapper.run(take(plan.full_rows), kv_cache, plan.full, return_lse=True))
+    h = q.shape[1]
+    if states:
+        dv, dtype = states[0].o.shape[-1], states[0].o.dtype
+    else:
+        dv, dtype = getattr(full_wrapper, "head_dim_vo", q.shape[2]), q.dtype
+    o = jnp.concatenate([s.o for s in states] + [jnp.zeros((1, h, dv), dtype)])
+    lse = jnp.concatenate([s.lse for s in states] + [jnp.full((1, h), -jnp.inf, jnp.float32)])
+    return AttentionState(jnp.take(o, plan.src, axis=0, mode="clip"), jnp.take(lse, plan.src, axis=0, mode="clip"))
 
 
-def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=True, return_lse=False):
-    """wrapper.run with the context split on mesh axis cp_axis (and heads on tp_axis, if given):
-    run(q, kv_cache, plan, kv_lens=None) with a ContextPlan.
-
-    q, o [T, Hq, D]: replicated over cp_axis (heads on tp_axis). The cache: pages sharded on
-    cp_axis (shard_pages=True; split_page_table(pages_per_shard=)) or replicated. kv_lens
-    (decode only, global int32[B], may be traced, e.g. plan horizons in lax.scan): each
-    device reads clip(kv_lens - its key offset, 0, its share). Returns o or AttentionState."""
+def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out):
+    """run(q, kv_cache, plan, kv_lens=None): shard_map of finish(each device's local state)."""
     _check_wrapper(wrapper)
     _check_axis(mesh, "cp_axis", cp_axis)
     _check_axis(mesh, "tp_axis", tp_axis)
     decode = isinstance(wrapper, BatchDecodeWithPagedKVCache)
     spec_q = head_spec(tp_axis)
     spec_c = cache_spec(wrapper.layout, tp_axis=tp_axis, cp_axis=cp_axis if shard_pages else None)
-    out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
 
     def body(q, kv_cache, plan, kv_lens):
         plan = jax.tree.map(lambda x: x[0], plan)  # this device's plan
-        state = merge_over(_local_state(wrapper, q, kv_cache, plan, kv_lens), cp_axis)
-        return state if return_lse else state.o
+        return finish(_local_state(wrapper, q, kv_cache, plan, kv_lens))
 
     sharded = shard_map(body, mesh, (spec_q, spec_c, P(cp_axis), P()), out)
 
@@ -459,3 +540,39 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
             raise ValueError("kv_lens is a decode wrapper's argument")
         return sharded(q, kv_cache, plan, kv_lens)
     return run
+
+
+def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=True, return_lse=False,
+                     merge="auto"):
+    """wrapper.run with the context split on mesh axis cp_axis (and heads on tp_axis, if given):
+    run(q, kv_cache, plan, kv_lens=None) with a ContextPlan.
+
+    q, o [T, Hq, D]: replicated over cp_axis (heads on tp_axis). The cache: pages sharded on
+    cp_axis (shard_pages=True; split_page_table(pages_per_shard=)) or replicated. kv_lens
+    (decode only, global int32[B], may be traced, e.g. plan horizons in lax.scan): each
+    device reads clip(kv_lens - its key offset, 0, its share). merge: how the devices' states
+    are merged (merge_over): "psum", "all_gather" or "auto" (merge_choice for the cp axis's
+    size and o's dtype). Returns o or AttentionState."""
+    _check_merge(merge)
+    _check_axis(mesh, "cp_axis", cp_axis)
+    spec_q = head_spec(tp_axis)
+    out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
+    n = mesh.shape[cp_axis]
+
+    def finish(state):
+        how = merge_choice(n, state.o.dtype) if merge == "auto" else merge
+        state = merge_over(state, cp_axis, merge=how)
+        return state if return_lse else state.o
+
+    return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out)
+
+
+def context_partial_states(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=True):
+    """context_parallel's device-local part alone: run(q, kv_cache, plan, kv_lens=None) ->
+    AttentionState(o [n, T, Hq, D], lse [n, T, Hq]), device k's partial state at [k] (sharded on
+    cp_axis; heads on tp_axis), unmerged. merge_states over axis 0 gives context_parallel's
+    result; the benchmark times it to split a CP call into local compute and merge."""
+    spec_o = P(cp_axis, None, tp_axis, None)
+    out = AttentionState(spec_o, P(cp_axis, None, tp_axis))
+    return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages,
+                            lambda state: jax.tree.map(lambda x: x[None], state), out)

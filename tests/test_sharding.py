@@ -92,6 +92,22 @@ def test_head_parallel_takes_every_paged_wrapper():
         sharding.head_parallel(object(), jax.sharding.Mesh(devices, ("tp",)))
 
 
+def test_context_parallel_merge_option():
+    """merge_choice gathers bf16 states on 2 or 3 devices only (n x itemsize < 8); a merge other
+    than auto / psum / all_gather is a ValueError naming merge."""
+    import jax
+    import jax.numpy as jnp
+    assert [sharding.merge_choice(n, jnp.bfloat16) for n in (1, 2, 3, 4, 8)] == [
+        "all_gather", "all_gather", "all_gather", "psum", "psum"]
+    assert [sharding.merge_choice(n, jnp.float32) for n in (1, 2, 4)] == ["all_gather", "psum", "psum"]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
+    dec = ji.BatchDecodeWithPagedKVCache(4, 2, 32, 4, max_batch_size=2, max_num_pages=4)
+    for merge in ("auto", "psum", "all_gather"):
+        sharding.context_parallel(dec, mesh, merge=merge)
+    with pytest.raises(ValueError, match="merge"):
+        sharding.context_parallel(dec, mesh, merge="allgather")
+
+
 # ---------------------------------------------------------------------------------------------
 # Multi-device checks (subprocesses)
 
@@ -99,13 +115,16 @@ def test_head_parallel_takes_every_paged_wrapper():
 def test_sharded_equals_one_device():
     """TP prefill at 4 (KV heads replicated), CP at 4 with short requests and empty shares (decode
     on a page-sharded cache, causal prefill on a replicated one), TP x CP BatchAttention on (2, 4),
-    a CP decode lax.scan loop, and TP ragged_paged_attention at 2."""
+    one prompt per step at 2 (the diag sub-batch on q itself, full rows scattered in), a CP
+    decode lax.scan loop, and TP ragged_paged_attention at 2. The psum and all-gather merges both
+    run on 2 and 4 devices with empty shares (both on one run's states, context_partial_states)."""
     _check_script(["fast"])
 
 
 @pytest.mark.slow
 def test_sharded_grid_equals_one_device():
-    """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND (TP cascade too)."""
+    """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND (TP cascade too),
+    both merges, one prompt per step (the diag or full sub-batch on q itself)."""
     _check_script(["grid"], timeout=3600)
 
 
@@ -253,8 +272,8 @@ def _check_tp(case, tp):
              case.reference())
 
 
-def _check_cp(case, tp, cp, ref=None):
-    import jax
+def _cp_setup(case, tp, cp):
+    """(mesh, tp_axis, per-device wrapper, split, plan, cache, q) of a CP (or TP x CP) check, placed."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     mesh = _mesh(tp, cp)
@@ -271,11 +290,45 @@ def _check_cp(case, tp, cp, ref=None):
     spec_c = sharding.cache_spec(case.layout, tp_axis=tp_axis, cp_axis="cp" if shard_pages else None)
     cache = sharding.put(cache, NamedSharding(mesh, spec_c))
     q = sharding.put(case.q, NamedSharding(mesh, sharding.head_spec(tp_axis)))
-    run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=shard_pages, return_lse=True))
+    return mesh, tp_axis, w, split, plan, cache, q
+
+
+def _cp_name(case, tp, cp, split, plan, merge):
     empty = int((split.share_lens == 0).sum())
-    _compare(f"TP{tp}xCP{cp} {case.kind} causal={case.causal} {case.layout} "
-             f"{'page-sharded' if shard_pages else 'replicated'} cache ({empty} empty shares)",
-             run(q, cache, plan), case.reference() if ref is None else ref)
+    return (f"TP{tp}xCP{cp} {case.kind} causal={case.causal} {case.layout} "
+            f"{'page-sharded' if case.pages_per_shard is not None else 'replicated'} cache ({empty} empty shares, "
+            f"base {plan.base}), merge {merge}")
+
+
+def _check_cp(case, tp, cp, ref=None, merge="auto", base="any"):
+    """context_parallel(merge=) against one device; base: the plan's expected base (or "any")."""
+    import jax
+    mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp)
+    assert base == "any" or plan.base == base, (plan.base, base)
+    run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=case.pages_per_shard is not None,
+                                            return_lse=True, merge=merge))
+    _compare(_cp_name(case, tp, cp, split, plan, merge), run(q, cache, plan),
+             case.reference() if ref is None else ref)
+
+
+def _check_cp_merges(case, tp, cp, base="any", merges=("psum", "all_gather")):
+    """The devices' partial states (context_partial_states: the kernels run once), then each merge
+    of merge_over on them, against one device."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp)
+    assert base == "any" or plan.base == base, (plan.base, base)
+    local = jax.jit(sharding.context_partial_states(w, mesh, tp_axis=tp_axis,
+                                                    shard_pages=case.pages_per_shard is not None))
+    states = local(q, cache, plan)
+    assert states.o.shape == (cp,) + case.q.shape[:2] + (case.d,), states.o.shape
+    ref = case.reference()
+    spec = ji.AttentionState(P("cp", None, tp_axis, None), P("cp", None, tp_axis))
+    out = ji.AttentionState(sharding.head_spec(tp_axis), P(None, tp_axis))
+    for merge in merges:
+        body = lambda s, merge=merge: sharding.merge_over(jax.tree.map(lambda x: x[0], s), "cp", merge=merge)
+        merged = jax.jit(sharding.shard_map(body, mesh, (spec,), out))(states)
+        _compare(_cp_name(case, tp, cp, split, plan, merge) + " on context_partial_states", merged, ref)
 
 
 def _check_cp_scan(rng, cp, steps=3):
@@ -384,9 +437,12 @@ def _main_fast():
     rng = np.random.default_rng(1)
     kv, qo = _short_mix("prefill")
     _check_tp(_Case(rng, "prefill", 8, 2, "NHD", 1, kv, qo), 4)  # KV heads replicated 2x
-    _check_cp(_Case(rng, "decode", 4, 2, "NHD", 4, *_short_mix("decode"), sharded=True), 1, 4)
-    _check_cp(_Case(rng, "prefill", 4, 2, "HND", 4, kv, qo), 1, 4)
-    _check_cp(_Case(rng, "batch", 8, 2, "NHD", 4, kv, [0, 1, 2, 9, 30], sharded=True), 2, 4)
+    _check_cp(_Case(rng, "decode", 4, 2, "NHD", 4, *_short_mix("decode"), sharded=True), 1, 4, merge="all_gather")
+    _check_cp_merges(_Case(rng, "prefill", 4, 2, "HND", 4, kv, qo), 1, 4, base=None)
+    _check_cp(_Case(rng, "batch", 8, 2, "NHD", 4, kv, [0, 1, 2, 9, 30], sharded=True), 2, 4, merge="psum")
+    # One prompt per step (and an empty request whose queries see no key): the diag sub-batch
+    # runs on q itself, the full rows are scattered into its output.
+    _check_cp_merges(_Case(rng, "prefill", 4, 2, "NHD", 2, [45, 0], [45, 2]), 1, 2, base="diag")
     _check_cp_scan(rng, 4, steps=2)
     _check_ragged_tp(rng, 2)
 
@@ -400,9 +456,15 @@ def _main_grid():
                 _check_tp(_Case(rng, kind, 16, 4, layout, 1, kv, qo), n)
                 for causal in ((True, False) if kind != "decode" else (True,)):
                     for sharded in (False, True):
-                        _check_cp(_Case(rng, kind, 4, 2, layout, n, kv, qo, causal, sharded), 1, n)
+                        _check_cp(_Case(rng, kind, 4, 2, layout, n, kv, qo, causal, sharded), 1, n,
+                                  merge="all_gather" if sharded else "psum")
+                    if kind != "decode" and layout == "NHD":  # one prompt: that sub-batch on q itself
+                        _check_cp(_Case(rng, kind, 4, 2, layout, n, [37], [37], causal), 1, n,
+                                  base="diag" if causal else "full")
             for tp, cp in ((2, 2), (2, 4), (4, 2)):
                 _check_cp(_Case(rng, kind, 8, 2, layout, cp, kv, qo, True, True), tp, cp)
+    # A chunk of 7 queries over 3 pages on 4 devices (one share empty), one prompt per step.
+    _check_cp(_Case(rng, "batch", 4, 2, "NHD", 4, [10], [7], sharded=True), 1, 4, merge="all_gather", base="diag")
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
         _check_tp_cascade(rng, n)
