@@ -573,9 +573,9 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
             """V of block `step`. Only an item's final block can reach its last page: there (final),
             a sanitized last page comes from v_last (positions recomputed: the memory warpgroup
             has few registers). Other blocks copy with no branch (branches there cost 6-11%)."""
-            if f.last_row is None or final is False:
+            if not final or f.last_row is None:
                 return copy(srcs, slot, v_ref, v_smem, v_bar)
-            reaches = final & (f.last_row >= 0) & (position(step, pages_per_block - 1) == last_page)
+            reaches = (f.last_row >= 0) & (position(step, pages_per_block - 1) == last_page)
             pl.when(~reaches)(lambda: copy(srcs, slot, v_ref, v_smem, v_bar))
 
             @pl.when(reaches)
@@ -592,24 +592,20 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
                     def _():
                         plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
 
-        for i in range(max_steps):
-            @pl.when(i < tile_steps)
-            def _():
-                srcs = sources(i)
-                copy(srcs, i, k_ref, k_smem, k_bar)
-                copy_v(i, srcs, i, i == tile_steps - 1)
-
-        def refill(step, final):  # block `step` into the slot it reuses, once that slot is free
-            slot = lax.rem(step, jnp.int32(slots))
+        def fill(step, final, wait):  # block `step` into its slot, once free (wait: it was used before)
+            slot = step if isinstance(step, int) else lax.rem(step, jnp.int32(slots))
             srcs = sources(step)
-            plgpu.barrier_wait(k_free.at[slot])
+            pl.when(wait)(lambda: plgpu.barrier_wait(k_free.at[slot]))
             copy(srcs, slot, k_ref, k_smem, k_bar)
-            plgpu.barrier_wait(v_free.at[slot])
+            pl.when(wait)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             copy_v(step, srcs, slot, final)
 
-        # the blocks after the first max_steps: all but the final one without the branch
-        pl.loop(max_steps, jnp.maximum(tile_steps - 1, max_steps))(lambda step: refill(step, False))
-        pl.when(tile_steps > max_steps)(lambda: refill(tile_steps - 1, True))
+        # Every block but the final one copies with no branch; the final one's code exists once.
+        last_step = tile_steps - 1
+        for i in range(max_steps):
+            pl.when(i < last_step)(lambda: fill(i, False, False))
+        pl.loop(max_steps, jnp.maximum(last_step, max_steps))(lambda step: fill(step, False, True))
+        pl.when(tile_steps > 0)(lambda: fill(last_step, True, last_step >= max_steps))
 
         @pl.loop(jnp.maximum(tile_steps - max_steps, 0), tile_steps)
         def _(step):  # the last blocks' releases: every barrier phase is awaited by its waiters
