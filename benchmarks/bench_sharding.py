@@ -255,7 +255,8 @@ def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto")
         raise RuntimeError(f"o relative error {row['rel_err']:.2e} > 2e-2 ({row['check']})")
     row["ms"] = bench(f, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
     if local is not None:
-        row["merge"] = sharding.merge_choice(n, DTYPE) if merge == "auto" else merge
+        row["merge"] = (sharding.merge_choice(n, DTYPE, got.size * got.dtype.itemsize) if merge == "auto"
+                        else merge)
         row["merge_option"] = merge
         f_local = _program(local, cfg.calls, chained=False)  # (no collectives to keep apart)
         row["local_ms"] = bench(f_local, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3

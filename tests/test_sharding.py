@@ -93,13 +93,16 @@ def test_head_parallel_takes_every_paged_wrapper():
 
 
 def test_context_parallel_merge_option():
-    """merge_choice gathers bf16 states on 2 or 3 devices only (n x itemsize < 8); a merge other
+    """merge_choice gathers states of at most 4 MiB, and larger bf16 ones on 2 or 3 devices only
+    (n x itemsize < 8); a merge other
     than auto / psum / all_gather is a ValueError naming merge."""
     import jax
     import jax.numpy as jnp
     assert [sharding.merge_choice(n, jnp.bfloat16) for n in (1, 2, 3, 4, 8)] == [
         "all_gather", "all_gather", "all_gather", "psum", "psum"]
     assert [sharding.merge_choice(n, jnp.float32) for n in (1, 2, 4)] == ["all_gather", "psum", "psum"]
+    small, large = sharding.SMALL_STATE_BYTES, sharding.SMALL_STATE_BYTES + 1  # small states: latency-bound
+    assert [sharding.merge_choice(8, jnp.float32, b) for b in (small, large)] == ["all_gather", "psum"]
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
     dec = ji.BatchDecodeWithPagedKVCache(4, 2, 32, 4, max_batch_size=2, max_num_pages=4)
     for merge in ("auto", "psum", "all_gather"):
