@@ -73,6 +73,9 @@ def parse_args(argv=None):
                          "(no overlap of host work with the device; for comparison)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="untimed generations of each batch before the timed one (first runs pay one-time "
+                         "costs: the devices' first launches, collective setup)")
     args = ap.parse_args(argv)
     for name in ("new_tokens", "page_size"):
         if getattr(args, name) < 1:
@@ -315,6 +318,8 @@ def main(argv=None):
     for r in runs:
         prefill_fn, prefill_s = next(compiled)
         decode_fn, decode_s = next(compiled) if r.decode_steps else (None, 0.0)
+        for _ in range(args.warmup):  # the same prompts and pages: the timed run rewrites them
+            _, kv_cache = r.generate(prefill_fn, decode_fn, kv_cache)
         result, kv_cache = r.generate(prefill_fn, decode_fn, kv_cache)
         result.update(prefill_compile_s=prefill_s, decode_compile_s=decode_s)
         results.append(result)
