@@ -12,6 +12,7 @@ from jaxinfer.formats import (AttentionState, BlockSparseMatrix, check_int32, ch
 from jaxinfer.plans import BatchPlan, CascadePlan, PrefillPlan, WrapperFacts
 from jaxinfer.runners import run_prefill_sections, run_short_sections
 from jaxinfer.state import merge_state
+from pallas_kernels import merge as merge_kernels
 from planner import batch as batch_planner
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
@@ -204,7 +205,8 @@ class _Prefill:
             cache_layout=cache_kw["cache_layout"], sm_scale=self.sm_scale, interpret=self.interpret,
             kernel=implementation.kernel,
             config=dispatch.config_for(implementation, self.problem, self.configs), scales=scales,
-            variant=self.variant, params=variant_params, global_kv_pos=cache_kw.get("global_kv_pos", False))
+            variant=self.variant, params=variant_params, global_kv_pos=cache_kw.get("global_kv_pos", False),
+            merge_programs=None if self.max_num_tokens is None else merge_kernels.LOOP_PROGRAMS)
 
     def _params(self, variant_params, return_lse):
         variants.check_variant(self.variant, return_lse)

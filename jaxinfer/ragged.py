@@ -27,7 +27,6 @@ from planner.prefill import ROW_ALIGN
 from planner.work_items import DECODE_MULTI, MIXED, PREFILL
 
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
-MERGE_PROGRAMS = 128   # the merge's grid over groups (each program loops over groups: an empty merge is cheap)
 
 
 def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
@@ -264,7 +263,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             out = (o.reshape(t, hq, d), lse.reshape(t, hq))
         out = merge_kernels.merge_varlen(
             parts[0].reshape(part_cap, hq, d), parts[1].reshape(part_cap, hq), sec["merge_indptr"],
-            sec["merge_dest"], out=out, interpret=interpret, num_programs=MERGE_PROGRAMS,
+            sec["merge_dest"], out=out, interpret=interpret, num_programs=merge_kernels.LOOP_PROGRAMS,
             num_live=sec["merge_live"])
     # Sinks rescale each row by its lse (window and soft cap leave (o, lse) final; padding rows
     # have lse -inf and stay 0). The returned cache is tied to the output, so every kernel reading

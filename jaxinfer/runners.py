@@ -39,9 +39,10 @@ def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, 
 
 def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, kernel, page_size, num_kv_heads, cache_layout,
                          sm_scale, interpret, config=None, scales=None, variant=None, params=None,
-                         global_kv_pos=False):
+                         global_kv_pos=False, merge_programs=None):
     """Prefill kernel (dispatch's row's: pallas_kernels.prefill.run_triton or run_mosaic) + per-token
-    merge of split tiles. kv_indices: the plan's page ids (None for contiguous K/V). Returns
+    merge of split tiles. kv_indices: the plan's page ids (None for contiguous K/V); merge_programs:
+    merge_varlen's num_programs (plans of fixed capacity, whose merge is mostly empty). Returns
     (o [nnz, Hq, Dv], lse [nnz, Hq]) (Dv: v_rows' width), before any variant output transform."""
     nnz, hq, _ = q.shape
     d = v_rows.shape[1]
@@ -55,7 +56,8 @@ def run_prefill_sections(q, k_rows, v_rows, plan, kv_indices, *, kernel, page_si
         **({"tail_dest": sec["tail_dest"], "lse_src": sec["lse_src"]} if lay.tail_cap else {}))
     return merge_kernels.merge_varlen(
         o_part.reshape(lay.part_cap, hq, d), lse_part.reshape(lay.part_cap, hq), sec["merge_indptr"],
-        sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret)
+        sec["merge_dest"], out=(o.reshape(nnz, hq, d), lse.reshape(nnz, hq)), interpret=interpret,
+        num_programs=merge_programs)
 
 
 def run_short_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size, num_kv_heads,

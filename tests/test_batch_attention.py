@@ -296,6 +296,26 @@ def test_capacities_give_one_program_for_every_composition(rng, wrapper, hq, hkv
     assert len(shapes) == 1 and len(traces) == 1
 
 
+@pytest.mark.parametrize("wrapper", [ji.BatchAttention, ji.BatchPrefillWithPagedKVCache])
+def test_capacity_plans_merge_their_split_tiles(rng, wrapper):
+    """Under capacities the split tiles' merge loops over its live groups (the rest of its
+    capacity is never visited); long requests split by Algorithm 1 over 8 CTAs merge exactly."""
+    hq, hkv, d, page, cap_t, cap_p = 8, 2, 32, 8, 64, 200
+    qo, kv = np.array([20, 1, 9]), np.array([700, 33, 500])
+    w = wrapper(hq, hkv, d, page, num_ctas=8, max_batch_size=4, max_num_tokens=cap_t, max_num_pages=cap_p)
+    q, cache, table, num_pages = _case(rng, qo, kv, page, hq, hkv, d, poison=False)
+    pad = ((0, cap_p - num_pages),) + ((0, 0),) * 3
+    cache = ji.PagedKVCache(jnp.pad(cache.k_pages, pad), jnp.pad(cache.v_pages, pad))
+    plan = w.plan(*table, num_pages=cap_p)
+    long = plan.long if isinstance(plan, ji.plans.BatchPlan) else plan
+    dest = np.asarray(long.sections()["merge_dest"])
+    assert 0 < np.count_nonzero(dest >= 0) < dest.shape[0]  # live groups first, then capacity
+    o = jax.jit(w.run)(jnp.pad(q, ((0, cap_t - q.shape[0]), (0, 0), (0, 0))), cache, plan)
+    want = ref.paged_attention(q, cache, *table, causal=True)
+    assert rel_err(o[: q.shape[0]], want.o) < TOL[jnp.float32]
+    assert not np.any(np.asarray(o[q.shape[0]:]))
+
+
 def test_fixed_shapes_opt_out_and_check(rng):
     """fixed_shapes=False keeps each step's own kernels under capacities; True needs every capacity."""
     hq, hkv, d, page = 8, 2, 32, 8

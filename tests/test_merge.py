@@ -121,6 +121,22 @@ def test_varlen_merge_looping_programs_writes_what_one_per_group_writes(rng):
     with pytest.raises(ValueError, match="num_live"):
         merge_kernels.merge_varlen(states.o, states.lse, indptr, dest, out=poison, interpret=True,
                                    num_live=jnp.int32(5))
+    # Without num_live, a program stops at its first group with dest < 0 (plans list live groups
+    # first): live groups 0-4, then dead ones; the groups after group 3 (dest -1) in program 1's
+    # sequence 1, 3, 5 are not reached, program 0's 0, 2, 4, 6 all are.
+    prefix = jnp.asarray([5, 0, 2, 7, 3, -1, -1], jnp.int32)
+    full = merge_kernels.merge_varlen(states.o, states.lse, indptr, prefix, out=poison, interpret=True)
+    looped = merge_kernels.merge_varlen(states.o, states.lse, indptr, prefix, out=poison, interpret=True,
+                                        num_programs=2)
+    for a, b in zip(looped, full):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.all(np.asarray(looped[0])[[1, 4, 6]] == 7.0)
+    stops = jnp.asarray([5, -1, 2, 7, 3, 0, 6], jnp.int32)  # a dead group in program 1's sequence
+    cut = merge_kernels.merge_varlen(states.o, states.lse, indptr, stops, out=poison, interpret=True,
+                                     num_programs=2)
+    every = merge_kernels.merge_varlen(states.o, states.lse, indptr, stops, out=poison, interpret=True)
+    np.testing.assert_array_equal(np.asarray(cut[0])[[5, 2, 3, 6]], np.asarray(every[0])[[5, 2, 3, 6]])
+    assert np.all(np.asarray(cut[0])[[7, 0]] == 7.0)  # groups 3 and 5 follow program 1's dead group 1
 
 
 @settings(max_examples=8, deadline=None)
