@@ -10,6 +10,7 @@ from jaxinfer.batch import BatchAttention
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
 from jaxinfer.mla import BatchMLAPagedAttention, MLAPlan
+from jaxinfer.mla_ragged import mla_ragged_paged_attention
 from jaxinfer.formats import AttentionState, BlockSparseMatrix, CascadeLevel, PagedKVCache, two_level_cascade
 from jaxinfer.plans import BatchPlan, CascadePlan, DecodePlan, PlanSpec, PrefillPlan
 from jaxinfer.ragged import ragged_paged_attention
@@ -29,6 +30,6 @@ __all__ = [
     "AttentionState", "AttentionVariant", "CascadeLevel", "CascadePlan", "MultiLevelCascadeAttention", "two_level_cascade", "BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache",
     "BatchPrefillWithRaggedKVCache", "BlockSparseAttention", "BlockSparseMatrix", "DecodePlan", "PrefillPlan",
     "PagedKVCache", "append_paged_kv_cache", "get_batch_indices_positions", "merge_state",
-    "merge_state_varlen", "merge_states", "ragged_paged_attention", "reference", "single_decode_with_kv_cache",
+    "merge_state_varlen", "merge_states", "mla_ragged_paged_attention", "ragged_paged_attention", "reference", "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache", "variants",
 ]

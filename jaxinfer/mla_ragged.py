@@ -1,0 +1,314 @@
+"""mla_ragged_paged_attention: a whole MLA serving step (DeepSeek-V3/R1, Kimi K2: decode,
+speculative verify, chunked prefill, prompts) in one jittable call, with the metadata of
+jaxinfer.ragged_paged_attention / tpu-inference's ragged paged attention v3 and the argument
+names of tpu-inference's `mla_ragged_paged_attention` (ql_nope, q_pe, new_kv_c, new_k_pe),
+over the two latent caches of jaxinfer.BatchMLAPagedAttention (ckv, kpe: FlashInfer's).
+
+The new tokens' latent rows are written into the caches (pallas_kernels.kv_write.write_rows, both
+caches in one launch), then every (token, head) query row attends over its sequence's latent rows
+with the MLA kernel (pallas_kernels.mla; jaxinfer.dispatch's mla row). The work list is planned on
+the device (plan below: fixed capacities from the static shapes T, S, pages_per_seq), so there is
+no host round trip and one compilation serves every composition of the same shapes. Split tiles'
+partial states are merged by merge.merge_varlen over a fixed-capacity group list (num_live).
+"""
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import _backend, dispatch, ragged_plan
+from jaxinfer.formats import check_int32, check_kv_dtype, check_q, is_concrete
+from jaxinfer.mla import _power_of_two, _scale
+from jaxinfer.ragged_plan import CHUNKS_PER_CELL, excl_cumsum, owner
+from pallas_kernels import merge as merge_kernels
+from pallas_kernels import mla as mla_kernels
+from pallas_kernels.kv_write import write_rows
+from planner import mla as mla_planner
+from planner.work_items import MLA
+
+ITEM_COST = 64  # an item's fixed cost in keys (cell balance; the host planner's item_cost)
+
+
+class MLASizes(NamedTuple):
+    """The static sizes of a step's device plan (a function of T, H, S and the config alone)."""
+    block_rows: int  # (token, head) query rows per tile
+    block_kv: int    # the kernel's keys per block: chunks are multiples of it
+    min_chunk: int   # no tile's keys are split into chunks shorter than this (a multiple of block_kv)
+    cells: int       # the kernel's grid
+    tiles: int       # tile capacity: ceil(T H / block_rows) + S + 1 (padding rows' tiles included)
+    items: int       # item capacity: tiles + CHUNKS_PER_CELL x cells (extra chunks)
+    parts: int       # partial-state rows: 2 x CHUNKS_PER_CELL x cells x block_rows
+    groups: int      # merge groups (one per row of a split tile): CHUNKS_PER_CELL x cells x block_rows
+
+
+def sizes(num_tokens, num_heads, num_seqs, config, num_cells):
+    """MLASizes: tile rows for T / S tokens per sequence (planner.mla.block_rows_for, as the host
+    wrapper's under capacities), unless config.block_rows; cells: num_cells, else the config's.
+
+    Bounds: a sequence's rows make ceil(rows / M) <= rows / M + 1 tiles, the padding rows one more
+    run, so at most ceil(T H / M) + S + 1 tiles. The chunk L is at least the step's keys / (2 x
+    cells) (plan), so sum(ceil(kv / L) - 1) <= keys / L <= 2 x cells extra items; a split tile has
+    more than L keys, so fewer than 2 x cells tiles split, into ceil(kv / L) < 2 kv / L chunks:
+    fewer than 4 x cells chunks of M partial rows in all."""
+    block_rows = config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
+    block_kv = config.kv_block(block_rows)
+    cells = int(num_cells or config.cells(block_rows, _backend.num_sms()))
+    tiles = -(-num_tokens * num_heads // block_rows) + num_seqs + 1
+    c = CHUNKS_PER_CELL * cells
+    min_chunk = max(-(-int(config.min_chunk) // block_kv), 1) * block_kv
+    return MLASizes(block_rows, block_kv, min_chunk, cells, tiles, tiles + c, 2 * c * block_rows, c * block_rows)
+
+
+def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_seq, causal, sz):
+    """The device plan (all int32 jnp, fixed shapes): tiles of sz.block_rows (token, head) rows of
+    each valid sequence (q / o viewed as [T * H, D], token-major), then of the padding rows
+    (cu_q_lens[distribution[2]] * H to T * H: no key, o = 0), each against the keys it can see
+    (causal: up to its last token's diagonal), cut into even chunks (multiples of block_kv) where
+    they exceed L = max(ceil(step keys / (CHUNKS_PER_CELL x cells)), min_chunk) keys. Items in
+    tile order, dealt to the cells in contiguous runs of about equal cost (keys + ITEM_COST): no
+    run costs much over the mean, as the longest item is at most half a cell's mean (unless
+    min_chunk is). Kernel columns: planner.work_items.MLA.
+
+    Returns dict(items [sz.items, 9], cell_indptr [cells + 1], merge_indptr [groups + 1],
+    merge_dest [groups], num_groups (0-d: groups past it are not merged))."""
+    s = kv_lens.shape[0]
+    h, m, bk = num_heads, sz.block_rows, sz.block_kv
+    valid = jnp.arange(s) < distribution[2]
+    q_len = jnp.where(valid, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)  # [S]
+    kv = jnp.where(valid, kv_lens, 0)
+
+    # Tiles: sequence i's ceil(q_len H / M), then the padding rows' (sequence S: no key, no page).
+    pad_start = cu_q_lens[distribution[2]]
+    rows_x = jnp.concatenate([q_len, jnp.maximum(num_tokens - pad_start, 0)[None]]) * h  # [S + 1]
+    start_x = jnp.concatenate([cu_q_lens[:s], pad_start[None]]) * h
+    qlen_x = jnp.concatenate([q_len, jnp.zeros((1,), jnp.int32)])
+    kv_x = jnp.concatenate([kv, jnp.zeros((1,), jnp.int32)])
+    tseq, j, t_ok = owner(-(-rows_x // m), sz.tiles)  # [tiles]
+    row_start = j * m
+    rows = jnp.where(t_ok, jnp.minimum(m, rows_x[tseq] - row_start), 0)
+    first_pos = kv_x[tseq] - qlen_x[tseq]
+    kv_hi = kv_x[tseq]
+    if causal:  # the tile's last token's keys
+        kv_hi = jnp.clip(first_pos + (row_start + jnp.maximum(rows, 1) - 1) // h + 1, 0, kv_hi)
+    kv_hi = jnp.where(t_ok, kv_hi, 0)
+
+    # Chunks: L keys at most, tiles cut evenly (multiples of block_kv).
+    total = jnp.sum(kv_hi)
+    c = CHUNKS_PER_CELL * sz.cells
+    chunk = jnp.maximum(-(-(-(-total // c)) // bk) * bk, sz.min_chunk)
+    n_chunks = jnp.where(t_ok, jnp.maximum(-(-kv_hi // chunk), 1), 0)
+    size = -(-(-(-kv_hi // jnp.maximum(n_chunks, 1))) // bk) * bk
+    split = n_chunks > 1
+    part_rows = jnp.where(split, n_chunks * m, 0)
+    part_base = excl_cumsum(part_rows)  # split tile g: rows [base_g, base_g + M k_g), row r's k_g consecutive
+
+    tile, piece, i_ok = owner(n_chunks, sz.items)  # [items]
+    kv_start = jnp.minimum(piece * size[tile], kv_hi[tile])
+    kv_end = jnp.minimum(kv_start + size[tile], kv_hi[tile])
+    zero = jnp.zeros_like(tile)
+    cols = MLA.ordered(
+        page_base=jnp.minimum(tseq[tile], s - 1) * pages_per_seq, q_row=start_x[tseq[tile]] + row_start[tile],
+        rows=jnp.where(i_ok, rows[tile], 0), row_start=row_start[tile], first_pos=first_pos[tile],
+        kv_start=jnp.where(i_ok, kv_start, 0), kv_end=jnp.where(i_ok, kv_end, 0),
+        part_base=jnp.where(i_ok & split[tile], part_base[tile] + piece, -1), part_stride=n_chunks[tile] + zero)
+    items = jnp.stack(cols, axis=1).astype(jnp.int32)
+
+    cost = jnp.where(i_ok, kv_end - kv_start + ITEM_COST, 0).astype(jnp.float32)
+    start = excl_cumsum(cost)
+    cell_of = jnp.where(i_ok, jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * sz.cells), sz.cells)
+    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(sz.cells + 1, dtype=jnp.float32), side="left",
+                                   method="compare_all").astype(jnp.int32)
+
+    # Merge groups: row r of split tile g merges parts [base_g + r k_g, base_g + (r + 1) k_g).
+    gt, r, g_ok = owner(jnp.where(split, m, 0), sz.groups)
+    merge_end = jnp.where(g_ok, part_base[gt] + (r + 1) * n_chunks[gt], jnp.sum(part_rows))
+    merge_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), merge_end.astype(jnp.int32)])
+    merge_dest = jnp.where(g_ok & (r < rows[gt]), start_x[tseq[gt]] + row_start[gt] + r, -1)
+    return dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr,
+                merge_dest=merge_dest.astype(jnp.int32),
+                num_groups=jnp.minimum(jnp.sum(jnp.where(split, m, 0)), sz.groups).astype(jnp.int32))
+
+
+def _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
+           distribution, implementation):
+    args = dict(ql_nope=ql_nope, q_pe=q_pe, new_kv_c=new_kv_c, new_k_pe=new_k_pe, ckv_cache=ckv_cache,
+                kpe_cache=kpe_cache)
+    for name, x in args.items():
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    check_q(ql_nope, "ql_nope")
+    if ql_nope.ndim != 3:
+        raise ValueError(f"ql_nope must be [T, H, Dc], got shape {tuple(ql_nope.shape)}")
+    t, h, dc = ql_nope.shape
+    if q_pe.dtype != ql_nope.dtype:
+        raise ValueError(f"q_pe dtype {q_pe.dtype} must match ql_nope's {ql_nope.dtype}")
+    if q_pe.ndim != 3 or tuple(q_pe.shape[:2]) != (t, h):
+        raise ValueError(f"q_pe must have shape [T={t}, H={h}, Dr], got {tuple(q_pe.shape)}")
+    dr = q_pe.shape[2]
+    _power_of_two("ql_nope's width (Dc)", dc)
+    _power_of_two("q_pe's width (Dr)", dr)
+    for name, x, d in (("ckv_cache", ckv_cache, dc), ("kpe_cache", kpe_cache, dr)):
+        if x.ndim != 3 or x.shape[2] != d:
+            raise ValueError(f"{name} must have shape [num_pages, page_size, {d}], got {tuple(x.shape)}")
+    if tuple(kpe_cache.shape[:2]) != tuple(ckv_cache.shape[:2]):
+        raise ValueError(f"kpe_cache [num_pages, page_size] = {tuple(kpe_cache.shape[:2])} must match "
+                         f"ckv_cache's {tuple(ckv_cache.shape[:2])}")
+    if ckv_cache.shape[0] < 1 or ckv_cache.shape[1] < 1:
+        raise ValueError(f"ckv_cache must have pages and slots, got shape {tuple(ckv_cache.shape)}")
+    check_kv_dtype(ql_nope.dtype, ckv_cache.dtype, "ckv_cache")
+    if kpe_cache.dtype != ckv_cache.dtype:
+        raise ValueError(f"kpe_cache dtype {kpe_cache.dtype} must match ckv_cache's {ckv_cache.dtype}")
+    why = implementation.dtypes_unsupported(ql_nope.dtype, ckv_cache.dtype)
+    if why is not None:
+        raise ValueError(f"ckv_cache: {why}")
+    for name, x, d in (("new_kv_c", new_kv_c, dc), ("new_k_pe", new_k_pe, dr)):
+        if tuple(x.shape) != (t, d):
+            raise ValueError(f"{name} must have shape {(t, d)}, got {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got {x.dtype}")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("distribution", distribution)):
+        check_int32(name, x)
+        if jnp.ndim(x) != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {jnp.shape(x)}")
+    s = kv_lens.shape[0]
+    if s < 1 or page_indices.shape[0] % s or page_indices.shape[0] == 0:
+        raise ValueError(f"page_indices must hold S * pages_per_seq entries (S = {s}), got {page_indices.shape[0]}")
+    if cu_q_lens.shape[0] != s + 1:
+        raise ValueError(f"cu_q_lens must have shape [{s + 1}], got {cu_q_lens.shape}")
+    if distribution.shape[0] != 3:
+        raise ValueError(f"distribution must have shape [3], got {distribution.shape}")
+    if not is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
+        return
+    # (ragged_paged_attention's concrete checks, for the latent cache)
+    kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
+    n = int(dist[2])
+    if not 0 <= dist[0] <= dist[1] <= n <= s:
+        raise ValueError(f"distribution must satisfy 0 <= d[0] <= d[1] <= d[2] <= {s}, got {dist.tolist()}")
+    q_len = np.diff(cu[: n + 1])
+    if cu[0] != 0 or np.any(q_len < 0) or cu[n] > t:
+        raise ValueError(f"cu_q_lens must start at 0 and rise to at most {t} over the valid sequences")
+    if np.any(q_len[: dist[0]] != 1):
+        raise ValueError("cu_q_lens: sequences [0, distribution[0]) must have q_len 1")
+    num_pages, page_size = ckv_cache.shape[:2]
+    pages_per_seq = pi.shape[0] // s
+    if np.any(kv[:n] < q_len) or np.any(kv[:n] > pages_per_seq * page_size):
+        raise ValueError(f"kv_lens must lie in [q_len, pages_per_seq * page_size = {pages_per_seq * page_size}] "
+                         "for the valid sequences")
+    used = np.arange(pages_per_seq)[None, :] < -(-kv[:n, None] // page_size)
+    ids = pi[: n * pages_per_seq].reshape(n, pages_per_seq)[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
+        raise ValueError(f"page_indices lists page ids outside [0, {num_pages})")
+
+
+def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices,
+                               cu_q_lens, distribution, *, sm_scale, causal=True, ckv_scale=None, kpe_scale=None,
+                               num_cells=None, backend=None, config=None):
+    """One MLA serving step: writes the new latent rows, then MLA over the paged latent caches.
+
+        ql_nope       [T, H, Dc]  q's no-rope part absorbed into the latent space (W_UK folded in)
+        q_pe          [T, H, Dr]  q's rope part
+        new_kv_c      [T, Dc]     the step's new latent rows (compressed kv), row-aligned with q
+        new_k_pe      [T, Dr]     the step's new rope keys
+        ckv_cache     [P, page_size, Dc]  latent cache (also the values)
+        kpe_cache     [P, page_size, Dr]  rope-key cache, same pages and slots
+        kv_lens       i32[S]      tokens of each sequence after this step (new ones included)
+        page_indices  i32[S * pages_per_seq]  sequence s's pages from s * pages_per_seq
+        cu_q_lens     i32[S + 1]  sequence s's q rows cu_q_lens[s]:cu_q_lens[s + 1]
+        distribution  i32[3]      (decode_end, prefill_end, num_seqs): sequences < distribution[2]
+                                  are valid, those < distribution[0] have q_len 1
+
+    Sequence s < distribution[2] writes new_kv_c / new_k_pe[cu_q_lens[s] + i] at token position
+    kv_lens[s] - q_len + i (cast to the cache dtype, not rescaled: an fp8 cache's rows are given
+    already divided by their scale), then its q rows attend over its kv_lens[s] tokens:
+    logits = sm_scale (ql_nope ckv + q_pe kpe), o = softmax(logits) ckv, causal bottom-right if
+    causal. Rows from cu_q_lens[distribution[2]] on are padding: they write nothing and give o = 0.
+    Dc and Dr: powers of two >= 16 (DeepSeek-V3: 512 and 64).
+
+    sm_scale: a static positive float (required: MLA's is 1 / sqrt(qk_nope + qk_rope head dims)
+    times any YaRN mscale^2). ckv_scale, kpe_scale: fp8 caches' dequantization scales (positive
+    scalars or 0-d arrays, data; default 1), as BatchMLAPagedAttention.run's. num_cells: the
+    kernel's grid (default: two per SM for tiles of up to 16 rows, else one; MLAConfig.cells);
+    config: an MLAConfig (block_rows, block_kv, min_chunk, ...); backend: as the wrappers'. The
+    kernel is jaxinfer.dispatch's mla row.
+
+    Returns (o [T, H, Dc] in ql_nope's dtype, ckv_cache, kpe_cache (updated)). Metadata are checked
+    when concrete; under jax.jit (one compilation for every composition of the same shapes; donate
+    the caches for an in-place write) inputs that break the contract give undefined results, but
+    every read and write stays inside the arrays.
+    """
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating)) or not (
+            math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+    config = mla_kernels.MLAConfig() if config is None else config
+    if not isinstance(config, mla_kernels.MLAConfig):
+        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if config.block_kv is not None:
+        _power_of_two("config.block_kv", config.block_kv)
+    if config.block_rows is not None:
+        _power_of_two("config.block_rows", config.block_rows)
+    if num_cells is not None and (isinstance(num_cells, bool) or not isinstance(num_cells, (int, np.integer))
+                                  or num_cells < 1):
+        raise ValueError(f"num_cells must be a positive int or None, got {num_cells!r}")
+    interpret = _backend.use_interpret(backend)
+    head_dims = (getattr(ql_nope, "shape", (0,))[-1] or 0) + (getattr(q_pe, "shape", (0,))[-1] or 0)
+    page_size = ckv_cache.shape[1] if getattr(ckv_cache, "ndim", 0) == 3 else 1
+    num_heads = ql_nope.shape[1] if getattr(ql_nope, "ndim", 0) == 3 else 1
+    problem = dispatch.Problem("mla", num_heads, 1, head_dims, "paged", page_size, interpret=interpret)
+    implementation = dispatch.choose(problem, None, None, causal)  # (one row: no step choice)
+    _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
+           distribution, implementation)
+    ckv_scale, kpe_scale = _scale("ckv_scale", ckv_scale), _scale("kpe_scale", kpe_scale)
+    scales = None
+    if ckv_scale is not None or kpe_scale is not None:  # f32[2]; a missing one is 1
+        scales = jnp.stack([jnp.float32(1.0) if x is None else x for x in (ckv_scale, kpe_scale)])
+    t, h, _ = ql_nope.shape
+    sz = sizes(t, h, kv_lens.shape[0], config, num_cells)
+    return _run(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
+                distribution, scales, sm_scale=float(sm_scale), causal=causal, sz=sz, interpret=interpret,
+                config=config, kernel=implementation.kernel)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "sz", "interpret", "config", "kernel"))
+def _run(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens, distribution,
+         scales, *, sm_scale, causal, sz, interpret, config, kernel):
+    """mla_ragged_paged_attention after its checks (scales: f32[2] or None)."""
+    t, h, dc = ql_nope.shape
+    dr = q_pe.shape[2]
+    num_pages, page_size = ckv_cache.shape[:2]
+    s = kv_lens.shape[0]
+    pages_per_seq = page_indices.shape[0] // s
+    # Traced metadata are not checked; clipped, every read and write stays inside the arrays.
+    kv_lens = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
+    cu_q_lens = jnp.clip(cu_q_lens, 0, t)
+    distribution = jnp.clip(distribution, 0, s)
+
+    # The write: row i to cache row page * page_size + slot; padding rows past the cache (dropped).
+    row_seq, row_live = ragged_plan.row_seqs(cu_q_lens, distribution, t)
+    page, slot, _ = ragged_plan.token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live,
+                                            pages_per_seq=pages_per_seq, page_size=page_size, num_pages=num_pages)
+    page = jnp.where((page >= 0) & (page < num_pages), page, num_pages)  # (a bad page id: dropped)
+    ckv_rows, kpe_rows = write_rows(ckv_cache.reshape(-1, dc), kpe_cache.reshape(-1, dr),
+                                    page * page_size + slot, new_kv_c, new_k_pe, interpret=interpret)
+
+    sec = plan(kv_lens, cu_q_lens, distribution, num_tokens=t, num_heads=h, pages_per_seq=pages_per_seq,
+               causal=causal, sz=sz)
+    kv_indices = jnp.clip(page_indices, 0, num_pages - 1)
+    o, lse, o_part, lse_part = kernel(
+        ql_nope.reshape(t * h, dc), q_pe.reshape(t * h, dr), ckv_rows, kpe_rows, kv_indices, sec["items"],
+        sec["cell_indptr"], columns=mla_planner.COLUMNS, num_parts=sz.parts, num_heads=h, page_size=page_size,
+        sm_scale=sm_scale, causal=causal, block_rows=sz.block_rows, interpret=interpret,
+        config=config, scales=scales)
+    o, _ = merge_kernels.merge_varlen(
+        o_part[:, None], lse_part[:, None], sec["merge_indptr"], sec["merge_dest"], out=(o[:, None], lse[:, None]),
+        interpret=interpret, num_programs=min(sz.groups, 4 * sz.cells), num_live=sec["num_groups"])
+    new_ckv, new_kpe = ckv_rows.reshape(ckv_cache.shape), kpe_rows.reshape(kpe_cache.shape)
+    # The returned caches are tied to the output: every read of the written caches runs before a
+    # later in-place write to them (as ragged_paged_attention's).
+    return jax.lax.optimization_barrier((o.reshape(t, h, dc), new_ckv, new_kpe))
+

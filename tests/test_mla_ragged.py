@@ -1,0 +1,334 @@
+"""mla_ragged_paged_attention (interpret mode, the real kernels) against a float64 NumPy oracle:
+mixed compositions through one jitted call (one trace), the cache writes bit for bit, NaN-poisoned
+unlisted pages and stale slots, fp8 caches with scales, the device plan's capacities, ValueErrors."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer import mla_ragged
+from pallas_kernels.mla import MLAConfig
+
+DC, DR, SCALE = 64, 16, 0.3
+S, T = 6, 24
+CELLS = 3
+CONFIG = MLAConfig(min_chunk=32)
+# Compositions (q_lens, kv_lens, distribution) over S = 6 slots and T = 24 rows: decode rows (kv 1,
+# and kv 300: split over chunks), multi-token rows, a prompt, an empty sequence (q 0, kv 40),
+# padding rows; then all decode-first with a 5-token verify; then no padding at all.
+COMPOSITIONS = (
+    ([1, 1, 3, 8, 0], [1, 300, 70, 8, 40], (2, 2, 5)),
+    ([1, 1, 1, 5, 2, 4], [129, 64, 2, 200, 2, 130], (3, 3, 6)),
+    ([20, 4], [20, 257], (0, 0, 2)),
+)
+MAX_KV = 320
+
+
+def _pages_per_seq(page_size):
+    return -(-MAX_KV // page_size)
+
+
+def _num_pages(page_size):
+    return S * _pages_per_seq(page_size) + 5  # every sequence's pages plus unlisted ones
+
+
+def metadata(rng, q_lens, kv_lens, dist, page_size):
+    """Device metadata of a composition: kv_lens [S], page_indices [S * pages_per_seq] (random
+    distinct pages; entries past each sequence's pages are garbage ids), cu_q_lens [S + 1]."""
+    n, pps = dist[2], _pages_per_seq(page_size)
+    kv = np.zeros(S, np.int32)
+    kv[:n] = kv_lens
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = cu[n]
+    pi = np.full(S * pps, 10 ** 6, np.int32)  # garbage past the pages in use (never read)
+    perm = rng.permutation(_num_pages(page_size))
+    used = 0
+    for s in range(n):
+        k = -(-kv[s] // page_size)
+        pi[s * pps:s * pps + k] = perm[used:used + k]
+        used += k
+    return kv, pi, cu, np.asarray(dist, np.int32)
+
+
+def caches(rng, page_size, dtype=np.float32):
+    shape = (_num_pages(page_size), page_size)
+    return (rng.standard_normal(shape + (DC,)).astype(dtype), rng.standard_normal(shape + (DR,)).astype(dtype))
+
+
+def poison(ckv, kpe, kv, pi, cu, dist, page_size):
+    """NaN in every page no valid sequence lists and in the slots past each sequence's kv_len."""
+    ckv, kpe = ckv.copy(), kpe.copy()
+    n, pps = dist[2], _pages_per_seq(page_size)
+    listed = np.zeros(ckv.shape[0], bool)
+    for s in range(n):
+        k = -(-kv[s] // page_size)
+        pages = pi[s * pps:s * pps + k]
+        listed[pages] = True
+        if kv[s] % page_size:
+            ckv[pages[-1], kv[s] % page_size:] = np.nan
+            kpe[pages[-1], kv[s] % page_size:] = np.nan
+    ckv[~listed] = np.nan
+    kpe[~listed] = np.nan
+    return ckv, kpe
+
+
+def expected_caches(ckv, kpe, new_c, new_pe, kv, pi, cu, dist, page_size):
+    ckv, kpe = ckv.copy(), kpe.copy()
+    pps = _pages_per_seq(page_size)
+    for s in range(dist[2]):
+        q = cu[s + 1] - cu[s]
+        for i in range(q):
+            pos = kv[s] - q + i
+            page = pi[s * pps + pos // page_size]
+            ckv[page, pos % page_size] = new_c[cu[s] + i].astype(ckv.dtype)
+            kpe[page, pos % page_size] = new_pe[cu[s] + i].astype(kpe.dtype)
+    return ckv, kpe
+
+
+def oracle(ql_nope, q_pe, ckv, kpe, kv, pi, cu, dist, page_size, causal=True, ckv_scale=1.0, kpe_scale=1.0):
+    """float64 MLA over the (written) caches: o [T, H, DC]; padding rows and rows with no key: 0."""
+    qn, qp = np.asarray(ql_nope, np.float64), np.asarray(q_pe, np.float64)
+    ckv, kpe = np.asarray(ckv, np.float64) * ckv_scale, np.asarray(kpe, np.float64) * kpe_scale
+    t, h, _ = qn.shape
+    o = np.zeros((t, h, DC))
+    pps = _pages_per_seq(page_size)
+    for s in range(dist[2]):
+        qs, qe, n = cu[s], cu[s + 1], int(kv[s])
+        if qe == qs or n == 0:
+            continue
+        pos = np.arange(n)
+        rows = pi[s * pps + pos // page_size] * page_size + pos % page_size
+        c, r = ckv.reshape(-1, DC)[rows], kpe.reshape(-1, DR)[rows]
+        logits = (np.einsum("qhd,kd->qhk", qn[qs:qe], c) + np.einsum("qhd,kd->qhk", qp[qs:qe], r)) * SCALE
+        if causal:
+            logits = np.where(pos[None, None, :] <= np.arange(qe - qs)[:, None, None] + n - (qe - qs), logits, -np.inf)
+        m = logits.max(-1, keepdims=True)
+        p = np.exp(logits - m)
+        o[qs:qe] = np.einsum("qhk,kd->qhd", p, c) / p.sum(-1)[..., None]
+    return o
+
+
+def new_rows(rng, heads, dtype=np.float32):
+    return (rng.standard_normal((T, heads, DC)).astype(dtype), rng.standard_normal((T, heads, DR)).astype(dtype),
+            rng.standard_normal((T, DC)).astype(dtype), rng.standard_normal((T, DR)).astype(dtype))
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(heads, page_size, causal):
+    """(jitted call, trace counter): one compilation per (heads, page_size, causal)."""
+    traces = [0]
+
+    def fn(*args):
+        traces[0] += 1
+        return jaxinfer.mla_ragged_paged_attention(*args, sm_scale=SCALE, causal=causal, num_cells=CELLS,
+                                                   config=CONFIG)
+
+    return jax.jit(fn), traces
+
+
+def _run_compositions(heads, page_size, causal=True, seed=0):
+    call, traces = _jitted(heads, page_size, causal)
+    rng = np.random.default_rng(seed)
+    for q_lens, kv_lens, dist in COMPOSITIONS:
+        kv, pi, cu, dist = metadata(rng, q_lens, kv_lens, dist, page_size)
+        ckv, kpe = poison(*caches(rng, page_size), kv, pi, cu, dist, page_size)
+        qn, qp, nc, npe = new_rows(rng, heads)
+        o, ckv_out, kpe_out = call(qn, qp, nc, npe, ckv, kpe, kv, pi, cu, dist)
+        want_ckv, want_kpe = expected_caches(ckv, kpe, nc, npe, kv, pi, cu, dist, page_size)
+        # The writes: bit for bit at their slots, every other bit (NaNs included) unchanged.
+        np.testing.assert_array_equal(_bits(ckv_out), _bits(want_ckv))
+        np.testing.assert_array_equal(_bits(kpe_out), _bits(want_kpe))
+        o = np.asarray(o)
+        assert o.shape == (T, heads, DC) and o.dtype == np.float32
+        assert np.all(np.isfinite(o)), "NaN-poisoned unlisted pages or stale slots leaked into o"
+        want = oracle(qn, qp, want_ckv, want_kpe, kv, pi, cu, dist, page_size, causal)
+        np.testing.assert_allclose(o, want, atol=2e-4, rtol=2e-4)
+        assert np.all(o[cu[dist[2]]:] == 0), "padding rows must give o = 0"
+    return traces[0]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_compositions_one_compilation(page_size):
+    assert _run_compositions(16, page_size) == 1  # three compositions, one trace
+
+
+def test_not_causal():
+    assert _run_compositions(16, 16, causal=False, seed=1) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_compositions_128_heads(page_size):
+    assert _run_compositions(128, page_size, seed=2) == 1
+
+
+def test_fp8_caches_with_scales_eager():
+    """bfloat16 q over float8_e4m3fn caches holding rows / scale; an eager call (concrete metadata:
+    the checks run)."""
+    page_size, heads = 16, 16
+    rng = np.random.default_rng(4)
+    q_lens, kv_lens, dist = COMPOSITIONS[0]
+    kv, pi, cu, dist = metadata(rng, q_lens, kv_lens, dist, page_size)
+    f8 = jnp.float8_e4m3fn
+    ckv, kpe = (np.asarray(jnp.asarray(3 * x).astype(f8)) for x in caches(rng, page_size))
+    qn, qp, nc, npe = new_rows(rng, heads)
+    qn, qp = np.asarray(jnp.asarray(qn, jnp.bfloat16)), np.asarray(jnp.asarray(qp, jnp.bfloat16))
+    nc, npe = np.asarray(jnp.asarray(3 * nc, jnp.bfloat16)), np.asarray(jnp.asarray(3 * npe, jnp.bfloat16))
+    o, ckv_out, kpe_out = jaxinfer.mla_ragged_paged_attention(
+        qn, qp, nc, npe, ckv, kpe, kv, pi, cu, dist, sm_scale=SCALE, num_cells=CELLS, config=CONFIG,
+        ckv_scale=1 / 3, kpe_scale=jnp.float32(0.25))
+    want_ckv = np.asarray(ckv).copy()
+    want_kpe = np.asarray(kpe).copy()
+    pps = _pages_per_seq(page_size)
+    for s in range(dist[2]):
+        q = cu[s + 1] - cu[s]
+        for i in range(q):
+            pos = kv[s] - q + i
+            page = pi[s * pps + pos // page_size]
+            want_ckv[page, pos % page_size] = np.asarray(jnp.asarray(nc[cu[s] + i]).astype(f8))
+            want_kpe[page, pos % page_size] = np.asarray(jnp.asarray(npe[cu[s] + i]).astype(f8))
+    np.testing.assert_array_equal(_bits(ckv_out), _bits(want_ckv))
+    np.testing.assert_array_equal(_bits(kpe_out), _bits(want_kpe))
+    assert o.dtype == jnp.bfloat16
+    want = oracle(qn.astype(np.float32), qp.astype(np.float32), want_ckv.astype(np.float32),
+                  want_kpe.astype(np.float32), kv, pi, cu, dist, page_size, ckv_scale=1 / 3, kpe_scale=0.25)
+    np.testing.assert_allclose(np.asarray(o, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def _plan_np(q_lens, kv_lens, n, heads, cells, causal=True):
+    """The device plan of a composition (jitted) as NumPy arrays, with its sizes."""
+    s = len(kv_lens)
+    kv = np.asarray(kv_lens, np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 3  # three padding rows
+    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=32), cells)
+    sec = jax.jit(functools.partial(mla_ragged.plan, num_tokens=t, num_heads=heads, pages_per_seq=8,
+                                    causal=causal, sz=sz))(kv, cu, np.asarray([0, 0, n], np.int32))
+    return {k: np.asarray(v) for k, v in sec.items()}, sz, cu, t
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_covers_every_row_within_capacity(seed):
+    """Every (token, head) row is in exactly one tile, its tile's chunks cover the keys it sees
+    exactly once, split tiles' rows have one merge group each, and the item, partial-row and group
+    counts stay within the static capacities, for long sequences over few cells (many splits)."""
+    rng = np.random.default_rng(seed)
+    heads, cells, s = 4, 2, 7
+    q_lens = rng.integers(0, 9, s)
+    kv_lens = q_lens + rng.integers(0, 900, s)
+    sec, sz, cu, t = _plan_np(q_lens, kv_lens, s, heads, cells)
+    items, ip = sec["items"], sec["cell_indptr"]
+    assert ip[0] == 0 and np.all(np.diff(ip) >= 0) and ip[-1] <= sz.items
+    col = {name: i for i, name in enumerate(mla_ragged.MLA.names)}
+    seen = np.zeros((t * heads, 1000), np.int32)  # [row, key]: chunks covering it
+    parts_used = []
+    for w in items[:ip[-1]]:
+        f = {k: int(w[i]) for k, i in col.items()}
+        for r in range(f["rows"]):
+            row = f["q_row"] + r
+            seen[row, f["kv_start"]:f["kv_end"]] += 1
+            if f["part_base"] >= 0:
+                parts_used.append(f["part_base"] + r * f["part_stride"])
+    assert len(parts_used) == len(set(parts_used)) and (not parts_used or max(parts_used) < sz.parts)
+    for b in range(s):
+        for tok in range(q_lens[b]):
+            last = kv_lens[b] - q_lens[b] + tok  # causal: keys <= last are visible
+            for hd in range(heads):
+                row = (cu[b] + tok) * heads + hd
+                assert np.all(seen[row, :last + 1] == 1), (b, tok, hd)
+    assert np.all(seen[cu[-1] * heads:] == 0)  # padding rows: items of no key
+    ng = int(sec["num_groups"])
+    assert ng <= sz.groups
+    dest = sec["merge_dest"][:ng]
+    assert np.all(sec["merge_dest"][ng:] == -1) or ng == sz.groups
+    live = dest[dest >= 0]
+    assert len(live) == len(set(live))
+    assert sec["merge_indptr"][ng] <= sz.parts
+
+
+def test_plan_worst_case_capacity():
+    """One token per sequence at the most keys each, T = S: the chunk rule's bound holds."""
+    s, heads, cells = 16, 16, 2
+    sec, sz, _, _ = _plan_np([1] * s, [5000] * s, s, heads, cells)
+    assert sec["cell_indptr"][-1] <= sz.items
+    assert int(sec["num_groups"]) <= sz.groups and sec["merge_indptr"][-1] <= sz.parts
+    assert sec["cell_indptr"][-1] > s  # (it did split)
+
+
+def _valid_args(page_size=16, heads=16):
+    rng = np.random.default_rng(5)
+    q_lens, kv_lens, dist = COMPOSITIONS[0]
+    kv, pi, cu, dist = metadata(rng, q_lens, kv_lens, dist, page_size)
+    ckv, kpe = caches(rng, page_size)
+    qn, qp, nc, npe = new_rows(rng, heads)
+    return dict(ql_nope=qn, q_pe=qp, new_kv_c=nc, new_k_pe=npe, ckv_cache=ckv, kpe_cache=kpe, kv_lens=kv,
+                page_indices=pi, cu_q_lens=cu, distribution=dist)
+
+
+def _call(**changes):
+    args = _valid_args()
+    kw = dict(sm_scale=SCALE, num_cells=CELLS, config=CONFIG)
+    kw.update(changes.pop("kw", {}))
+    args.update(changes)
+    names = ("ql_nope", "q_pe", "new_kv_c", "new_k_pe", "ckv_cache", "kpe_cache", "kv_lens", "page_indices",
+             "cu_q_lens", "distribution")
+    return jaxinfer.mla_ragged_paged_attention(*(args[k] for k in names), **kw)
+
+
+def _bad_cases():
+    a = _valid_args()
+    kv_short = a["kv_lens"].copy()
+    kv_short[2] = 2  # q_len 3
+    dist_bad = np.asarray([3, 2, 5], np.int32)
+    pi_bad = a["page_indices"].copy()
+    pi_bad[0] = a["ckv_cache"].shape[0]
+    cu_bad = a["cu_q_lens"].copy()
+    cu_bad[1] = 2  # a decode sequence with q_len 2
+    return [
+        (dict(ql_nope=a["ql_nope"][0]), "ql_nope"),
+        (dict(q_pe=a["q_pe"][:, :4]), "q_pe"),
+        (dict(q_pe=a["q_pe"].astype(np.float16)), "q_pe"),
+        (dict(ql_nope=a["ql_nope"][..., :48], ckv_cache=a["ckv_cache"][..., :48], new_kv_c=a["new_kv_c"][:, :48]),
+         "Dc"),
+        (dict(ckv_cache=a["ckv_cache"][..., :32]), "ckv_cache"),
+        (dict(kpe_cache=a["kpe_cache"][:-1]), "kpe_cache"),
+        (dict(ckv_cache=a["ckv_cache"].astype(np.float16)), "ckv_cache"),
+        (dict(new_kv_c=a["new_kv_c"][:, :32]), "new_kv_c"),
+        (dict(new_k_pe=a["new_k_pe"][:-1]), "new_k_pe"),
+        (dict(new_k_pe=a["new_k_pe"].astype(np.int32)), "new_k_pe"),
+        (dict(kv_lens=a["kv_lens"].astype(np.int64)), "kv_lens"),
+        (dict(page_indices=a["page_indices"][:-1]), "page_indices"),
+        (dict(cu_q_lens=a["cu_q_lens"][:-1]), "cu_q_lens"),
+        (dict(distribution=a["distribution"][:2]), "distribution"),
+        (dict(kv_lens=kv_short), "kv_lens"),
+        (dict(distribution=dist_bad), "distribution"),
+        (dict(page_indices=pi_bad), "page_indices"),
+        (dict(cu_q_lens=cu_bad), "cu_q_lens"),
+        (dict(kw=dict(sm_scale=0.0)), "sm_scale"),
+        (dict(kw=dict(causal=1)), "causal"),
+        (dict(kw=dict(num_cells=0)), "num_cells"),
+        (dict(kw=dict(config=object())), "config"),
+        (dict(kw=dict(ckv_scale=-1.0)), "ckv_scale"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(23))
+def test_value_errors(case):
+    changes, name = _bad_cases()[case]
+    with pytest.raises(ValueError, match=name):
+        _call(**changes)
+
+
+def test_sm_scale_required():
+    with pytest.raises(TypeError, match="sm_scale"):
+        a = _valid_args()
+        jaxinfer.mla_ragged_paged_attention(*a.values())
