@@ -107,8 +107,8 @@ def oracle(ql_nope, q_pe, ckv, kpe, kv, pi, cu, dist, page_size, causal=True, ck
         if causal:
             logits = np.where(pos[None, None, :] <= np.arange(qe - qs)[:, None, None] + n - (qe - qs), logits, -np.inf)
         m = logits.max(-1, keepdims=True)
-        p = np.exp(logits - m)
-        o[qs:qe] = np.einsum("qhk,kd->qhd", p, c) / p.sum(-1)[..., None]
+        p = np.exp(logits - np.where(np.isfinite(m), m, 0))  # (a row with no visible key: p = 0, o = 0)
+        o[qs:qe] = np.einsum("qhk,kd->qhd", p, c) / np.maximum(p.sum(-1), 1e-300)[..., None]
     return o
 
 
@@ -332,3 +332,20 @@ def test_sm_scale_required():
     with pytest.raises(TypeError, match="sm_scale"):
         a = _valid_args()
         jaxinfer.mla_ragged_paged_attention(*a.values())
+
+
+def test_rows_with_no_visible_key_give_zero():
+    """Under jit (metadata unchecked) a sequence with kv_len 2 < q_len 4: its first two rows see no
+    key (causal) and give o = 0; the others match the oracle over the returned caches."""
+    page_size, heads = 16, 16
+    call, traces = _jitted(heads, page_size, True)
+    rng = np.random.default_rng(6)
+    kv, pi, cu, dist = metadata(rng, [1, 4, 2], [50, 2, 9], (1, 1, 3), page_size)
+    ckv, kpe = caches(rng, page_size)
+    qn, qp, nc, npe = new_rows(rng, heads)
+    o, ckv_out, kpe_out = call(qn, qp, nc, npe, ckv, kpe, kv, pi, cu, dist)
+    o = np.asarray(o)
+    assert np.all(o[1:3] == 0) and np.all(np.isfinite(o))
+    want = oracle(qn, qp, np.asarray(ckv_out), np.asarray(kpe_out), kv, pi, cu, dist, page_size)
+    np.testing.assert_allclose(o, want, atol=2e-4, rtol=2e-4)
+    assert np.all(o[cu[dist[2]]:] == 0)
