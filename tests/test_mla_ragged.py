@@ -349,3 +349,27 @@ def test_rows_with_no_visible_key_give_zero():
     want = oracle(qn, qp, np.asarray(ckv_out), np.asarray(kpe_out), kv, pi, cu, dist, page_size)
     np.testing.assert_allclose(o, want, atol=2e-4, rtol=2e-4)
     assert np.all(o[cu[dist[2]]:] == 0)
+
+
+def test_donated_caches_chain():
+    """Two chained steps under a jit that donates the caches (an engine's decode loop): the second
+    step reads the first's written rows."""
+    page_size, heads = 16, 16
+    fn = jax.jit(lambda *a: jaxinfer.mla_ragged_paged_attention(*a, sm_scale=SCALE, num_cells=CELLS, config=CONFIG),
+                 donate_argnums=(4, 5))
+    rng = np.random.default_rng(7)
+    ckv, kpe = caches(rng, page_size)
+    kv, pi, cu, dist = metadata(rng, [3, 1], [3, 40], (0, 0, 2), page_size)
+    want_ckv, want_kpe = ckv, kpe
+    c, p = jnp.asarray(ckv), jnp.asarray(kpe)
+    for step in range(2):
+        qn, qp, nc, npe = new_rows(rng, heads)
+        want_ckv, want_kpe = expected_caches(want_ckv, want_kpe, nc, npe, kv, pi, cu, dist, page_size)
+        o, c, p = fn(qn, qp, nc, npe, c, p, kv, pi, cu, dist)
+        np.testing.assert_array_equal(_bits(c), _bits(want_ckv))
+        np.testing.assert_array_equal(_bits(p), _bits(want_kpe))
+        np.testing.assert_allclose(np.asarray(o), oracle(qn, qp, want_ckv, want_kpe, kv, pi, cu, dist, page_size),
+                                   atol=2e-4, rtol=2e-4)
+        kv = kv + np.asarray([1, 1, 0, 0, 0, 0], np.int32)  # next: a decode token each
+        cu = np.asarray([0, 1, 2, 2, 2, 2, 2], np.int32)
+        dist = np.asarray([2, 2, 2], np.int32)
