@@ -266,3 +266,25 @@ def check_int32(name, x):
 def is_concrete(*xs):
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
+
+def check_power_of_two(name, x, least=16):
+    """x as an int; ValueError naming `name` unless it is a power of two >= least."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < least or x & (x - 1):
+        raise ValueError(f"{name} must be a power of two >= {least}, got {x!r}")
+    return int(x)
+
+
+def check_scale(name, x):
+    """A dequantization scale (a scalar: Python / NumPy, checked > 0 here, or a 0-d array, as data) as
+    float32[], or None."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not hasattr(x, "dtype") and not isinstance(x, (int, float)):
+        raise ValueError(f"{name} must be a positive float or a 0-d array, got {type(x).__name__}")
+    if isinstance(x, (int, float, np.number, np.ndarray)):
+        v = np.asarray(x, np.float64)
+        if v.shape != () or not (np.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a positive finite scalar, got {x!r}")
+    elif jnp.shape(x) != () or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float scalar (0-d), got shape {jnp.shape(x)} {x.dtype}")
+    return jnp.asarray(x, jnp.float32)

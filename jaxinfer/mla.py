@@ -15,28 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer
-from jaxinfer.formats import AttentionState, check_kv_dtype, check_q
+from jaxinfer.formats import AttentionState, check_kv_dtype, check_power_of_two, check_q, check_scale
 from jaxinfer.plans import PlanSpec, WrapperFacts
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
 from planner import mla as mla_planner
 from planner import validate
-
-def _scale(name, x):
-    """A dequantization scale (a scalar: Python / NumPy, checked > 0 here, or a 0-d array, as data) as
-    float32[], or None."""
-    if x is None:
-        return None
-    if isinstance(x, bool) or not hasattr(x, "dtype") and not isinstance(x, (int, float)):
-        raise ValueError(f"{name} must be a positive float or a 0-d array, got {type(x).__name__}")
-    if isinstance(x, (int, float, np.number, np.ndarray)):
-        v = np.asarray(x, np.float64)
-        if v.shape != () or not (np.isfinite(v) and v > 0):
-            raise ValueError(f"{name} must be a positive finite scalar, got {x!r}")
-    elif jnp.shape(x) != () or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a float scalar (0-d), got shape {jnp.shape(x)} {x.dtype}")
-    return jnp.asarray(x, jnp.float32)
-
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -65,12 +49,6 @@ class MLAPlan:
         return cls(parts=tuple(children[0]), layout=layout, spec=spec, causal=causal)
 
 
-def _power_of_two(name, x, least=16):
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < least or x & (x - 1):
-        raise ValueError(f"{name} must be a power of two >= {least}, got {x!r}")
-    return int(x)
-
-
 def _capacity(name, x):
     if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1):
         raise ValueError(f"{name} must be a positive int or None, got {x!r}")
@@ -95,8 +73,8 @@ class BatchMLAPagedAttention:
                  max_batch_size=None, max_num_tokens=None, max_num_pages=None, backend=None, config=None):
         if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-        self.head_dim_ckv = _power_of_two("head_dim_ckv", head_dim_ckv)
-        self.head_dim_kpe = _power_of_two("head_dim_kpe", head_dim_kpe)
+        self.head_dim_ckv = check_power_of_two("head_dim_ckv", head_dim_ckv)
+        self.head_dim_kpe = check_power_of_two("head_dim_kpe", head_dim_kpe)
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if sm_scale is None or not isinstance(sm_scale, (int, float, np.floating)) or not (
@@ -108,9 +86,9 @@ class BatchMLAPagedAttention:
         if not isinstance(self.config, mla_kernels.MLAConfig):
             raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
         if self.config.block_kv is not None:
-            _power_of_two("config.block_kv", self.config.block_kv)
+            check_power_of_two("config.block_kv", self.config.block_kv)
         if self.config.block_rows is not None:
-            _power_of_two("config.block_rows", self.config.block_rows)
+            check_power_of_two("config.block_rows", self.config.block_rows)
         self.num_heads, self.page_size, self.causal = int(num_heads), int(page_size), causal
         self.sm_scale = float(sm_scale)
         self.max_batch_size = _capacity("max_batch_size", max_batch_size)
@@ -160,7 +138,7 @@ class BatchMLAPagedAttention:
         (the rows are ckv_cache x ckv_scale, kpe_cache x kpe_scale). Returns o [T, H, ckv] in q's
         dtype, or AttentionState(o, lse [T, H] natural log) with return_lse."""
         self._check(q_nope, q_pe, ckv_cache, kpe_cache, plan)
-        ckv_scale, kpe_scale = _scale("ckv_scale", ckv_scale), _scale("kpe_scale", kpe_scale)
+        ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)
         scales = None
         if ckv_scale is not None or kpe_scale is not None:  # f32[2]; a missing one is 1
             scales = jnp.stack([jnp.float32(1.0) if x is None else x for x in (ckv_scale, kpe_scale)])

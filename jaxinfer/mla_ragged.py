@@ -11,17 +11,16 @@ the device (plan below: fixed capacities from the static shapes T, S, pages_per_
 no host round trip and one compilation serves every composition of the same shapes. Split tiles'
 partial states are merged by merge.merge_varlen over a fixed-capacity group list (num_live).
 """
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, ragged_plan
-from jaxinfer.formats import check_int32, check_kv_dtype, check_q, is_concrete
-from jaxinfer.mla import _power_of_two, _scale
+from jaxinfer.formats import check_int32, check_kv_dtype, check_power_of_two, check_q, check_scale, is_concrete
 from jaxinfer.ragged_plan import CHUNKS_PER_CELL, excl_cumsum, owner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
@@ -32,7 +31,8 @@ from planner.work_items import MLA
 ITEM_COST = 64  # an item's fixed cost in keys (cell balance; the host planner's item_cost)
 
 
-class MLASizes(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLASizes:
     """The static sizes of a step's device plan (a function of T, H, S and the config alone)."""
     block_rows: int  # (token, head) query rows per tile
     block_kv: int    # the kernel's keys per block: chunks are multiples of it
@@ -59,7 +59,8 @@ def sizes(num_tokens, num_heads, num_seqs, config, num_cells):
     tiles = -(-num_tokens * num_heads // block_rows) + num_seqs + 1
     c = CHUNKS_PER_CELL * cells
     min_chunk = max(-(-int(config.min_chunk) // block_kv), 1) * block_kv
-    return MLASizes(block_rows, block_kv, min_chunk, cells, tiles, tiles + c, 2 * c * block_rows, c * block_rows)
+    return MLASizes(block_rows=block_rows, block_kv=block_kv, min_chunk=min_chunk, cells=cells, tiles=tiles,
+                    items=tiles + c, parts=2 * c * block_rows, groups=c * block_rows)
 
 
 def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_seq, causal, sz):
@@ -148,8 +149,8 @@ def _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, pag
     if q_pe.ndim != 3 or tuple(q_pe.shape[:2]) != (t, h):
         raise ValueError(f"q_pe must have shape [T={t}, H={h}, Dr], got {tuple(q_pe.shape)}")
     dr = q_pe.shape[2]
-    _power_of_two("ql_nope's width (Dc)", dc)
-    _power_of_two("q_pe's width (Dr)", dr)
+    check_power_of_two("ql_nope's width (Dc)", dc)
+    check_power_of_two("q_pe's width (Dr)", dr)
     for name, x, d in (("ckv_cache", ckv_cache, dc), ("kpe_cache", kpe_cache, dr)):
         if x.ndim != 3 or x.shape[2] != d:
             raise ValueError(f"{name} must have shape [num_pages, page_size, {d}], got {tuple(x.shape)}")
@@ -249,9 +250,9 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     if not isinstance(config, mla_kernels.MLAConfig):
         raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
     if config.block_kv is not None:
-        _power_of_two("config.block_kv", config.block_kv)
+        check_power_of_two("config.block_kv", config.block_kv)
     if config.block_rows is not None:
-        _power_of_two("config.block_rows", config.block_rows)
+        check_power_of_two("config.block_rows", config.block_rows)
     if num_cells is not None and (isinstance(num_cells, bool) or not isinstance(num_cells, (int, np.integer))
                                   or num_cells < 1):
         raise ValueError(f"num_cells must be a positive int or None, got {num_cells!r}")
@@ -263,7 +264,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     implementation = dispatch.choose(problem, None, None, causal)  # (one row: no step choice)
     _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
            distribution, implementation)
-    ckv_scale, kpe_scale = _scale("ckv_scale", ckv_scale), _scale("kpe_scale", kpe_scale)
+    ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)
     scales = None
     if ckv_scale is not None or kpe_scale is not None:  # f32[2]; a missing one is 1
         scales = jnp.stack([jnp.float32(1.0) if x is None else x for x in (ckv_scale, kpe_scale)])
