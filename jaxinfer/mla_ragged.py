@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, ragged_plan
-from jaxinfer.formats import check_int32, check_kv_dtype, check_power_of_two, check_q, check_scale, is_concrete
+from jaxinfer.ragged import check_metadata
+from jaxinfer.formats import check_kv_dtype, check_power_of_two, check_q, check_scale
 from jaxinfer.ragged_plan import CHUNKS_PER_CELL, excl_cumsum, owner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
@@ -170,39 +171,8 @@ def _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, pag
             raise ValueError(f"{name} must have shape {(t, d)}, got {tuple(x.shape)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be a float array, got {x.dtype}")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-                    ("distribution", distribution)):
-        check_int32(name, x)
-        if jnp.ndim(x) != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {jnp.shape(x)}")
-    s = kv_lens.shape[0]
-    if s < 1 or page_indices.shape[0] % s or page_indices.shape[0] == 0:
-        raise ValueError(f"page_indices must hold S * pages_per_seq entries (S = {s}), got {page_indices.shape[0]}")
-    if cu_q_lens.shape[0] != s + 1:
-        raise ValueError(f"cu_q_lens must have shape [{s + 1}], got {cu_q_lens.shape}")
-    if distribution.shape[0] != 3:
-        raise ValueError(f"distribution must have shape [3], got {distribution.shape}")
-    if not is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
-        return
-    # (ragged_paged_attention's concrete checks, for the latent cache)
-    kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
-    n = int(dist[2])
-    if not 0 <= dist[0] <= dist[1] <= n <= s:
-        raise ValueError(f"distribution must satisfy 0 <= d[0] <= d[1] <= d[2] <= {s}, got {dist.tolist()}")
-    q_len = np.diff(cu[: n + 1])
-    if cu[0] != 0 or np.any(q_len < 0) or cu[n] > t:
-        raise ValueError(f"cu_q_lens must start at 0 and rise to at most {t} over the valid sequences")
-    if np.any(q_len[: dist[0]] != 1):
-        raise ValueError("cu_q_lens: sequences [0, distribution[0]) must have q_len 1")
-    num_pages, page_size = ckv_cache.shape[:2]
-    pages_per_seq = pi.shape[0] // s
-    if np.any(kv[:n] < q_len) or np.any(kv[:n] > pages_per_seq * page_size):
-        raise ValueError(f"kv_lens must lie in [q_len, pages_per_seq * page_size = {pages_per_seq * page_size}] "
-                         "for the valid sequences")
-    used = np.arange(pages_per_seq)[None, :] < -(-kv[:n, None] // page_size)
-    ids = pi[: n * pages_per_seq].reshape(n, pages_per_seq)[used]
-    if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
-        raise ValueError(f"page_indices lists page ids outside [0, {num_pages})")
+    check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=t, num_pages=ckv_cache.shape[0],
+                   page_size=ckv_cache.shape[1])
 
 
 def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices,

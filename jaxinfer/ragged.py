@@ -29,6 +29,44 @@ from planner.work_items import DECODE_MULTI, MIXED, PREFILL
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
 
 
+def check_metadata(kv_lens, page_indices, cu_q_lens, distribution, *, num_tokens, num_pages, page_size):
+    """RPA v3's metadata (kv_lens i32[S], page_indices i32[S * pages_per_seq], cu_q_lens i32[S + 1],
+    distribution i32[3]) for num_tokens query rows over a cache of num_pages pages of page_size:
+    shapes and dtypes always; when concrete, the values (a ValueError naming the argument)."""
+    t = num_tokens
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("distribution", distribution)):
+        check_int32(name, x)
+        if jnp.ndim(x) != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {jnp.shape(x)}")
+    s = kv_lens.shape[0]
+    if s < 1 or page_indices.shape[0] % s or page_indices.shape[0] == 0:
+        raise ValueError(f"page_indices must hold S * pages_per_seq entries (S = {s}), got {page_indices.shape[0]}")
+    if cu_q_lens.shape[0] != s + 1:
+        raise ValueError(f"cu_q_lens must have shape [{s + 1}], got {cu_q_lens.shape}")
+    if distribution.shape[0] != 3:
+        raise ValueError(f"distribution must have shape [3], got {distribution.shape}")
+    if not is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
+        return
+    kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
+    n = int(dist[2])
+    if not 0 <= dist[0] <= dist[1] <= n <= s:
+        raise ValueError(f"distribution must satisfy 0 <= d[0] <= d[1] <= d[2] <= {s}, got {dist.tolist()}")
+    q_len = np.diff(cu[: n + 1])
+    if cu[0] != 0 or np.any(q_len < 0) or cu[n] > t:
+        raise ValueError(f"cu_q_lens must start at 0 and rise to at most {t} over the valid sequences")
+    if np.any(q_len[: dist[0]] != 1):
+        raise ValueError("cu_q_lens: sequences [0, distribution[0]) must have q_len 1")
+    pages_per_seq = pi.shape[0] // s
+    if np.any(kv[:n] < q_len) or np.any(kv[:n] > pages_per_seq * page_size):
+        raise ValueError(f"kv_lens must lie in [q_len, pages_per_seq * page_size = "
+                         f"{pages_per_seq * page_size}] for the valid sequences")
+    used = np.arange(pages_per_seq)[None, :] < -(-kv[:n, None] // page_size)
+    ids = pi[: n * pages_per_seq].reshape(n, pages_per_seq)[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
+        raise ValueError(f"page_indices lists page ids outside [0, {num_pages})")
+
+
 def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
            soft_cap, sinks):
     check_q(queries, "queries")
@@ -45,18 +83,6 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
     for name, x in (("keys", keys), ("values", values)):
         if tuple(x.shape) != (t, hkv, d):
             raise ValueError(f"{name} must have shape {(t, hkv, d)}, got {tuple(x.shape)}")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-                    ("distribution", distribution)):
-        check_int32(name, x)
-        if jnp.ndim(x) != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {jnp.shape(x)}")
-    s = kv_lens.shape[0]
-    if s < 1 or page_indices.shape[0] % s or page_indices.shape[0] == 0:
-        raise ValueError(f"page_indices must hold S * pages_per_seq entries (S = {s}), got {page_indices.shape[0]}")
-    if cu_q_lens.shape[0] != s + 1:
-        raise ValueError(f"cu_q_lens must have shape [{s + 1}], got {cu_q_lens.shape}")
-    if distribution.shape[0] != 3:
-        raise ValueError(f"distribution must have shape [3], got {distribution.shape}")
     if sliding_window is not None and is_concrete(sliding_window) and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1, got {int(sliding_window)}")
     if soft_cap is not None and is_concrete(soft_cap) and not float(soft_cap) > 0:
@@ -64,25 +90,8 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
     if sinks is not None and (jnp.shape(sinks) != (hq,) or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
         raise ValueError(f"sinks must be a float array of shape [{hq}] (one logit per query head), got "
                          f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
-    if not is_concrete(kv_lens, page_indices, cu_q_lens, distribution):
-        return
-    kv, pi, cu, dist = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, distribution))
-    n = int(dist[2])
-    if not 0 <= dist[0] <= dist[1] <= n <= s:
-        raise ValueError(f"distribution must satisfy 0 <= d[0] <= d[1] <= d[2] <= {s}, got {dist.tolist()}")
-    q_len = np.diff(cu[: n + 1])
-    if cu[0] != 0 or np.any(q_len < 0) or cu[n] > t:
-        raise ValueError(f"cu_q_lens must start at 0 and rise to at most {t} over the valid sequences")
-    if np.any(q_len[: dist[0]] != 1):
-        raise ValueError("cu_q_lens: sequences [0, distribution[0]) must have q_len 1")
-    pages_per_seq = pi.shape[0] // s
-    if np.any(kv[:n] < q_len) or np.any(kv[:n] > pages_per_seq * kv_cache.page_size):
-        raise ValueError(f"kv_lens must lie in [q_len, pages_per_seq * page_size = "
-                         f"{pages_per_seq * kv_cache.page_size}] for the valid sequences")
-    used = np.arange(pages_per_seq)[None, :] < -(-kv[:n, None] // kv_cache.page_size)
-    ids = pi[: n * pages_per_seq].reshape(n, pages_per_seq)[used]
-    if ids.size and (ids.min() < 0 or ids.max() >= kv_cache.num_pages):
-        raise ValueError(f"page_indices lists page ids outside [0, {kv_cache.num_pages})")
+    check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=t, num_pages=kv_cache.num_pages,
+                   page_size=kv_cache.page_size)
 
 
 def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
