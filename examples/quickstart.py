@@ -211,6 +211,20 @@ def main(argv=None):
     want = reference.mla_reference(q_nope, q_pe, ckv, kpe, mla_qo, mla_indptr, mla_indices, mla_lens,
                                    causal=True, sm_scale=0.2)
     errors["MLA"] = rel_err(o, want.o)
+    # The same step for engines, planned on the device from RPA v3's metadata: the step's latent
+    # rows are written first (request r's at positions kv_lens[r] - q_len + j), then attended.
+    pages_per_seq = 3
+    page_indices = np.zeros((3, pages_per_seq), np.int32)  # [S, pages_per_seq], flattened below
+    for r in range(3):
+        own = mla_indices[mla_indptr[r]:mla_indptr[r + 1]]
+        page_indices[r, :own.shape[0]] = own
+    new_ckv, new_kpe = randn(5, dc, dtype=jnp.float32), randn(5, dr, dtype=jnp.float32)
+    o, ckv, kpe = ji.mla_ragged_paged_attention(
+        q_nope, q_pe, new_ckv, new_kpe, ckv, kpe, jnp.asarray(mla_lens), jnp.asarray(page_indices.reshape(-1)),
+        jnp.asarray(mla_qo), jnp.asarray([1, 1, 3], jnp.int32), sm_scale=0.2)  # distribution: 1 decode row first
+    want = reference.mla_reference(q_nope, q_pe, ckv, kpe, mla_qo, mla_indptr, mla_indices, mla_lens,
+                                   causal=True, sm_scale=0.2)
+    errors["MLA, device-planned"] = rel_err(o, want.o)
 
     # Sampling without sorting: top-k then top-p over logits / temperature; every token drawn is
     # one the filters keep (here: among each row's 3 largest logits).
