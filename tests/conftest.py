@@ -1,4 +1,5 @@
 import os
+import platform
 import sys
 import zlib
 
@@ -10,11 +11,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The Mosaic GPU interpreter needs more XLA CPU threads than its 3-4 warpgroups, or it can
 # deadlock on small machines (see pallas_kernels/prefill_mosaic.py). Set before JAX starts.
 os.environ.setdefault("PJRT_NPROC", "8")
-# Interpret-mode kernels on small test shapes are compile-bound: XLA's CPU backend compiles them
-# with LLVM at optimization level 0 (15-30% less wall time per test on the 2-core machine,
-# results within every test's tolerance). Tests only; set before JAX starts.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Interpret-mode kernels on small test shapes are compile-bound (XLA's CPU backend, not the kernels'
+# run time). Tests only, set before JAX starts:
+# - LLVM at optimization level 0 (15-30% less wall time per test on the 2-core machine);
+# - on x86-64, XLA:CPU's elemental emitters instead of its fusion emitters, and code for AVX at
+#   most: the fusion emitters take 2-3x the compile time on the interpreted kernels' large loop
+#   bodies (the suite's wall time about halves); the elemental emitters at level 0 leave FMA
+#   contraction to each program, so two programs that must agree bit for bit (test_decode's
+#   fused-append paths) could round apart on an FMA machine, and AVX has no FMA.
+# Results stay within every test's tolerance.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
+    ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_max_isa=AVX")
+    if platform.machine().lower() in ("x86_64", "amd64") else ())
+for _flag in TEST_XLA_FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TEST_XLA_FLAGS
 from flax import nnx  # the test extra (Python >= 3.11, as jaxinfer requires)
 
 import jaxinfer as ji
@@ -259,7 +260,7 @@ def _host_devices_subprocess(code, devices):
     """Python `code` (printing 'RESULT ' + JSON) in a subprocess with `devices` forced host devices
     (jax fixes the device count when it starts): a started Popen, and its reader returning the JSON."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} " + " ".join(TEST_XLA_FLAGS))
     proc = subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, 'examples'); " + code],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
