@@ -1,3 +1,4 @@
+import importlib.metadata
 import os
 import platform
 import sys
@@ -20,8 +21,10 @@ os.environ.setdefault("PJRT_NPROC", "8")
 #   contraction to each program, so two programs that must agree bit for bit (test_decode's
 #   fused-append paths) could round apart on an FMA machine, and AVX has no FMA.
 # Results stay within every test's tolerance.
+# jaxlib 0.12's XLA no longer has the fusion-emitter flag (an unknown XLA flag is fatal): older only.
+_OLD_XLA = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
-    ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_max_isa=AVX")
+    (("--xla_cpu_use_fusion_emitters=false",) if _OLD_XLA else ()) + ("--xla_cpu_max_isa=AVX",)
     if platform.machine().lower() in ("x86_64", "amd64") else ())
 for _flag in TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
