@@ -37,19 +37,21 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-# The longest tests (25-50 s each on one core of the 2-core CI machine, `--durations`): run
-# first, so that under pytest-xdist they overlap the short ones instead of ending the suite alone.
-LONG_TESTS = frozenset({
-    "test_quickstart_runs_the_readme_api_tour", "test_mosaic_prefill_variants_match_reference",
-    "test_auto_impl_plans_for_mosaic_and_falls_back_to_triton", "test_mosaic_class_matches_reference",
-    "test_fuzz_500", "test_horizon_plan_in_lax_scan_equals_separate_steps", "test_cascade_variant_positions",
-    "test_changing_prefix_structure_compiles_once", "test_capacity_plans_compile_once",
-    "test_serve_chunked_prefill_equals_unchunked", "test_mixed_kernel_matches_reference",
-    "test_paged_prefill_boundaries", "test_paged_prefill", "test_sharded_equals_one_device",
-    "test_two_processes_jax_distributed", "test_renorm_and_mask_match_reference",
-    "test_generate_tensor_parallel_on_host_devices",
-    "test_serve_tensor_parallel_on_host_devices", "test_rpa_v3_grid"})
+# The longest tests (about 6-50 s each on the 2-core machine with the flags above, `--durations`),
+# with those seconds: run first, longest first, so that under pytest-xdist they overlap the short
+# ones instead of ending the suite alone. They all start in the first worker's share (worksteal
+# hands out contiguous shares), so the generate.py sampling and TP tests run on one worker and
+# share their one-device runs (test_examples' _runs cache: the TP test's reference).
+LONG_TESTS = {
+    "test_sharded_equals_one_device": 50, "test_quickstart_runs_the_readme_api_tour": 30, "test_fuzz_500": 29,
+    "test_generate_sampling_deterministic_and_in_range": 13, "test_generate_tensor_parallel_on_host_devices": 24,
+    "test_rpa_v3_grid": 20, "test_mixed_kernel_matches_reference": 17, "test_ab_smoke_one_row": 13,
+    "test_mosaic_prefill_variants_match_reference": 12, "test_serve_tensor_parallel_on_host_devices": 12,
+    "test_mosaic_prefill_configs_lower_for_cuda": 11, "test_paged_prefill": 11,
+    "test_serve_chunked_prefill_equals_unchunked": 10, "test_bench_e2e_mixed_row_smoke": 9,
+    "test_batch_attention": 9, "test_two_processes_jax_distributed": 9, "test_mosaic_class_matches_reference": 8,
+    "test_cascade_variant_positions": 8, "test_paged_prefill_boundaries": 6}
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.originalname not in LONG_TESTS)  # stable: otherwise collection order
+    items.sort(key=lambda item: -LONG_TESTS.get(item.originalname, 0))  # stable: otherwise collection order
