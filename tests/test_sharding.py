@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import TEST_XLA_FLAGS
 
 import jaxinfer as ji
 from jaxinfer import sharding
@@ -24,8 +25,7 @@ _START = time.perf_counter()
 
 def _script(args, devices=8, timeout=TIMEOUT_S, extra_env=None):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                        "--xla_backend_optimization_level=0")
+    env["XLA_FLAGS"] = " ".join((f"--xla_force_host_platform_device_count={devices}",) + TEST_XLA_FLAGS)
     env.update(extra_env or {})
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
