@@ -186,16 +186,8 @@ def test_fp8_caches_with_scales_eager():
     o, ckv_out, kpe_out = jaxinfer.mla_ragged_paged_attention(
         qn, qp, nc, npe, ckv, kpe, kv, pi, cu, dist, sm_scale=SCALE, num_cells=CELLS, config=CONFIG,
         ckv_scale=1 / 3, kpe_scale=jnp.float32(0.25))
-    want_ckv = np.asarray(ckv).copy()
-    want_kpe = np.asarray(kpe).copy()
-    pps = _pages_per_seq(page_size)
-    for s in range(dist[2]):
-        q = cu[s + 1] - cu[s]
-        for i in range(q):
-            pos = kv[s] - q + i
-            page = pi[s * pps + pos // page_size]
-            want_ckv[page, pos % page_size] = np.asarray(jnp.asarray(nc[cu[s] + i]).astype(f8))
-            want_kpe[page, pos % page_size] = np.asarray(jnp.asarray(npe[cu[s] + i]).astype(f8))
+    want_ckv, want_kpe = expected_caches(np.asarray(ckv), np.asarray(kpe), np.asarray(nc), np.asarray(npe), kv, pi,
+                                         cu, dist, page_size)
     np.testing.assert_array_equal(_bits(ckv_out), _bits(want_ckv))
     np.testing.assert_array_equal(_bits(kpe_out), _bits(want_kpe))
     assert o.dtype == jnp.bfloat16
