@@ -7,6 +7,8 @@ tokens at or above a per-row threshold, ties at the boundary all kept: top_k <= 
 = 1 and min_p = 0 filter nothing. Eager calls reject NaN, +inf and rows with nothing to draw
 (ValueError); under jit such a row gives an unspecified token. docs/sampling.md has the details.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,9 +109,11 @@ def _run(name, x, *, filters, key=None, indices=None, top_k=None, top_p=None, mi
     seeds = _seeds(key, batch) if filters.sample else jnp.zeros((batch, 2), jnp.int32)
     if batch == 0:
         return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+    config = config or SamplingConfig()
+    if config.splits is None:  # an unfiltered draw's programs per row: two per SM in all
+        config = dataclasses.replace(config, splits=-(-2 * _backend.num_sms() // batch))
     return dispatch.sampling_row().kernel(x, rows, k, p, mp, inv_t, seeds, filters=filters,
-                                          interpret=_backend.use_interpret(backend),
-                                          config=config or SamplingConfig())
+                                          interpret=_backend.use_interpret(backend), config=config)
 
 
 # --- sampling ----------------------------------------------------------------------------------

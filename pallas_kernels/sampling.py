@@ -1,4 +1,5 @@
-"""Sorting-free sampling kernels: one program per output row, usually one pass over its vocabulary.
+"""Sorting-free sampling kernels: one program per output row, usually one pass over its vocabulary
+(an unfiltered draw: several programs per row, race_sample).
 
 Values y: probabilities, or logits times 1 / temperature. A filter keeps the tokens with y >= t
 for a per-row threshold t, every token tied at the boundary included (top-k, top-p, min-p).
@@ -13,6 +14,7 @@ exact multi-pivot search. docs/sampling.md has the details and the pass counts.
 """
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +35,12 @@ class SamplingConfig:
     """Tuning of the sampling kernel (one program per row): lanes per block, warps, pipeline
     stages of the block loads (H100, min-p from probs at B1 x 128256: 71.7 µs with 1 stage,
     41.6 with 3; block_v 8192 spills), values tracked per lane in pass 1, and rejection rounds
-    before the exact search."""
+    before the exact search. splits: programs per row of an unfiltered draw (None: jaxinfer.sampling
+    gives every SM two programs; the race is exact however a row is split)."""
     block_v: int = 4096
     num_warps: int = 16
     num_stages: int = 3
+    splits: Optional[int] = None
     track: int = 3
     max_rounds: int = 16
 
@@ -191,15 +195,6 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
 
     ninf_v = jnp.full((block_v,), -jnp.inf, jnp.float32)
     none_v = jnp.full((block_v,), vocab, jnp.int32)
-    tracked = filters.top_k or filters.top_p or filters.min_p
-    if not tracked:  # plain sampling: one race
-        def plain(j, carry):
-            y, cols, _ = load(j)
-            return race(carry, jnp.where(greedy, y, keys(y, cols, stream0)), cols)
-        tok = winner(*lax.fori_loop(0, num_blocks, plain, (ninf_v, none_v)))
-        tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
-        thr_ref[b] = jnp.where(greedy, ninf, ninf)  # traced: a constant store does not lower
-        return
 
     # Pass 1: the tracked values (a: descending, c: their columns), the largest dropped value,
     # the lane mass (logits: relative to the lane max a[0]) and the race over the whole row.
@@ -388,6 +383,65 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
     tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
 
 
+def _race_kernel(rows_ref, x_ref, invt_ref, seed_ref, key_ref, col_ref, *, from_logits, vocab, block_v,
+                 blocks_per_split, fast):
+    # rows_ref [B] int32: the input row of each output row; x_ref [R, V] probs or logits;
+    # invt_ref [B] f32; seed_ref [B, 2] int32; key_ref [B, S] f32 / col_ref [B, S] int32: the
+    # largest race key among split s's columns and its lowest column (V: none)
+    b, split = pl.program_id(0), pl.program_id(1)
+    row = rows_ref[b]
+    inv_t = invt_ref[b]
+    greedy = inv_t == 0
+    scale = jnp.where(greedy, 1.0, inv_t)
+    stream0 = _stream(seed_ref[b, 0], seed_ref[b, 1], 0)
+    lanes = jnp.arange(block_v, dtype=jnp.int32)
+
+    def block(j, carry):
+        best, idx = carry  # [block_v] f32, [block_v] int32
+        cols = j * block_v + lanes
+        x = plgpu.load(x_ref.at[row, cols], mask=cols < vocab, other=-jnp.inf).astype(jnp.float32)
+        y = x * scale if from_logits else x
+        r = jnp.where(greedy, y, race_keys(y, cols, stream0, logits=from_logits, fast=fast))
+        upd = r > best  # ties keep the earlier block: the lowest column wins
+        return jnp.where(upd, r, best), jnp.where(upd, cols, idx)
+
+    first = split * blocks_per_split
+    end = jnp.minimum(first + blocks_per_split, pl.cdiv(vocab, block_v))
+    best, idx = lax.fori_loop(first, end, block, (jnp.full((block_v,), -jnp.inf, jnp.float32),
+                                                  jnp.full((block_v,), vocab, jnp.int32)))
+    top = jnp.max(best)
+    key_ref[b, split] = top
+    col_ref[b, split] = jnp.min(jnp.where(best == top, idx, vocab))
+
+
+def race_sample(x, rows, inv_temp, seeds, *, from_logits, interpret, config=SamplingConfig()):
+    """One unfiltered draw per output row: tokens [B] int32 from row rows[b] of x [R, V], in
+    proportion to probabilities or to exp(logits x inv_temp) (inv_temp 0: the argmax, lowest
+    index among ties). Each row's columns are split among config.splits programs: every column
+    has its own race key (a hash of the row's seeds and the column), so the draw does not depend
+    on the split. A row with nothing drawable gives 0."""
+    batch, vocab = rows.shape[0], x.shape[1]
+    block_v = min(config.block_v, _common.next_pow2(vocab))
+    num_blocks = pl.cdiv(vocab, block_v)
+    splits = max(1, min(config.splits or 1, num_blocks))
+    blocks_per_split = pl.cdiv(num_blocks, splits)
+    splits = pl.cdiv(num_blocks, blocks_per_split)
+    kernel = functools.partial(_race_kernel, from_logits=from_logits, vocab=vocab, block_v=block_v,
+                               blocks_per_split=blocks_per_split, fast=not interpret)
+    keys, cols = pl.pallas_call(
+        kernel,
+        grid=(batch, splits),
+        out_shape=(jax.ShapeDtypeStruct((batch, splits), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, splits), jnp.int32)),
+        compiler_params=_common.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="jaxinfer_sampling_race",
+    )(rows, x, inv_temp, seeds)
+    top = jnp.max(keys, axis=1, keepdims=True)
+    tok = jnp.min(jnp.where(keys == top, cols, vocab), axis=1)  # the lowest column among ties
+    return jnp.where(tok < vocab, tok, 0)
+
+
 def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret,
                     config=SamplingConfig()):
     """Per output row b, one draw from row rows[b] of x (filters.sample) or its threshold.
@@ -397,6 +451,10 @@ def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, i
     Returns (tokens [B] int32, thresholds [B] f32: the row keeps tokens with y >= threshold,
     y = x * inv_temp for logits; -inf when nothing is filtered; when sampling, a lower bound)."""
     batch = rows.shape[0]
+    if filters.sample and not (filters.top_k or filters.top_p or filters.min_p):
+        tokens = race_sample(x, rows, inv_temp, seeds, from_logits=filters.from_logits, interpret=interpret,
+                             config=config)
+        return tokens, jnp.full((batch,), -jnp.inf, jnp.float32)
     vocab = x.shape[1]
     block_v = min(config.block_v, _common.next_pow2(vocab))
     kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v,
