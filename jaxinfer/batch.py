@@ -180,7 +180,7 @@ class BatchAttention:
             k_rows, v_rows = kv_cache.rows()
             o, lse = run_mixed_sections(
                 q, k_rows, v_rows, sec, plan.page_ids(sec, kv_cache.num_pages), lay, page_size=self.page_size,
-                num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale, causal=self.causal,
+                num_kv_heads=self.num_kv_heads, cache_layout=self.layout, sm_scale=self.sm_scale, causal=self.causal,
                 interpret=self.interpret, config=dispatch.config_for(
                     dispatch.IMPLEMENTATIONS_BY_NAME["batch_mosaic"], self.mixed_problem, self.configs),
                 padded=self.max_num_tokens is not None, need_lse=return_lse)

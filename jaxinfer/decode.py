@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxinfer import _backend, dispatch, transfer, variants
 from jaxinfer.cascade import MultiLevelCascadeAttention
-from jaxinfer.formats import (AttentionState, PagedKVCache, check_int32, check_layout, check_paged_cache, check_q,
+from jaxinfer.formats import (AttentionState, check_int32, check_layout, check_paged_cache, check_q,
                               default_sm_scale, is_concrete, kv_scales)
 from jaxinfer.plans import CascadePlan, DecodePlan, WrapperFacts
 from jaxinfer.prefill import auto_cascade_levels
@@ -149,8 +149,7 @@ class BatchDecodeWithPagedKVCache:
         out = AttentionState(*out) if return_lse else out
         if append_kv is None:
             return out
-        shape = kv_cache.k_pages.shape
-        return out, PagedKVCache(rows[0].reshape(shape), rows[1].reshape(shape), kv_cache.layout)
+        return out, kv_cache.with_rows(rows)
 
     def _check_append(self, q, kv_cache, append_kv, k_scale, v_scale):
         """append_kv as a (k, v) pair of [B, Hkv, D] arrays in the cache's dtype, or "from_q";

@@ -8,7 +8,8 @@ import numpy as np
 from planner import prefix as prefix_planner
 from planner import validate
 
-LAYOUTS = ("NHD", "HND")
+FUSED = "NHD_FUSED"  # K and V in one array (RPA v3's fused cache, reshaped): PagedKVCache.fused
+LAYOUTS = ("NHD", "HND", FUSED)
 
 
 class AttentionState(NamedTuple):
@@ -53,12 +54,18 @@ class PagedKVCache:
 
     NHD: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim]
     HND: k_pages, v_pages [num_pages, num_kv_heads, page_size, head_dim]
+    NHD_FUSED: one array kv_pages [num_pages, page_size, num_kv_heads, 2, head_dim], K of a
+    (page, slot, head) at [..., 0, :] and V at [..., 1, :] (PagedKVCache.fused): tpu-inference's
+    RPA v3 cache reshaped (compat.tpu_inference), read and written in place. As rows, K of NHD row
+    r is row 2r and V row 2r + 1 (pallas_kernels._common.kv_rows).
     v_pages' last axis (head_dim_vo) may differ from k_pages' (head_dim): prefill wrappers made
     with head_dim_vo read such caches (q, k of 192, v, o of 128: DeepSeek's prefill).
     """
 
     def __init__(self, k_pages, v_pages, layout="NHD"):
         check_layout(layout)
+        if layout == FUSED:
+            raise ValueError(f"a {FUSED} cache holds one array: PagedKVCache.fused(kv_pages)")
         if k_pages.shape[:-1] != v_pages.shape[:-1]:
             raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have one shape "
                              "(but for head_dim, the last axis)")
@@ -66,45 +73,80 @@ class PagedKVCache:
             raise ValueError(f"k_pages must be 4-D, got shape {k_pages.shape}")
         if k_pages.dtype != v_pages.dtype:
             raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} must have one dtype")
-        self.k_pages, self.v_pages, self.layout = k_pages, v_pages, layout
+        self.arrays, self.layout = (k_pages, v_pages), layout
+
+    @classmethod
+    def fused(cls, kv_pages):
+        """The NHD_FUSED cache of kv_pages [num_pages, page_size, num_kv_heads, 2, head_dim]."""
+        if kv_pages.ndim != 5 or kv_pages.shape[3] != 2:
+            raise ValueError(f"kv_pages must be [num_pages, page_size, num_kv_heads, 2, head_dim], got shape "
+                             f"{kv_pages.shape}")
+        return cls.tree_unflatten(FUSED, (kv_pages,))
+
+    @property
+    def kv_pages(self):
+        """An NHD_FUSED cache's one array [num_pages, page_size, num_kv_heads, 2, head_dim]."""
+        if self.layout != FUSED:
+            raise ValueError(f"kv_pages: a {self.layout} cache holds k_pages and v_pages")
+        return self.arrays[0]
+
+    @property
+    def k_pages(self):
+        """K pages (NHD_FUSED: a strided slice of kv_pages, which XLA copies unless fused into its reader)."""
+        return self.arrays[0][..., 0, :] if self.layout == FUSED else self.arrays[0]
+
+    @property
+    def v_pages(self):
+        return self.arrays[0][..., 1, :] if self.layout == FUSED else self.arrays[1]
 
     @property
     def num_pages(self):
-        return self.k_pages.shape[0]
+        return self.arrays[0].shape[0]
 
     @property
     def page_size(self):
-        return self.k_pages.shape[1 if self.layout == "NHD" else 2]
+        return self.arrays[0].shape[2 if self.layout == "HND" else 1]
 
     @property
     def num_kv_heads(self):
-        return self.k_pages.shape[2 if self.layout == "NHD" else 1]
+        return self.arrays[0].shape[1 if self.layout == "HND" else 2]
 
     @property
     def head_dim(self):
-        return self.k_pages.shape[3]
+        return self.arrays[0].shape[-1]
 
     @property
     def head_dim_vo(self):
-        return self.v_pages.shape[3]
+        return self.arrays[-1].shape[-1]
 
     @property
     def dtype(self):
-        return self.k_pages.dtype
+        return self.arrays[0].dtype
 
     def rows(self):
         """K and V viewed as [num_pages * page_size * num_kv_heads, head_dim (V: head_dim_vo)] (a
-        free reshape)."""
-        return (self.k_pages.reshape(-1, self.head_dim), self.v_pages.reshape(-1, self.head_dim_vo))
+        free reshape) for the kernels' reads. NHD_FUSED: the one array as rows [num_pages *
+        page_size * num_kv_heads * 2, head_dim], twice (K at even rows, V at odd ones)."""
+        if self.layout == FUSED:
+            return self.stored_rows() * 2
+        return self.stored_rows()
+
+    def stored_rows(self):
+        """The stored arrays as rows (a free reshape), each once: (K rows, V rows), or NHD_FUSED's
+        (KV rows,). Writers update these (an array aliased twice would be copied)."""
+        return tuple(x.reshape(-1, x.shape[-1]) for x in self.arrays)
+
+    def with_rows(self, rows):
+        """This cache with its stored arrays replaced by rows (stored_rows' shapes): a free reshape."""
+        return self.tree_unflatten(self.layout, tuple(r.reshape(x.shape) for r, x in zip(rows, self.arrays)))
 
     def tree_flatten(self):
-        return (self.k_pages, self.v_pages), self.layout
+        return self.arrays, self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
         obj = object.__new__(cls)
-        obj.k_pages, obj.v_pages = children
-        obj.layout = layout
+        obj.arrays, obj.layout = tuple(children), layout
         return obj
 
     def __repr__(self):

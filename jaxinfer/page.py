@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend
-from jaxinfer.formats import PagedKVCache, check_int32, is_concrete
+from jaxinfer.formats import FUSED, PagedKVCache, check_int32, is_concrete
 from pallas_kernels import _common, kv_write
 from planner import validate
 
@@ -94,14 +94,15 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
 def write_slots(kv_cache, page, slot, k_new, v_new, *, interpret=None):
     """The cache with rows k_new / v_new [n, Hkv, D] written at (page[i], slot[i]); rows whose page
     is out of range (e.g. num_pages, for padding) are dropped. One kernel writes K and V
-    (pallas_kernels/kv_write.py); interpret: its interpreter (default: where no GPU runs it)."""
+    (pallas_kernels/kv_write.py), into either layout's arrays in place (NHD_FUSED: its one array);
+    interpret: its interpreter (default: where no GPU runs it)."""
     n, hkv, d = k_new.shape
     heads = jnp.arange(hkv, dtype=jnp.int32)
-    dest = _common.kv_rows(slot[:, None], page[:, None], kv_cache.page_size, hkv, heads[None, :], kv_cache.layout)
+    dest = _common.page_row(slot[:, None], page[:, None], kv_cache.page_size, hkv, heads[None, :], kv_cache.layout)
     dest = jnp.where((page >= 0)[:, None] & (page < kv_cache.num_pages)[:, None], dest, -1)  # [n, Hkv]
-    k_rows, v_rows = kv_cache.rows()
-    k_rows, v_rows = kv_write.write_rows(
-        k_rows, v_rows, dest.reshape(n * hkv), k_new.reshape(n * hkv, d), v_new.reshape(n * hkv, d),
-        interpret=_backend.use_interpret(None) if interpret is None else interpret)
-    shape = kv_cache.k_pages.shape
-    return PagedKVCache(k_rows.reshape(shape), v_rows.reshape(shape), kv_cache.layout)
+    interpret = _backend.use_interpret(None) if interpret is None else interpret
+    dest, k_new, v_new = dest.reshape(n * hkv), k_new.reshape(n * hkv, d), v_new.reshape(n * hkv, d)
+    if kv_cache.layout == FUSED:
+        (kv_rows,) = kv_cache.stored_rows()
+        return kv_cache.with_rows((kv_write.write_fused_rows(kv_rows, dest, k_new, v_new, interpret=interpret),))
+    return kv_cache.with_rows(kv_write.write_rows(*kv_cache.stored_rows(), dest, k_new, v_new, interpret=interpret))

@@ -18,7 +18,8 @@ def run_decode_sections(q, k_rows, v_rows, sec, kv_indices, kv_lens, layout, *, 
     before any variant output transform. out (optional): (o [N, Hq, D], lse [N, Hq]) whose rows the
     plan does not write are kept (updated in place). append (optional): (k, v) [N, Hkv, D], each
     request's new row, written at position kv_lens - 1 by the decode kernel itself
-    (decode_kernels.paged_decode); then returns (o, lse, k_rows, v_rows), the cache updated;
+    (decode_kernels.paged_decode); then returns (o, lse, *rows), rows the cache's updated stored
+    rows (PagedKVCache.stored_rows);
     append="from_q": q [N, Hq + 2 Hkv, D] holds them after its query heads."""
     n, hq, d = q.shape
     if isinstance(append, str):
@@ -77,8 +78,8 @@ def run_short_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
         out=out)
 
 
-def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size, num_kv_heads, sm_scale,
-                       causal, interpret, config, padded, need_lse):
+def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size, num_kv_heads, cache_layout,
+                       sm_scale, causal, interpret, config, padded, need_lse):
     """A mixed plan (planner.batch.plan_mixed: query tiles and packed tiles) in one Mosaic GPU
     launch. padded: q may have rows past the step (capacities), set to o = 0. Returns (o [N, Hq, D],
     lse [N, Hq] gathered from the kernel's slots, or None without need_lse)."""
@@ -87,7 +88,7 @@ def run_mixed_sections(q, k_rows, v_rows, sec, kv_indices, layout, *, page_size,
     group, T = hq // num_kv_heads, layout.tile_tokens
     o, lse_items, _ = prefill_mosaic.prefill_mosaic(  # (no tail slots: its o_tail is 8 unused rows)
         q, k_rows, v_rows, kv_indices, sec["items"].reshape(-1, layout.ITEMS.width), sec["cell_indptr"], 8,
-        page_size=page_size, num_kv_heads=num_kv_heads, layout="NHD", sm_scale=sm_scale, causal=causal,
+        page_size=page_size, num_kv_heads=num_kv_heads, layout=cache_layout, sm_scale=sm_scale, causal=causal,
         block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps, pipeline=config.pipeline,
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, interpret=interpret,
         packed_tokens=layout.tokens_per_item, num_lse_slots=layout.num_lse_slots, columns=MIXED,

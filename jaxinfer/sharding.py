@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.batch import BatchAttention
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
-from jaxinfer.formats import AttentionState, PagedKVCache
+from jaxinfer.formats import FUSED, AttentionState, PagedKVCache
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache
 from jaxinfer.ragged import ragged_paged_attention
 from planner import validate
@@ -80,8 +80,8 @@ def replicate_kv_heads(x, replicas):
     """KV head h repeated as heads h * replicas .. h * replicas + replicas - 1: the head layout
     of a cache (PagedKVCache) or new K/V rows ([T, Hkv, D]) under TP with fewer KV heads than devices."""
     if isinstance(x, PagedKVCache):
-        axis = 2 if x.layout == "NHD" else 1
-        return PagedKVCache(jnp.repeat(x.k_pages, replicas, axis), jnp.repeat(x.v_pages, replicas, axis), x.layout)
+        axis = 1 if x.layout == "HND" else 2
+        return x.tree_unflatten(x.layout, tuple(jnp.repeat(a, replicas, axis) for a in x.arrays))
     return jnp.repeat(x, replicas, axis=1)
 
 
@@ -92,8 +92,10 @@ def head_spec(tp_axis):
 
 def cache_spec(layout, *, tp_axis=None, cp_axis=None):
     """PartitionSpec of the cache's page arrays: KV heads on tp_axis, pages on cp_axis (None:
-    replicated). NHD [P, page, Hkv, D]; HND [P, Hkv, page, D]."""
-    return P(cp_axis, None, tp_axis, None) if layout == "NHD" else P(cp_axis, tp_axis, None, None)
+    replicated). NHD [P, page, Hkv, D]; HND [P, Hkv, page, D]; NHD_FUSED [P, page, Hkv, 2, D]."""
+    if layout == "HND":
+        return P(cp_axis, tp_axis, None, None)
+    return P(cp_axis, None, tp_axis, None, None) if layout == FUSED else P(cp_axis, None, tp_axis, None)
 
 
 def put(tree, sharding):

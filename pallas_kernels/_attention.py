@@ -23,10 +23,10 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     read in the same blocks and q.K summed over them (no query / key transforms or kv_pairs).
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
-    at slot t % page_size; with kv_indices_ref None, K/V are contiguous rows
-    [tokens, Hkv, D] and token t is row page_base + t. Blocks of block_kv tokens
-    run in three phases: n_head masked, n_plain unmasked (wholly inside the range
-    and visible to every row), then masked to the end. Masked loads of tokens past
+    at slot t % page_size (its K and V rows: _common.kv_rows of the cache layout); with
+    kv_indices_ref None, K/V are contiguous rows [tokens, Hkv, D] and token t is row page_base + t.
+    Blocks of block_kv tokens run in three phases: n_head masked, n_plain unmasked (wholly inside
+    the range and visible to every row), then masked to the end. Masked loads of tokens past
     n_tok touch no memory (only the request's own pages are read); visible_fn(tok
     [BK]) -> bool [M, BK] (optional) hides keys from rows (causal, custom masks),
     and so does the variant's logits_mask.
@@ -88,14 +88,14 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
         valid = offs < n_tok
         if kv_indices_ref is None:
             page_ids = None
-            rows = (page_base + tok) * num_kv_heads + head
+            k_rows = v_rows = (page_base + tok) * num_kv_heads + head
         else:
             page_pos = page_base + tok // page_size
             page_ids = (_common.load_rows(kv_indices_ref, page_pos, valid) if masked
                         else kv_indices_ref[page_pos])
-            rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
-        k = tuple(load(k_ref, rows, valid, masked, cols) for cols in columns)  # [BK, D] (or its column blocks)
-        v = load(v_ref, rows, valid, masked)  # [BK, Dv]
+            k_rows, v_rows = _common.kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout)
+        k = tuple(load(k_ref, k_rows, valid, masked, cols) for cols in columns)  # [BK, D] (or its column blocks)
+        v = load(v_ref, v_rows, valid, masked)  # [BK, Dv]
         if pairs:  # [BK, D / 2] pairs (zero-filled) -> even, odd columns
             ks, vs = _common.widen_fp8_pairs(k[0], kv_pairs), _common.widen_fp8_pairs(v, kv_pairs)
         elif widen:

@@ -215,13 +215,27 @@ def dispatch(implementations, impl, name):
     return implementations[impl]
 
 
-def kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout):
-    """Row index into K/V viewed as [num_pages * page_size * Hkv, D] for tokens at
-    slot tok % page_size of pages page_ids, kv head `head`."""
+def page_row(tok, page_ids, page_size, num_kv_heads, head, layout):
+    """The row of tokens at slot tok % page_size of pages page_ids, kv head `head`, in the cache
+    viewed as [num_pages * page_size * Hkv, D] (NHD_FUSED numbers its rows as NHD: see kv_row_pair)."""
     slot = tok % page_size
-    if layout == "NHD":  # [pages, P, Hkv, D]
-        return (page_ids * page_size + slot) * num_kv_heads + head
-    return (page_ids * num_kv_heads + head) * page_size + slot  # HND: [pages, Hkv, P, D]
+    if layout == "HND":  # [pages, Hkv, P, D]
+        return (page_ids * num_kv_heads + head) * page_size + slot
+    return (page_ids * page_size + slot) * num_kv_heads + head  # NHD [pages, P, Hkv, D]
+
+
+def kv_row_pair(row, layout):
+    """A page_row -> (K row, V row) into the cache's K and V rows (PagedKVCache.rows): the row
+    itself in both for NHD and HND; NHD_FUSED ([pages, P, Hkv, 2, D]: one array of K and V
+    interleaved, as rows [num_pages * page_size * Hkv * 2, D]) has K at 2 row and V at 2 row + 1."""
+    if layout == "NHD_FUSED":
+        return 2 * row, 2 * row + 1
+    return row, row
+
+
+def kv_rows(tok, page_ids, page_size, num_kv_heads, head, layout):
+    """(K row, V row) of tokens at slot tok % page_size of pages page_ids, kv head `head`."""
+    return kv_row_pair(page_row(tok, page_ids, page_size, num_kv_heads, head, layout), layout)
 
 
 def store_rows(ref, rows, val, row_mask):

@@ -19,17 +19,21 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _attention, _common
 
-K_ROWS_ARG = 5  # the kernel's argument k_rows (v_rows next): aliased to outputs when appending
+K_ROWS_ARG = 5  # the kernel's argument k_rows (v_rows next, unless fused): aliased to outputs when appending
 
 
-def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref, v_ref,
+def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_ref, k_ref,
                    *refs, num_qo_heads, num_kv_heads, group, rows, columns, causal, has_scales, variant, cell_offset,
                    param_tree, heads_fastest, has_out, has_parts, has_append, append_in_q, q_stride, **attend_kw):
+    fused = attend_kw["layout"] == "NHD_FUSED"  # K and V rows in the one array k_ref
+    v_ref, refs = (k_ref, refs) if fused else (refs[0], refs[1:])
     scale_refs, refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
     # refs: [params..., (k_new, v_new), (o, lse aliased), (o_part, lse_part aliased)] inputs, then the outputs
-    # o, lse, o_part, lse_part, (k_rows, v_rows aliased).
-    outs, refs = (refs[-6:], refs[:-6]) if has_append else ((*refs[-4:], None, None), refs[:-4])
-    o_ref, lse_ref, o_part_ref, lse_part_ref, k_out_ref, v_out_ref = outs
+    # o, lse, o_part, lse_part, (k_rows, v_rows aliased; fused: kv_rows).
+    cache_outs = has_append * (1 if fused else 2)
+    outs, refs = refs[len(refs) - 4 - cache_outs:], refs[:len(refs) - 4 - cache_outs]
+    o_ref, lse_ref, o_part_ref, lse_part_ref, *cache_out_refs = outs
+    k_out_ref, v_out_ref = (cache_out_refs * 2 if fused else cache_out_refs) if has_append else (None, None)
     refs = refs[:len(refs) - 2 * (has_out + has_parts)]
     if has_append and not append_in_q:
         (k_new_ref, v_new_ref), param_refs = refs[-2:], refs[:-2]
@@ -125,10 +129,10 @@ def _append_token(acc, m, l, q, k_new_ref, v_new_ref, k_new_row, v_new_row, k_ou
     alpha, p = _common.exp2(m - m_safe), _common.exp2(s - m_safe)
     acc = acc * alpha[:, None] + p[:, None] * v.astype(jnp.float32)
     page = kv_indices_ref[jnp.where(owns, page_base + last // page_size, 0)]
-    row = jnp.full(r.shape, _common.kv_rows(last, page, page_size, num_kv_heads, head, layout))
+    k_row, v_row = _common.kv_rows(last, page, page_size, num_kv_heads, head, layout)
     write = own_rows & (r == 0)  # one tile row writes the K/V row
-    _common.store_rows(k_out_ref, row, k, write)
-    _common.store_rows(v_out_ref, row, v, write)
+    _common.store_rows(k_out_ref, jnp.full(r.shape, k_row), k, write)
+    _common.store_rows(v_out_ref, jnp.full(r.shape, v_row), v, write)
     return acc, m_new, l * alpha + p
 
 
@@ -163,7 +167,8 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     """Runs the decode work list.
 
     q [N, Hq, D] (N = B for one token per request); k_rows/v_rows: the cache viewed as
-    [num_pages*page_size*Hkv, D] (q's dtype, or fp8); kv_indices int32[*]; kv_lens int32[B]
+    [num_pages*page_size*Hkv, D] (q's dtype, or fp8; layout NHD_FUSED: one array of K and V rows
+    [num_pages*page_size*Hkv*2, D] as both, passed to the kernel once); kv_indices int32[*]; kv_lens int32[B]
     (live lengths); items int32[W, columns.width], columns naming its fields (work_items.DECODE,
     or DECODE_MULTI for items of up to tokens_per_item query tokens of one request, causal
     bottom-right unless causal=False); cell_indptr int32[num_cells + 1], or with cells=(offset,
@@ -182,7 +187,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     then its new key heads then its new value heads (a fused QKV projection's output), read in
     place.
     Returns flat (o [N*Hq, D], lse [N*Hq], o_part [num_parts*Hq, D] f32,
-    lse_part [num_parts*Hq]), then with append the new (k_rows, v_rows); rows of o that no
+    lse_part [num_parts*Hq]), then with append the new (k_rows, v_rows) (NHD_FUSED: kv_rows); rows of o that no
     writethrough item covers are left for the caller's merge (or keep out's values).
     """
     n, q_stride, d = q.shape
@@ -198,6 +203,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
     cell_offset, num_cells = (0, cell_indptr.shape[0] - 1) if cells is None else cells
     block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, config.num_stages)
     kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant, config.fp8_pairs)
+    cache = (k_rows,) if layout == "NHD_FUSED" else (k_rows, v_rows)  # (fused: k_rows holds V too)
     leaves, treedef, scalar = _common.flatten_params(params)
     kernel = functools.partial(
         _decode_kernel, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group=group,
@@ -207,7 +213,7 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         block_kv=block_kv, sm_scale=sm_scale, kv_pairs=kv_pairs, heads_fastest=heads_fastest,
         has_out=out is not None, has_parts=parts is not None, has_append=append is not None,
         append_in_q=append_in_q, q_stride=q_stride)
-    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), k_rows, v_rows,  # (K_ROWS_ARG)
+    args = [items, cell_indptr, kv_lens, kv_indices, q.reshape(n * q_stride, d), *cache,  # (K_ROWS_ARG)
             *(scales or ()), *leaves]
     out_shape = [
         jax.ShapeDtypeStruct((n * num_qo_heads, d), q.dtype),  # o (writethrough)
@@ -216,10 +222,10 @@ def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, 
         jax.ShapeDtypeStruct((num_parts * num_qo_heads,), jnp.float32),  # partial lse
     ]
     aliases = {}
-    if append is not None:  # the cache, written in place: k_rows, v_rows (args 5, 6) are outputs 4, 5
+    if append is not None:  # the cache, written in place: its arrays (args 5, 6 or 5) are outputs 4, 5 (or 4)
         args += [] if append_in_q else [x.reshape(n * num_kv_heads, d) for x in append]
-        out_shape += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
-        aliases = {K_ROWS_ARG: 4, K_ROWS_ARG + 1: 5}
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache]
+        aliases = {K_ROWS_ARG + i: 4 + i for i in range(len(cache))}
     extra = [*(out or ()), *(parts or ())]  # aliased in place: o, lse, then o_part, lse_part
     for i, slot in enumerate((0, 1) * (out is not None) + (2, 3) * (parts is not None)):
         aliases[len(args) + i] = slot

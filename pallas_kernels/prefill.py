@@ -228,8 +228,8 @@ def mosaic_limits(*, head_dim=64, page_size=None, block_kv=128, layout="NHD", q_
     """Why the Mosaic GPU kernel cannot run these (None when it can): its one list of limits,
     which jaxinfer.dispatch asks too. page_size None: contiguous K/V; dtypes, sm_scale None: not
     known yet; head_dim_vo (V and o's head_dim) None: head_dim."""
-    if layout != "NHD":
-        return f"layout must be 'NHD', got {layout!r}"
+    if layout not in ("NHD", "NHD_FUSED"):
+        return f"layout must be 'NHD' or 'NHD_FUSED', got {layout!r}"
     if head_dim_vo is not None and head_dim_vo != head_dim:
         return f"head_dim_vo ({head_dim_vo}) must equal head_dim ({head_dim}) (Triton runs them)"
     if head_dim % 64:

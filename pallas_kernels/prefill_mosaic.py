@@ -81,12 +81,15 @@ class LastPages:
     length: jax.Array  # [R] int32: its keys in that page (0: no copy needed; slots >= length zeroed)
 
     def sanitized_v(self, v):
-        """v [P, S, Hkv, D] -> [R, S, Hkv, D]: each last page's V, slots past its keys zeroed."""
+        """v [P, S, Hkv, D], or an NHD_FUSED cache [P, S, Hkv, 2, D] (V at [..., 1, :]) -> [R, S, Hkv,
+        D]: each last page's V, slots past its keys zeroed."""
         slot = jnp.arange(v.shape[1], dtype=jnp.int32)
         live = slot[None, :, None, None] < self.length[:, None, None, None]
         # pages as rows of [P, S * Hkv * D]: a row gather (H100: 8 µs for 64 pages, 22 µs as v[page])
-        pages = jnp.take(v.reshape(v.shape[0], -1), self.page, axis=0, mode="clip")
-        return jnp.where(live, pages.reshape(live.shape[:1] + v.shape[1:]), jnp.zeros((), v.dtype))
+        pages = jnp.take(v.reshape(v.shape[0], -1), self.page, axis=0, mode="clip").reshape((-1,) + v.shape[1:])
+        if v.ndim == 5:  # fused: V of the gathered pages only
+            pages = pages[..., 1, :]
+        return jnp.where(live, pages, jnp.zeros((), v.dtype))
 
 
 def _row_max(s, tree):
@@ -106,13 +109,14 @@ def _compute_registers(compute_wgs):
 
 
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, q_pos_ref, params,
-            o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, page_size, block_kv,
+            o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, fused, page_size, num_kv_heads, block_kv,
             max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
             persistent, packed_tokens, columns):
+    # fused: k_ref and v_ref are one NHD_FUSED cache [P, S, Hkv, 2, D] (K at [..., 0, :], V at 1)
     tile_tokens = compute_wgs * WG_ROWS
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
-    group = num_qo_heads // k_ref.shape[-2]
+    group = num_qo_heads // num_kv_heads
     mixed = packed_tokens > 0
     smem, (k_bar, v_bar, q_bar, *qp_bar), (k_free, v_free), sched = scoped
     q_smem2, k_smem, v_smem, lse_smem2, *extra_smem = smem
@@ -548,6 +552,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
         page_base, kv_len, kv_begin, tile_steps, kv_head = f.page_base, f.kv_len, f.kv_begin, f.tile_steps, f.kv_head
         pages_per_block = max(1, block_kv // page_size)
         rows_per_copy = min(page_size, block_kv)
+        k_part, v_part = ((0,), (1,)) if fused else ((), ())  # appended to a K / V source index
         last_page = page_base + pl.cdiv(kv_len, jnp.int32(page_size)) - 1  # in kv_indices
 
         def first_tok(step, i):  # the first key of copy i of block `step`
@@ -565,18 +570,18 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
                       pl.ds(lax.rem(first_tok(step, i), jnp.int32(page_size)), rows_per_copy), kv_head),
                      pl.ds(i * rows_per_copy, rows_per_copy)) for i in range(pages_per_block)]  # one TMA per page
 
-        def copy(srcs, slot, ref, smem, bar):
+        def copy(srcs, slot, ref, part, smem, bar):
             for src, dst in srcs:
-                plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot, dst], bar.at[slot])
+                plgpu.copy_gmem_to_smem(ref.at[src + part], smem.at[slot, dst], bar.at[slot])
 
         def copy_v(step, srcs, slot, final):
             """V of block `step`. Only an item's final block can reach its last page: there (final),
             a sanitized last page comes from v_last (positions recomputed: the memory warpgroup
             has few registers). Other blocks copy with no branch (branches there cost 6-11%)."""
             if not final or f.last_row is None:
-                return copy(srcs, slot, v_ref, v_smem, v_bar)
+                return copy(srcs, slot, v_ref, v_part, v_smem, v_bar)
             reaches = (f.last_row >= 0) & (position(step, pages_per_block - 1) == last_page)
-            pl.when(~reaches)(lambda: copy(srcs, slot, v_ref, v_smem, v_bar))
+            pl.when(~reaches)(lambda: copy(srcs, slot, v_ref, v_part, v_smem, v_bar))
 
             @pl.when(reaches)
             def _():
@@ -590,13 +595,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
 
                     @pl.when(~at_last)
                     def _():
-                        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(v_ref.at[src + v_part], v_smem.at[slot, dst], v_bar.at[slot])
 
         def fill(step, final, wait):  # block `step` into its slot, once free (wait: it was used before)
             slot = step if isinstance(step, int) else lax.rem(step, jnp.int32(slots))
             srcs = sources(step)
             pl.when(wait)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-            copy(srcs, slot, k_ref, k_smem, k_bar)
+            copy(srcs, slot, k_ref, k_part, k_smem, k_bar)
             pl.when(wait)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             copy_v(step, srcs, slot, final)
 
@@ -642,7 +647,8 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                    pipeline="pingpong", tree_max=False, compute_wgs=2,
                    variant=None, params=None, q_pos=None, interpret=False, row_stores=False,
                    persistent=False, packed_tokens=0, num_lse_slots=None, last_pages=None, columns):
-    """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (NHD), or
+    """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (layout NHD), one
+    array [num_pages * page_size * Hkv * 2, D] as both (NHD_FUSED: K and V interleaved), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
     attention variant (no query / key transforms), its parameters and each query token's
     position. row_stores: every request starts at an 8-aligned row of q with its tiles at
@@ -678,18 +684,19 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     # TMA zero-fills reads past an array's end; the interpreter rejects them.
     tile_tokens = compute_wgs * WG_ROWS
     q_in = _pad_rows(q, nnz_pad + (tile_tokens if interpret else 0))
-    if layout != "NHD":
-        raise ValueError(f"prefill impl='mosaic': layout must be 'NHD', got {layout!r}")
+    if layout not in ("NHD", "NHD_FUSED"):
+        raise ValueError(f"prefill impl='mosaic': layout must be 'NHD' or 'NHD_FUSED', got {layout!r}")
     contiguous = kv_indices is None
+    fused = layout == "NHD_FUSED" and not contiguous
     if contiguous:
         k = k_rows.reshape(-1, num_kv_heads, d)
         v = v_rows.reshape(-1, num_kv_heads, d)
         kv_pad = _round_up(k.shape[0], 8) + (block_kv if interpret else 0)
         k, v = _pad_rows(k, kv_pad), _pad_rows(v, kv_pad)
         kv_indices = jnp.zeros((1,), jnp.int32)
-    else:
-        k = k_rows.reshape(-1, page_size, num_kv_heads, d)
-        v = v_rows.reshape(-1, page_size, num_kv_heads, d)
+    else:  # pages [P, S, Hkv, D] (fused: the one array [P, S, Hkv, 2, D] as both)
+        kv_shape = (-1, page_size, num_kv_heads) + ((2,) if fused else ()) + (d,)
+        k, v = k_rows.reshape(kv_shape), v_rows.reshape(kv_shape)
     last = [] if last_pages is None or not mixed or contiguous else [last_pages.sanitized_v(v)]
     num_cells = cell_indptr.shape[0] - 1
     if interpret and num_cells > 2:
@@ -734,8 +741,8 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
             lambda *scoped: _kernel(
                 items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, q_pos_ref,
                 None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
-                o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous,
-                page_size=page_size, block_kv=block_kv, max_steps=max_concurrent_steps,
+                o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous, fused=fused,
+                page_size=page_size, num_kv_heads=num_kv_heads, block_kv=block_kv, max_steps=max_concurrent_steps,
                 sm_scale=sm_scale, variant=variant, interpret=interpret, row_stores=row_stores,
                 pipeline=pipeline, tree_max=tree_max, compute_wgs=compute_wgs, persistent=persistent,
                 packed_tokens=packed_tokens, columns=columns),

@@ -65,3 +65,26 @@ def page_table(rng, kv_lens, page_size, extra_pages=3):
 def random_cache(rng, num_pages, page_size, hkv, d, dtype, layout="NHD"):
     shape = (num_pages, page_size, hkv, d) if layout == "NHD" else (num_pages, hkv, page_size, d)
     return ji.PagedKVCache(randn(rng, shape, dtype), randn(rng, shape, dtype), layout)
+
+
+def fused(cache):
+    """An NHD cache's K and V as one NHD_FUSED cache [num_pages, page_size, Hkv, 2, D]."""
+    return ji.PagedKVCache.fused(jnp.stack([cache.k_pages, cache.v_pages], axis=3))
+
+
+def poison_pages(cache, kv_indptr, kv_indices, kv_last_page_len):
+    """The cache (any layout) with NaN in every page the table does not list and in every slot past
+    kv_last_page_len in a request's last page (memory no kernel may read)."""
+    k, v = np.array(cache.k_pages), np.array(cache.v_pages)
+    listed = kv_indices[: kv_indptr[-1]]
+    unlisted = np.setdiff1d(np.arange(cache.num_pages), listed)
+    k[unlisted], v[unlisted] = np.nan, np.nan
+    for b in range(len(kv_indptr) - 1):
+        if kv_indptr[b + 1] > kv_indptr[b]:
+            last = kv_indices[kv_indptr[b + 1] - 1]
+            tail = (last, slice(None), slice(kv_last_page_len[b], None)) if cache.layout == "HND" else \
+                (last, slice(kv_last_page_len[b], None))
+            k[tail], v[tail] = np.nan, np.nan
+    if cache.layout == "NHD_FUSED":
+        return ji.PagedKVCache.fused(jnp.asarray(np.stack([k, v], axis=3)))
+    return ji.PagedKVCache(jnp.asarray(k), jnp.asarray(v), cache.layout)

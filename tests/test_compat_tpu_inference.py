@@ -656,6 +656,58 @@ def test_jit_with_donation_compiles_once_and_matches():
     assert step._cache_size() == 1
 
 
+@pytest.mark.parametrize("hd64", [False, True])
+def test_unpadded_cache_runs_in_place(monkeypatch, hd64):
+    """A cache without padding (head_dim 128, 2 Hkv a multiple of p; the hd64 variant's with Hkv a
+    multiple of p) is jaxinfer's NHD_FUSED layout of the same buffer (fused_view): the whole cache
+    reaches ragged_paged_attention, which writes into it (donated), and no page is split out (a copy);
+    out and the cache equal the copy path's (fused_view off) bit for bit. NaN past each kv_len and in
+    unlisted pages (_inputs)."""
+    from jaxinfer import ragged
+    entry = tpu_inference.ragged_paged_attention_hd64 if hd64 else tpu_inference.ragged_paged_attention
+    split_name = "split_kv_hd64" if hd64 else "split_kv"
+    split, real = getattr(tpu_inference, split_name), ragged.ragged_paged_attention
+    caches = []  # the cache each trace hands to ragged_paged_attention
+    monkeypatch.setattr(ragged, "ragged_paged_attention", lambda *a, **kw: (caches.append(a[3]), real(*a, **kw))[1])
+
+    def call():
+        tpu_inference._run.clear_cache()  # (a new trace under each patch)
+        args = _inputs([(3, 20), (1, 9), (6, 6)], (4, 2), 64 if hd64 else 128, 16, jnp.float32, jnp.float32, 12,
+                       max_num_batched_tokens=16, max_num_seq=4, hd64=hd64)
+        out, cache = entry(*args, num_ctas=NUM_CTAS)
+        return args[3], _f32(out), _f32(cache)
+
+    def no_split(*a):
+        raise AssertionError("the in-place path split the cache")
+
+    monkeypatch.setattr(tpu_inference, split_name, no_split)
+    before, out, cache = call()
+    assert before.is_deleted()  # donated: the returned cache is the same buffer, updated
+    assert caches[-1].layout == "NHD_FUSED" and caches[-1].num_pages == 12
+    monkeypatch.setattr(tpu_inference, split_name, split)
+    monkeypatch.setattr(tpu_inference, "fused_view", lambda *a: None)
+    _, want_out, want_cache = call()
+    assert caches[-1].layout == "NHD"  # the copy path
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(cache, want_cache)  # (NaN == NaN)
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads,head_dim,free", [
+    (jnp.bfloat16, 2, 128, True), (jnp.float8_e4m3fn, 2, 256, True), (jnp.float8_e4m3fn, 3, 128, False),
+    (jnp.bfloat16, 2, 64, False)])
+def test_fused_view_only_without_padding(dtype, num_kv_heads, head_dim, free):
+    """fused_view: the cache's K / V heads as an NHD_FUSED PagedKVCache of the same values where the
+    layout has no padding (else None, the copy path)."""
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.random((3, 16, num_kv_heads, head_dim), np.float32)).astype(dtype) for _ in "kv")
+    view = tpu_inference.fused_view(tpu_inference.merge_kv(k, v), num_kv_heads, head_dim)
+    assert (view is not None) == free
+    if free:
+        assert view.layout == "NHD_FUSED"
+        np.testing.assert_array_equal(_f32(view.k_pages), _f32(k))
+        np.testing.assert_array_equal(_f32(view.v_pages), _f32(v))
+
+
 def _small_decode_first(dist):
     """_small's shapes, another composition: a decode sequence, then a chunk."""
     return _inputs([(1, 30), (5, 12)], (4, 2), 64, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16,

@@ -1,12 +1,14 @@
 """ragged_paged_attention (device-planned, fused KV write) in interpret mode, against
 jaxinfer.reference over a cache written by a NumPy scatter, and float64 NumPy for one case."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxinfer as ji
-from helpers import TOL, np64_attention, randn, rel_err
+from helpers import TOL, fused, np64_attention, poison_pages, randn, rel_err
 from jaxinfer import ragged, ragged_plan
 from planner import batch as batch_planner
 from planner.work_items import MIXED
@@ -22,7 +24,8 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
           poison=True, heads=(HQ, HKV, D), dtype=jnp.float32):
     """A random step: valid sequences q_lens / cached (kv_len = cached + q_len), padded to
     seq_cap sequences and tok_cap tokens, over num_pages pages (default: 4 more than needed);
-    heads (Hq, Hkv, D). Returns (args, want_cache, csr table)."""
+    heads (Hq, Hkv, D); layout NHD, HND or NHD_FUSED (want_cache then NHD). Returns (args,
+    want_cache, csr table)."""
     hq, hkv, d = heads
     q_lens, kv = np.asarray(q_lens), np.asarray(cached) + np.asarray(q_lens)
     n = len(q_lens)
@@ -33,7 +36,8 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
     first = np.concatenate([[0], np.cumsum(npages)])
     for i in range(n):
         page_indices[i * pages_per_seq: i * pages_per_seq + npages[i]] = perm[first[i]:first[i + 1]]
-    shape = (num_pages, page, hkv, d) if layout == "NHD" else (num_pages, hkv, page, d)
+    nhd = layout != "HND"
+    shape = (num_pages, page, hkv, d) if nhd else (num_pages, hkv, page, d)
     k_pages, v_pages = randn(rng, shape, dtype), randn(rng, shape, dtype)
     if poison:  # pages no valid sequence lists hold NaN: any read of them shows
         unlisted = perm[first[-1]:]
@@ -49,13 +53,15 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
         for j in range(q_lens[i]):
             pos = kv[i] - q_lens[i] + j
             pg, slot = page_indices[i * pages_per_seq + pos // page], pos % page
-            idx = (pg, slot) if layout == "NHD" else (pg, slice(None), slot)
+            idx = (pg, slot) if nhd else (pg, slice(None), slot)
             want_k[idx], want_v[idx] = k[cu[i] + j], v[cu[i] + j]
-    want = ji.PagedKVCache(jnp.asarray(want_k), jnp.asarray(want_v), layout)
+    base_layout = "NHD" if nhd else "HND"
+    want = ji.PagedKVCache(jnp.asarray(want_k), jnp.asarray(want_v), base_layout)
     kv_indptr = first.astype(np.int32)
     table = (cu[: n + 1], kv_indptr, perm[: first[-1]], (kv - (npages - 1) * page).astype(np.int32))
-    args = (q, k, v, ji.PagedKVCache(k_pages, v_pages, layout), jnp.asarray(kv_lens), jnp.asarray(page_indices),
-            jnp.asarray(cu), jnp.asarray(dist, jnp.int32))
+    cache = ji.PagedKVCache(k_pages, v_pages, base_layout)
+    args = (q, k, v, fused(cache) if layout == "NHD_FUSED" else cache, jnp.asarray(kv_lens),
+            jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(dist, jnp.int32))
     return args, want, table
 
 
@@ -108,6 +114,30 @@ def test_mixed_step_matches_reference(rng, page, causal):
                                          ((17, 64), "prefill", 1, False)]
     out, new_cache = ji.ragged_paged_attention(*args, causal=causal, num_ctas=NUM_CTAS)
     _check(args, want_cache, table, out, new_cache, causal=causal)
+
+
+def _poisoned_tails(args, want_cache, table):
+    """The step with NaN also in each sequence's last-page slots past its kv_len (in the input and
+    the expected cache)."""
+    kv_indptr, indices, last = table[1:]
+    return args[:3] + (poison_pages(args[3], kv_indptr, indices, last),) + args[4:], \
+        poison_pages(want_cache, kv_indptr, indices, last), table
+
+
+def test_fused_layout_matches_nhd_and_reference(rng):
+    """The NHD_FUSED cache (K and V in one array, read and written in place, donated) against the
+    same step on NHD pages, bit for bit, and the reference; NaN in unlisted pages and past each kv_len."""
+    step = jax.jit(functools.partial(ji.ragged_paged_attention, num_ctas=NUM_CTAS), donate_argnums=(3,))
+    outs = []
+    for layout in ("NHD", "NHD_FUSED"):
+        args, want_cache, table = _poisoned_tails(*_step(
+            np.random.default_rng(7), QO, CACHED, page=8, dist=(2, 2, 7), seq_cap=9, tok_cap=64, pages_per_seq=95,
+            layout=layout))
+        out, new_cache = step(*args)
+        assert new_cache.layout == layout
+        _check(args, want_cache, table, out, new_cache)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def _np64_window_cap(q, k, v, *, window, cap, sm_scale):
@@ -375,6 +405,17 @@ def test_mixed_launch_decode_only_one_compilation(rng):
     """A decode-only step after the mixed one, through the same program: no query tile, so nothing
     is packed and the decode class runs every sequence (the launch only zeroes the padding)."""
     assert _mixed_launch_steps(rng, [MIXED_STEP, DECODE_STEP]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["mosaic", "mixed"])
+def test_fused_layout_long_kernels(rng, impl):
+    """The Mosaic class and the mixed launch (their interpreters) on the NHD_FUSED cache: the
+    mixed step against the reference, NaN in unlisted pages and past each kv_len (the mixed
+    launch's sanitized last-page V copy is gathered from the fused pages)."""
+    args, want_cache, table = _poisoned_tails(*_mosaic_step(rng, *MIXED_STEP, layout="NHD_FUSED"))
+    out, new_cache = ji.ragged_paged_attention(*args, num_ctas=4, impl=impl)
+    _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16])
 
 
 def test_mosaic_plan_matches_numpy(rng):

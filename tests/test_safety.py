@@ -8,26 +8,10 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from helpers import TOL, assert_lse_close, page_table, randn, random_cache, rel_err
+from helpers import TOL, assert_lse_close, page_table, poison_pages, randn, random_cache, rel_err
 from jaxinfer import reference as ref
 
 HQ, HKV, D = 4, 2, 32
-
-
-def poison_pages(cache, kv_indptr, kv_indices, kv_last_page_len):
-    """The cache with NaN in every page the table does not list and in every slot past
-    kv_last_page_len in a request's last page (memory no kernel may read)."""
-    k, v = np.array(cache.k_pages), np.array(cache.v_pages)
-    listed = kv_indices[: kv_indptr[-1]]
-    unlisted = np.setdiff1d(np.arange(cache.num_pages), listed)
-    k[unlisted], v[unlisted] = np.nan, np.nan
-    for b in range(len(kv_indptr) - 1):
-        if kv_indptr[b + 1] > kv_indptr[b]:
-            last = kv_indices[kv_indptr[b + 1] - 1]
-            tail = (last, slice(kv_last_page_len[b], None)) if cache.layout == "NHD" else \
-                (last, slice(None), slice(kv_last_page_len[b], None))
-            k[tail], v[tail] = np.nan, np.nan
-    return ji.PagedKVCache(jnp.asarray(k), jnp.asarray(v), cache.layout)
 
 
 def _table(rng, kv_lens, page):

@@ -7,11 +7,14 @@ values per 32-bit word (1 for 32-bit, 2 for 16-bit, 4 for 8-bit dtypes). Its hea
 (v3/kernel_hd64.py: ragged_paged_attention_hd64, with attention sinks) over its own cache
 [num_pages, page_size, align(Hkv, p) // p, p, 128], each head's K and V side by side.
 
-Each call splits the pages its sequences list out of the fused cache into a PagedKVCache (a copy
-of min(num_pages, S * pages_per_seq) pages: the cost of the layout), runs
-jaxinfer.ragged_paged_attention on it, and scatters the new tokens' K/V rows into the fused cache
-(donated, so in place). The TPU tuning arguments are accepted and ignored. docs/engines.md lists
-every remaining difference from RPA v3.
+A cache without padding (2 Hkv a multiple of p and head_dim of 128: bfloat16 and float32 with
+head_dim % 128 == 0, fp8 with an even Hkv too; the hd64 variant's with Hkv a multiple of p) is a
+free reshape of jaxinfer's NHD_FUSED layout (fused_view): jaxinfer.ragged_paged_attention reads it
+and writes the new tokens into it in place (donated), no page copied. Any other cache (padded heads
+or head_dim) takes the copy path: the pages its sequences list are split out into a PagedKVCache
+(a copy of min(num_pages, S * pages_per_seq) pages), attended, and the new tokens' K/V rows
+scattered into the fused cache (donated, so in place). The TPU tuning arguments are accepted and
+ignored. docs/engines.md lists every remaining difference from RPA v3.
 """
 import functools
 
@@ -69,6 +72,18 @@ def split_kv(kv_cache, num_kv_heads, head_dim):
     n, page_size, words, p, dp = kv_cache.shape
     heads = kv_cache.reshape(n, page_size, words * p, dp)  # [num_pages, page_size, align(2 Hkv, p), Dp]
     return PagedKVCache(heads[:, :, 0:2 * num_kv_heads:2, :head_dim], heads[:, :, 1:2 * num_kv_heads:2, :head_dim])
+
+
+def fused_view(kv_cache, num_kv_heads, head_dim):
+    """Either variant's fused cache as a PagedKVCache of layout NHD_FUSED over the same buffer (a
+    free reshape to [num_pages, page_size, Hkv, 2, head_dim], read and written in place) when it
+    holds no padding; None otherwise. No padding: RPA v3's 2 Hkv a multiple of p and head_dim of
+    128 (heads K0, V0, K1, V1, ... of head_dim each); the hd64 variant's Hkv a multiple of p (each
+    head's row of 128 is [K | V])."""
+    n, page_size, words, p, dp = kv_cache.shape
+    if words * p * dp != 2 * num_kv_heads * head_dim:
+        return None
+    return PagedKVCache.fused(kv_cache.reshape(n, page_size, num_kv_heads, 2, head_dim))
 
 
 HD64 = 64  # the hd64 variant's head_dim: [K_h, V_h] fill one 128-lane row
@@ -322,6 +337,22 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     pages_per_seq = page_indices.shape[0] // s
     entry, slot, live = _token_slots(kv_lens, cu_q_lens, distribution, t, page_size, pages_per_seq)
     page = page_indices[entry]  # [T]
+    q = queries
+    if q_scale is not None:  # RPA v3 quantizes q to the cache dtype
+        info = jnp.finfo(kv_cache.dtype)
+        q = jnp.clip(q / q_scale, float(info.min), float(info.max)).astype(kv_cache.dtype).astype(queries.dtype)
+    attend = functools.partial(
+        ragged.ragged_paged_attention, q, kv_lens=kv_lens, cu_q_lens=cu_q_lens, distribution=distribution,
+        causal=causal, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+        v_scale=v_scale, num_ctas=num_ctas, backend=backend)
+    view = fused_view(kv_cache, hkv, d)
+    if view is not None:  # in place: ragged_paged_attention writes the new rows into this very buffer
+        k_new, v_new = keys, values
+        if not update_kv_cache:  # KV sharing: the rows are in the cache already; rewritten unchanged
+            rows = view.kv_pages[jnp.clip(page, 0, num_pages - 1), slot]  # [T, Hkv, 2, D]
+            k_new, v_new = rows[:, :, 0], rows[:, :, 1]
+        out, cache = attend(k_new, v_new, view, page_indices=page_indices)
+        return out.astype(queries.dtype if out_dtype is None else out_dtype), cache.kv_pages.reshape(kv_cache.shape)
     split = (lambda c: split_kv_hd64(c, hkv)) if hd64 else (lambda c: split_kv(c, hkv, d))
     if s * pages_per_seq < num_pages:  # split only the listed pages, renumbered in listing order
         cache = split(kv_cache[jnp.clip(page_indices, 0, num_pages - 1)])
@@ -332,14 +363,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     k_new, v_new = keys, values
     if not update_kv_cache:  # KV sharing: the rows are in the cache already; written back unchanged
         k_new, v_new = cache.k_pages[view_page, slot], cache.v_pages[view_page, slot]
-    q = queries
-    if q_scale is not None:  # RPA v3 quantizes q to the cache dtype
-        info = jnp.finfo(kv_cache.dtype)
-        q = jnp.clip(q / q_scale, float(info.min), float(info.max)).astype(kv_cache.dtype).astype(queries.dtype)
-    out, _ = ragged.ragged_paged_attention(
-        q, k_new, v_new, cache, kv_lens, table, cu_q_lens, distribution, causal=causal, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, v_scale=v_scale, num_ctas=num_ctas,
-        backend=backend)
+    out, _ = attend(k_new, v_new, cache, page_indices=table)
     out = out.astype(queries.dtype if out_dtype is None else out_dtype)
     if not update_kv_cache:
         return out, kv_cache
