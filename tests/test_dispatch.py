@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("family, kv_format, layout, head_dim, page, mask, variant", list(itertools.product(
-    ("decode", "prefill"), ("paged", "ragged", "bsr"), ("NHD", "HND"), (64, 96, 256), (1, 16),
+    ("decode", "prefill"), ("paged", "ragged", "bsr"), ("NHD", "HND", "NHD_FUSED"), (64, 96, 256), (1, 16),
     (False, True), (None, V.soft_cap(), V.rope()))))
 def test_every_combination_picks_a_supported_kernel(monkeypatch, family, kv_format, layout, head_dim, page,
                                                     mask, variant):
@@ -25,7 +25,7 @@ def test_every_combination_picks_a_supported_kernel(monkeypatch, family, kv_form
     assert choice.name in dispatch.supported(problem)
     assert choice.unsupported(problem, False) is None
     if choice.name == "prefill_mosaic":  # the Mosaic kernel's limits hold
-        assert layout == "NHD" and head_dim % 64 == 0 and not mask and kv_format != "bsr"
+        assert layout != "HND" and head_dim % 64 == 0 and not mask and kv_format != "bsr"
 
 
 def test_unsupported_explicit_impl_raises_naming_why():
