@@ -1,6 +1,8 @@
 """Compiled (non-interpret) kernels against jaxinfer.reference on small random shapes.
 
     PYTHONPATH=. python3 benchmarks/check_gpu.py [bfloat16|float16|float32 ...]
+    PYTHONPATH=. python3 benchmarks/check_gpu.py stale|fused  (the stale-slot check alone: NHD and
+                                                            NHD_FUSED caches, or the latter only)
 """
 import sys
 
@@ -53,9 +55,10 @@ def check_prefill(dtype, tol):
         report(f"block sparse R={r} C={c} {dtype.__name__}", rel_err(o, ref.block_sparse_attention(qb, kb, kb, bsr).o), tol)
 
 
-def check_stale_slots(dtype, tol):
+def check_stale_slots(dtype, tol, layout="NHD"):
     """NaN in every V slot past kv_len (Inf in K's) and in unlisted pages: each path's output
-    against the reference on the clean cache (bf16, Hq 32 / Hkv 8, page 16)."""
+    against the reference on the clean cache (bf16, Hq 32 / Hkv 8, page 16); layout NHD_FUSED: the
+    same K/V as one array (also through the RPA v3 entry point, in place, and the decode wrapper)."""
     from benchmarks.common import rpa_inputs
     hq, hkv, d, page = 32, 8, 128, 16
     kv = np.array([1000, 37, 515, 700])
@@ -67,36 +70,49 @@ def check_stale_slots(dtype, tol):
     unlisted = np.setdiff1d(np.arange(cache.num_pages), indices[:indptr[-1]])
     kp[unlisted], vp[unlisted] = np.nan, np.nan
     bad = ji.PagedKVCache(jnp.asarray(kp), jnp.asarray(vp))
+    if layout == "NHD_FUSED":
+        bad = ji.PagedKVCache.fused(jnp.stack([bad.k_pages, bad.v_pages], axis=3))
+        dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, layout=layout)
+        q = jax.random.normal(jax.random.key(9), (len(kv), hq, d), dtype)
+        o = jax.jit(dec.run)(q, bad, dec.plan(indptr, indices, last, num_pages=cache.num_pages))
+        report(f"stale slots {layout} decode", rel_err(o, ref.decode(q, cache, indptr, indices, last).o), tol)
     for name, qo in (("prompts", kv), ("mixed", np.array([1, 1, 37, 300]))):
         qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
         q = jax.random.normal(jax.random.key(8), (int(qo.sum()), hq, d), dtype)
         want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True).o
         runs = []
         for impl in ("auto", "mosaic", "triton"):
-            pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl=impl)
+            pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, impl=impl, layout=layout)
             runs.append((f"prefill {impl}", pre, pre.plan(qo_indptr, indptr, indices, last,
                                                             num_pages=cache.num_pages)))
         for impl in ("auto", "mixed"):
-            attn = ji.BatchAttention(hq, hkv, d, page, impl=impl)
+            attn = ji.BatchAttention(hq, hkv, d, page, impl=impl, layout=layout)
             runs.append((f"BatchAttention {impl}", attn, attn.plan(
                 qo_indptr, indptr, indices, last, num_pages=cache.num_pages, q_data_type=jnp.dtype(dtype).name)))
         for label, w, plan in runs:
             o = jax.jit(w.run)(q, bad, plan)
             nan_rows = int(np.isnan(np.asarray(o, np.float32)).any(axis=(1, 2)).sum())
-            report(f"stale slots {name} {label} ({plan.impl}; {nan_rows} NaN rows)", rel_err(o, want), tol)
+            report(f"stale slots {layout} {name} {label} ({plan.impl}; {nan_rows} NaN rows)", rel_err(o, want), tol)
         if name == "mixed":
             keys, values, meta = rpa_inputs(cache, qo, kv, indptr, indices, page)
             for impl in ("auto", "mixed", "mosaic", "triton"):
                 o, _ = jax.jit(lambda q, k, v, c, m: ji.ragged_paged_attention(q, k, v, c, *m, impl=impl))(
                     q, keys, values, bad, meta)
                 nan_rows = int(np.isnan(np.asarray(o, np.float32)).any(axis=(1, 2)).sum())
-                report(f"stale slots rpa {impl} ({nan_rows} NaN rows)", rel_err(o, want), tol)
+                report(f"stale slots {layout} rpa {impl} ({nan_rows} NaN rows)", rel_err(o, want), tol)
+            if layout == "NHD_FUSED":  # RPA v3's cache of the same K/V (no padding: in place)
+                from jaxinfer.compat import tpu_inference
+                rpa = jax.jit(lambda *a: tpu_inference.ragged_paged_attention(*a, sm_scale=d ** -0.5))
+                o, _ = rpa(q, keys, values, bad.kv_pages.reshape(tpu_inference.kv_cache_shape(
+                    bad.num_pages, page, hkv, d, dtype)), *meta)
+                report(f"stale slots {layout} compat.tpu_inference", rel_err(o, want), tol)
 
 
 DTYPES = ((jnp.bfloat16, 2e-2), (jnp.float16, 5e-3), (jnp.float32, 1e-5))
-only = sys.argv[1:]  # optional dtype names, e.g. `check_gpu.py float32`; `stale`: the stale-slot check alone
-if only == ["stale"]:
-    check_stale_slots(jnp.bfloat16, 2e-2)
+only = sys.argv[1:]  # optional dtype names, e.g. `check_gpu.py float32`; `stale`, `fused`: see the docstring
+if only in (["stale"], ["fused"]):
+    for layout in ("NHD", "NHD_FUSED")[only == ["fused"]:]:
+        check_stale_slots(jnp.bfloat16, 2e-2, layout)
     only = ["none"]
 for dtype, tol in DTYPES:
     if only and jnp.dtype(dtype).name not in only:
@@ -104,6 +120,7 @@ for dtype, tol in DTYPES:
     check_prefill(dtype, tol)
     if dtype == jnp.bfloat16:
         check_stale_slots(dtype, tol)
+        check_stale_slots(dtype, tol, "NHD_FUSED")
     for (hq, hkv, d, page, layout) in ((32, 8, 128, 16, "NHD"), (8, 1, 256, 5, "NHD")):
         lens = rng.integers(0, 700, 9)
         cache, indptr, indices, last = random_paged_cache(rng, lens, page, hkv, d, dtype, layout, 3)

@@ -59,6 +59,10 @@ def random_paged_cache(rng, kv_lens, page_size, num_kv_heads, head_dim, dtype, l
     indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
     indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
     last = np.where(npages > 0, kv_lens - (npages - 1) * page_size, 1).astype(np.int32)
+    if layout == "NHD_FUSED":  # K and V in one array [num_pages, page_size, Hkv, 2, D]
+        key = jax.random.key(int(rng.integers(1 << 30)))
+        cache = ji.PagedKVCache.fused(jax.random.normal(key, (num_pages, page_size, num_kv_heads, 2, head_dim), dtype))
+        return cache, indptr, indices, last
     shape = ((num_pages, page_size, num_kv_heads, head_dim) if layout == "NHD"
              else (num_pages, num_kv_heads, page_size, head_dim))
     key = jax.random.key(int(rng.integers(1 << 30)))
