@@ -192,8 +192,10 @@ def _random(env, seed, shape, dtype):
 
 
 def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="bfloat16",
-                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False, pad_rows=0, capacities=False):
-    """Attention over a paged NHD cache, pages in random order.
+                kv_scale=None, prefix=0, cascade=None, fi=None, told_dtypes=False, pad_rows=0, capacities=False,
+                layout="NHD"):
+    """Attention over a paged cache (layout NHD, or NHD_FUSED: RPA v3's K and V in one array),
+    pages in random order.
 
     segs: request lengths (Env.lens; kv counts every token, prefix included); prefix: tokens
     (whole pages) every request shares before its own; wrapper: "decode"
@@ -230,6 +232,8 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
     shape = (num_pages, page, hkv, head_dim)
     caches = [ji.PagedKVCache(_random(env, 10 + 2 * i, shape, dtype), _random(env, 11 + 2 * i, shape, dtype))
               for i in range(layers)]
+    if layout == "NHD_FUSED":  # the same K and V, interleaved in one array [P, page, Hkv, 2, D]
+        caches = [ji.PagedKVCache.fused(jnp.stack([c.k_pages, c.v_pages], axis=3)) for c in caches]
     qs = _random(env, 9, (calls, tokens + pad_rows, hq, head_dim), jnp.bfloat16)  # [calls, T, Hq, D]
 
     run_kw = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
@@ -237,7 +241,7 @@ def build_paged(env, segs, wrapper, hq=32, hkv=8, head_dim=128, page=16, dtype="
         run, cache_of = _rpa_run(env, qs, caches, qo_lens, kv_lens, indptr, indices, page, pad_rows)
         name, plan, sm_scale = "ragged_paged_attention", None, 1.0 / math.sqrt(head_dim)
     else:
-        kw = env.wrapper_kw()
+        kw = env.wrapper_kw() | ({} if layout == "NHD" else {"layout": layout})
         if capacities:
             kw.update(max_batch_size=batch, max_num_tokens=tokens, max_num_pages=num_pages)
         name = wrapper
@@ -487,6 +491,16 @@ ROWS = [
         segs=((4, 512, 2048), (60, 1, (512, 4096))), wrapper="prefill", fi="attention"),
     row("append 512 onto 3584 B8", build_paged, segs=((8, 512, 4096),), wrapper="prefill", fi="prefill"),
     row("plan decode B64 kv4096", build_plan, segs=((64, 1, 4096),)),
+    # RPA v3's fused cache read in place (against the NHD rows of the same names).
+    *[row(f"{name} NHD_FUSED", build_paged, segs=segs, wrapper=wrapper, layout="NHD_FUSED", **kw)
+      for name, segs, wrapper, kw in (
+          ("decode B64 kv4096 ragged_paged_attention", ((64, 1, 4096),), "rpa", {}),
+          ("q4 B64 kv4096 ragged_paged_attention", ((64, 4, 4096),), "rpa", {}),
+          ("mixed 4x512/2048 + 60 decode ragged_paged_attention (decode first)",
+           ((60, 1, (512, 4096)), (4, 512, 2048)), "rpa", {}),
+          ("mixed 4x512/2048 + 60 decode BatchAttention told bf16 (decode first)",
+           ((60, 1, (512, 4096)), (4, 512, 2048)), "attention", {"told_dtypes": True}),
+          ("paged B4 S8192 32/8", ((4, 8192, 8192),), "prefill", {}))],
 ]
 
 
