@@ -97,8 +97,10 @@ CALLS = 10  # draws per jitted program: the GPU's time per draw, not the host's 
 
 
 def chained(call):
-    """CALLS draws with keys split from one key, in one program."""
-    return lambda x, key: [call(x, k) for k in jax.random.split(key, CALLS)]
+    """CALLS draws in one program, draw i from copy i of the input (xs [CALLS, B, V]: distinct
+    arrays, so XLA cannot share a baseline's key-independent sort or search among the draws) with
+    its own key."""
+    return lambda xs, key: [call(xs[i], k) for i, k in enumerate(jax.random.split(key, CALLS))]
 
 
 def check_distribution(name, x, draws):
@@ -172,11 +174,12 @@ def main():
         logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32) * 3
         probs = jax.nn.softmax(logits, axis=-1)
         data = {"logits": logits, "probs": probs}
+        copies = {name: jnp.stack([x] * CALLS) for name, x in data.items()}  # [CALLS, B, V]
         key = jax.random.key(1)
         for name, (kind, call, _, fi_call) in OPS.items():
             t0 = time.perf_counter()
             ok = None if args.jaxinfer_only else check_distribution(name, data[kind], 256 if args.smoke else 8192)
-            us = bench(jax.jit(chained(call)), data[kind], key, iters=iters, reps=reps) / CALLS * 1e6
+            us = bench(jax.jit(chained(call)), copies[kind], key, iters=iters, reps=reps) / CALLS * 1e6
             record("jaxinfer_sampling", B=batch, V=vocab, op=name, us=us, check_ok=ok,
                    wall_s=time.perf_counter() - t0)
             row = table.setdefault((batch, vocab), {})
@@ -192,7 +195,7 @@ def main():
                 except Exception as e:  # an op missing from this FlashInfer: recorded, not fatal
                     record("flashinfer_sampling", B=batch, V=vocab, op=name, error=f"{type(e).__name__}: {e}"[:200])
         for name, f in ({} if args.jaxinfer_only else BASELINES).items():
-            us = bench(jax.jit(chained(f)), logits, key, iters=iters, reps=reps) / CALLS * 1e6
+            us = bench(jax.jit(chained(f)), copies["logits"], key, iters=iters, reps=reps) / CALLS * 1e6
             record("jax_baseline_sampling", B=batch, V=vocab, op=name, us=us)
             table[(batch, vocab)][name] = us
     save("sampling")
