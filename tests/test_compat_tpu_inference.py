@@ -656,7 +656,7 @@ def test_jit_with_donation_compiles_once_and_matches():
     assert step._cache_size() == 1
 
 
-@pytest.mark.parametrize("hd64", [False, True])
+@pytest.mark.parametrize("hd64", [False, pytest.param(True, marks=pytest.mark.slow)])  # hd64: 15 s
 def test_unpadded_cache_runs_in_place(monkeypatch, hd64):
     """A cache without padding (head_dim 128, 2 Hkv a multiple of p; the hd64 variant's with Hkv a
     multiple of p) is jaxinfer's NHD_FUSED layout of the same buffer (fused_view): the whole cache

@@ -152,6 +152,7 @@ def test_generate_end_to_end_and_scan_horizon():
         generate.parse_args(["--batch", "2", "0"])
 
 
+@pytest.mark.slow  # a benchmark's smoke run, 16 s
 def test_bench_e2e_mixed_row_smoke(tmp_path, monkeypatch, capsys):
     """bench_e2e --smoke: the chunked-prefill row (jaxinfer-mixed: prompts split across steps that
     also carry decode rows) samples the jaxinfer row's first tokens and prints in the table; the
@@ -233,6 +234,7 @@ def test_page_table_and_pad():
         pad(np.arange(5), 4)
 
 
+@pytest.mark.slow  # 13 s; generate's default path runs in the default suite
 def test_layer_loops_same_weights_and_greedy_tokens():
     """layer_loop "unroll" (per-layer weights and caches) and "scan" (stacked) build the same
     weights from one seed and generate the same greedy tokens; the scan run also takes the

@@ -124,6 +124,7 @@ def _poisoned_tails(args, want_cache, table):
         poison_pages(want_cache, kv_indptr, indices, last), table
 
 
+@pytest.mark.slow  # the default suite runs the fused cache through the RPA v3 entry point in place (test_compat_tpu_inference)
 def test_fused_layout_matches_nhd_and_reference(rng):
     """The NHD_FUSED cache (K and V in one array, read and written in place, donated) against the
     same step on NHD pages, bit for bit, and the reference; NaN in unlisted pages and past each kv_len."""

@@ -66,6 +66,7 @@ def test_refuses(args):
     assert out.returncode == 2, out.stderr
 
 
+@pytest.mark.slow  # a benchmark tool's smoke run; test_smoke_two_rows runs regress.py
 def test_ab_smoke_one_row(tmp_path):
     """benchmarks/ab.py end to end: one round of each tree (both this repo here), one row, its table."""
     path = tmp_path / "ab.json"
