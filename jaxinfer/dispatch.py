@@ -354,17 +354,22 @@ IMPLEMENTATIONS = (
     # latent cache, decode and multi-token rows in one kernel, split-KV merged.
     Implementation("mla_triton", "mla", "triton", mla_kernels.MLAConfig, _mla_unsupported, _mla_cost,
                    _mla_dtypes_unsupported, kernel=mla_kernels.mla_paged),
-    # Token sampling (jaxinfer.sampling): one program per row, threshold search without sorting.
+    # Token sampling (jaxinfer.sampling): one program per row, threshold search without sorting ...
     Implementation("sampling_pallas", "sampling", "pallas", sampling_kernels.SamplingConfig, _always,
                    lambda problem, qo_lens, kv_lens, causal: 0.0, kernel=sampling_kernels.filtered_sample),
+    # ... or, for an unfiltered draw, one exponential race with each row split among programs.
+    Implementation("sampling_race", "sampling", "race", sampling_kernels.SamplingConfig, _always,
+                   lambda problem, qo_lens, kv_lens, causal: 0.0, kernel=sampling_kernels.race_sample),
 )
 IMPLEMENTATIONS_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
 WHOLE_TILE_ROWS = tuple(i.name for i in IMPLEMENTATIONS if i.whole_tiles)
 
 
-def sampling_row():
-    """The sampling kernel's row (one implementation: every vocabulary, dtype and backend)."""
-    return IMPLEMENTATIONS_BY_NAME["sampling_pallas"]
+def sampling_row(filters):
+    """The sampling kernel's row for filters (a pallas_kernels.sampling.Filters): the split race
+    for an unfiltered draw, else the per-row threshold kernel (every vocabulary, dtype, backend)."""
+    unfiltered = filters.sample and not (filters.top_k or filters.top_p or filters.min_p)
+    return IMPLEMENTATIONS_BY_NAME["sampling_race" if unfiltered else "sampling_pallas"]
 
 
 def implementations(problem, impl="auto"):

@@ -112,7 +112,7 @@ def _run(name, x, *, filters, key=None, indices=None, top_k=None, top_p=None, mi
     config = config or SamplingConfig()
     if config.splits is None:  # an unfiltered draw's programs per row: two per SM in all
         config = dataclasses.replace(config, splits=-(-2 * _backend.num_sms() // batch))
-    return dispatch.sampling_row().kernel(x, rows, k, p, mp, inv_t, seeds, filters=filters,
+    return dispatch.sampling_row(filters).kernel(x, rows, k, p, mp, inv_t, seeds, filters=filters,
                                           interpret=_backend.use_interpret(backend), config=config)
 
 

@@ -1,5 +1,5 @@
 """Sorting-free sampling kernels: one program per output row, usually one pass over its vocabulary
-(an unfiltered draw: several programs per row, race_sample).
+(filtered_sample; an unfiltered draw: race_sample, several programs per row).
 
 Values y: probabilities, or logits times 1 / temperature. A filter keeps the tokens with y >= t
 for a per-row threshold t, every token tied at the boundary included (top-k, top-p, min-p).
@@ -414,12 +414,15 @@ def _race_kernel(rows_ref, x_ref, invt_ref, seed_ref, key_ref, col_ref, *, from_
     col_ref[b, split] = jnp.min(jnp.where(best == top, idx, vocab))
 
 
-def race_sample(x, rows, inv_temp, seeds, *, from_logits, interpret, config=SamplingConfig()):
-    """One unfiltered draw per output row: tokens [B] int32 from row rows[b] of x [R, V], in
-    proportion to probabilities or to exp(logits x inv_temp) (inv_temp 0: the argmax, lowest
-    index among ties). Each row's columns are split among config.splits programs: every column
-    has its own race key (a hash of the row's seeds and the column), so the draw does not depend
-    on the split. A row with nothing drawable gives 0."""
+def race_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret, config=SamplingConfig()):
+    """filtered_sample for filters that filter nothing (top_k, top_p, min_p unread): one draw per
+    output row from row rows[b] of x [R, V], in proportion to probabilities or to exp(logits x
+    inv_temp) (inv_temp 0: the argmax, lowest index among ties). Each row's columns are split
+    among config.splits programs: every column has its own race key (a hash of the row's seeds
+    and the column), so the draw does not depend on the split. A row with nothing drawable gives
+    0. Returns (tokens [B] int32, thresholds [B] f32: -inf, nothing filtered)."""
+    del top_k, top_p, min_p
+    from_logits = filters.from_logits
     batch, vocab = rows.shape[0], x.shape[1]
     block_v = min(config.block_v, _common.next_pow2(vocab))
     num_blocks = pl.cdiv(vocab, block_v)
@@ -439,7 +442,7 @@ def race_sample(x, rows, inv_temp, seeds, *, from_logits, interpret, config=Samp
     )(rows, x, inv_temp, seeds)
     top = jnp.max(keys, axis=1, keepdims=True)
     tok = jnp.min(jnp.where(keys == top, cols, vocab), axis=1)  # the lowest column among ties
-    return jnp.where(tok < vocab, tok, 0)
+    return jnp.where(tok < vocab, tok, 0), jnp.full((batch,), -jnp.inf, jnp.float32)
 
 
 def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret,
@@ -451,10 +454,6 @@ def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, i
     Returns (tokens [B] int32, thresholds [B] f32: the row keeps tokens with y >= threshold,
     y = x * inv_temp for logits; -inf when nothing is filtered; when sampling, a lower bound)."""
     batch = rows.shape[0]
-    if filters.sample and not (filters.top_k or filters.top_p or filters.min_p):
-        tokens = race_sample(x, rows, inv_temp, seeds, from_logits=filters.from_logits, interpret=interpret,
-                             config=config)
-        return tokens, jnp.full((batch,), -jnp.inf, jnp.float32)
     vocab = x.shape[1]
     block_v = min(config.block_v, _common.next_pow2(vocab))
     kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxinfer import dispatch
 from jaxinfer import sampling as S
 
 ALPHA = 1e-4
@@ -183,6 +184,12 @@ def test_large_vocab_renorm_and_draws():
         tok = np.asarray(call(probs, *kw.values(), idx, key=jax.random.key(1)))
         ref = np.asarray(S._reference_probs(probs, from_logits=False, **kw))
         assert np.all(ref[np.asarray(idx), tok] > 0), call.__name__
+
+
+def test_dispatch_picks_the_race_for_unfiltered_draws_only():
+    assert dispatch.sampling_row(S.Filters(from_logits=True)).name == "sampling_race"
+    assert dispatch.sampling_row(S.Filters(from_logits=False, min_p=True)).name == "sampling_pallas"
+    assert dispatch.sampling_row(S.Filters(from_logits=False, top_k=True, sample=False)).name == "sampling_pallas"
 
 
 def test_unfiltered_draws_do_not_depend_on_the_split():
