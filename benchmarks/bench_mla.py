@@ -90,18 +90,19 @@ def work(row, itemsize=2):
     return 2 * row.heads * (CKV + KPE + CKV) * vis, int(np.sum(row.kv_lens)) * (CKV + KPE) * itemsize
 
 
-def time_jaxinfer(row, arrays, table, config, want, backend):
+def time_jaxinfer(row, arrays, table, config, want, backend, impl="auto"):
     mla = BatchMLAPagedAttention(row.heads, CKV, KPE, row.page_size, causal=row.causal, sm_scale=SCALE,
-                                 config=config, backend=backend)
+                                 config=config, backend=backend, impl=impl)
     if arrays[2].dtype.itemsize == 1:  # fp8: the scaled path, scales as data
         one = jnp.float32(1.0)
         run = functools.partial(mla.run, ckv_scale=one, kpe_scale=one)
     else:
         run = mla.run
-    plan = mla.plan(*table, num_pages=arrays[2].shape[0])
+    plan_for = functools.partial(mla.plan, *table, num_pages=arrays[2].shape[0], kv_dtype=arrays[2].dtype)
+    plan = plan_for()
     start = time.perf_counter()
     for _ in range(10):
-        plan = mla.plan(*table, num_pages=arrays[2].shape[0])
+        plan = plan_for()
     plan_us = (time.perf_counter() - start) / 10 * 1e6
     o = jax.jit(run)(*arrays, plan)
     err = rel_err(o, want)
@@ -109,7 +110,7 @@ def time_jaxinfer(row, arrays, table, config, want, backend):
     many = jax.jit(lambda qs, q_pe, ckv, kpe, p: [run(qs[i], q_pe, ckv, kpe, p) for i in range(CALLS)])
     iters = 2 if backend == "interpret" else 20
     t = bench(many, qs, *arrays[1:], plan, iters=iters, reps=3 if backend == "interpret" else 7) / CALLS
-    return t, err, dict(plan.info, plan_us=plan_us)
+    return t, err, dict(plan.info, plan_us=plan_us, impl=plan.impl)
 
 
 class FlashInfer:
@@ -205,6 +206,7 @@ def main():
     ap.add_argument("--rows", default="", help="a regular expression: only the rows it matches")
     ap.add_argument("--no-flashinfer", action="store_true", help="jaxinfer alone")
     ap.add_argument("--fp8", action="store_true", help="the latent cache in float8_e4m3fn")
+    ap.add_argument("--impls", default="auto", help="comma-separated impl= values to time (auto, mosaic, triton)")
     args = ap.parse_args()
     backend = "interpret" if args.smoke else None
     print("jax", jax.__version__, jax.devices(), flush=True)
@@ -217,18 +219,18 @@ def main():
         arrays, table = inputs(row, rng, jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16)
         flops, nbytes = work(row, 1 if args.fp8 else 2)
         want = jax.jit(lambda *a: mla_reference(*a, *table, causal=row.causal, sm_scale=SCALE).o)(*arrays)
-        best = None
-        for config in SWEEP if args.sweep else (MLAConfig(),):
+        runs = []  # (seconds, rel err, impl and config) of each timed run
+        for impl, config in [(i, c) for i in args.impls.split(",") for c in (SWEEP if args.sweep else (MLAConfig(),))]:
             try:
-                t, err, info = time_jaxinfer(row, arrays, table, config, want, backend)
+                t, err, info = time_jaxinfer(row, arrays, table, config, want, backend, impl)
             except Exception as e:  # a sweep config that does not compile (shared memory, registers)
-                record("jaxinfer_mla", row=row.name, config=repr(config), error=f"{type(e).__name__}: {str(e)[:300]}")
+                record("jaxinfer_mla", row=row.name, impl=impl, config=repr(config),
+                       error=f"{type(e).__name__}: {str(e)[:300]}")
                 continue
-            record("jaxinfer_mla", row=row.name, config=repr(config), us=t * 1e6, GBps=nbytes / t / 1e9,
+            record("jaxinfer_mla", row=row.name, impl=info["impl"], config=repr(config), us=t * 1e6, GBps=nbytes / t / 1e9,
                    TFLOPs=flops / t / 1e12, rel_err=err, items=info["num_items"], split_tiles=info["num_split"],
                    chunk=info["chunk"], plan_us=info["plan_us"])
-            if best is None or t < best[0]:
-                best = (t, err, config)
+            runs.append((t, err, f"{info['impl']} {config}"))
         fi_us = {}
         for fb in ("fa3", "fa2") if fi is not None else ():
             try:
@@ -238,19 +240,19 @@ def main():
                        TFLOPs=flops / t / 1e12, rel_err=rel_err(o, want))
             except Exception as e:
                 record("flashinfer_mla", row=row.name, backend=fb, error=f"{type(e).__name__}: {str(e)[:300]}")
-        table_rows.append((row, best, fi_us, flops, nbytes))
+        table_rows.append((row, runs, fi_us, flops, nbytes))
     for row in () if args.sweep or args.fp8 else SMOKE_PREFILL_192 if args.smoke else PREFILL_192:
         if re.search(args.rows, row.name):
             t, err, fi_s, flops, nbytes = time_prefill_192(row, backend, fi)
-            table_rows.append((row, (t, err, "ragged, Triton"), {b: x * 1e6 for b, x in fi_s.items()}, flops, nbytes))
+            table_rows.append((row, [(t, err, "ragged, Triton")], {b: x * 1e6 for b, x in fi_s.items()}, flops, nbytes))
     save(("mla_sweep" if args.sweep else "mla") + ("_fp8" if args.fp8 else ""))
     print("\n| row | jaxinfer µs | GB/s | TFLOP/s | rel err | FlashInfer fa3 µs | fa2 µs | config |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for row, best, fi_us, flops, nbytes in table_rows:
-        t, err, config = best or (float("nan"), float("nan"), None)
+    for row, runs, fi_us, flops, nbytes in table_rows:
         fa = " | ".join(f"{fi_us[b]:.1f}" if b in fi_us else "" for b in ("fa3", "fa2"))
-        print(f"| {row.name} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {flops / t / 1e12:.1f} | {err:.1e} | {fa} | "
-              f"{config} |")
+        for t, err, config in runs or [(float("nan"), float("nan"), None)]:
+            print(f"| {row.name} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {flops / t / 1e12:.1f} | {err:.1e} | "
+                  f"{fa} | {config} |")
 
 
 if __name__ == "__main__":

@@ -363,6 +363,51 @@ def build_plan(env, segs, page=16, hq=32, hkv=8, head_dim=128):
     return Case(run=run, calls=1, check=None, host=True, info={"batch": len(kv_lens)})
 
 
+# ----------------------------------------------------------------------------- MLA rows
+
+MLA_CKV, MLA_KPE, MLA_SCALE = 512, 64, 0.1352337747812271  # DeepSeek-V3's latent widths and scale
+
+
+def build_mla(env, segs, heads, page=64, causal=False):
+    """BatchMLAPagedAttention over a paged latent cache (ckv 512 + kpe 64, bf16, pages in random
+    order); FlashInfer's BatchMLAPagedAttentionWrapper (fa3) beside it. Requests 0 and B - 1 are
+    checked against jaxinfer.reference.mla_reference."""
+    heads = 8 if env.smoke else heads
+    qo_lens, kv_lens = (x.astype(np.int32) for x in env.lens(segs))
+    batch, tokens = len(qo_lens), int(qo_lens.sum())
+    pages = -(-kv_lens // page)
+    indptr, qo_indptr = _indptr(pages), _indptr(qo_lens)
+    num_pages = int(indptr[-1])
+    indices = np.random.default_rng(1).permutation(num_pages).astype(np.int32)
+    calls = env.calls if tokens < 16384 else 1
+    ckv, kpe = (_random(env, seed, (num_pages, page, d), jnp.bfloat16)
+                for seed, d in ((10, MLA_CKV), (11, MLA_KPE)))
+    qn, qp = (_random(env, seed, (calls, tokens, heads, d), jnp.bfloat16)
+              for seed, d in ((8, MLA_CKV), (9, MLA_KPE)))
+    w = ji.BatchMLAPagedAttention(heads, MLA_CKV, MLA_KPE, page, causal=causal, sm_scale=MLA_SCALE)
+    plan = w.plan(qo_indptr, indptr, indices, kv_lens, num_pages=num_pages)
+    fn = jax.jit(lambda qn, qp, ckv, kpe, plan: [w.run(qn[i], qp[i], ckv, kpe, plan) for i in range(calls)])
+
+    def check(i, o):
+        got, want = [], []
+        for b in sorted({0, batch - 1}):
+            qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
+            want.append(ref.mla_reference(qn[i, qs:qe], qp[i, qs:qe], ckv, kpe, [0, qe - qs],
+                                          indptr[b:b + 2] - indptr[b], indices[indptr[b]:indptr[b + 1]],
+                                          kv_lens[b:b + 1], causal=causal, sm_scale=MLA_SCALE).o)
+            got.append(_host(o)[qs:qe])
+        return rel_err(np.concatenate(got), np.concatenate([_host(x) for x in want]))
+
+    def flashinfer(F):
+        return F.mla(qn, qp, ckv, kpe, qo_indptr, indptr, indices, kv_lens, heads, page, causal, MLA_SCALE)
+
+    vis = causal_pairs(qo_lens, kv_lens) if causal else float(np.dot(qo_lens, kv_lens))
+    info = {"wrapper": "BatchMLAPagedAttention", "plan_impl": plan.impl, "batch": batch, "tokens": tokens,
+            "kv_tokens": int(kv_lens.sum()), "heads": heads, "page": page, "split_tiles": plan.info["num_split"]}
+    return Case(run=lambda: fn(qn, qp, ckv, kpe, plan), calls=calls, check=check,
+                flops=2 * heads * (2 * MLA_CKV + MLA_KPE) * vis, info=info, flashinfer=flashinfer)
+
+
 # ----------------------------------------------------------------------------- ragged rows
 
 
@@ -491,6 +536,11 @@ ROWS = [
         segs=((4, 512, 2048), (60, 1, (512, 4096))), wrapper="prefill", fi="attention"),
     row("append 512 onto 3584 B8", build_paged, segs=((8, 512, 4096),), wrapper="prefill", fi="prefill"),
     row("plan decode B64 kv4096", build_plan, segs=((64, 1, 4096),)),
+    # Multi-head latent attention (DeepSeek-V3 shapes).
+    row("MLA decode H16 B64 kv4096", build_mla, segs=((64, 1, 4096),), heads=16),
+    row("MLA decode H128 B64 kv4096", build_mla, segs=((64, 1, 4096),), heads=128),
+    row("MLA decode H128 B16 kv8192", build_mla, segs=((16, 1, 8192),), heads=128),
+    row("MLA prefill H16 B4 S4096 causal", build_mla, segs=((4, 4096, 4096),), heads=16, causal=True),
     # RPA v3's fused cache read in place (against the NHD rows of the same names).
     *[row(f"{name} NHD_FUSED", build_paged, segs=segs, wrapper=wrapper, layout="NHD_FUSED", **kw)
       for name, segs, wrapper, kw in (

@@ -99,3 +99,11 @@ class FlashInfer:
         w.plan(ind, ind, hq, hkv, head_dim, causal=True, logits_soft_cap=soft_cap, window_left=window_left,
                q_data_type=q.dtype, kv_data_type=k.dtype)
         return lambda: [w.run(q, k, v)]
+
+    def mla(self, qn, qp, ckv, kpe, qo_indptr, indptr, indices, kv_lens, heads, page, causal, sm_scale):
+        """BatchMLAPagedAttentionWrapper (fa3): qn [calls, T, H, 512], qp [calls, T, H, 64]."""
+        qn, qp, ckv, kpe = (self.tensor(x) for x in (qn, qp, ckv, kpe))
+        w = self.fi.mla.BatchMLAPagedAttentionWrapper(self.ws, backend="fa3")
+        w.plan(self.ints(qo_indptr), self.ints(indptr), self.ints(indices), self.ints(kv_lens), heads,
+               qn.shape[-1], qp.shape[-1], page, causal, sm_scale, qn.dtype, ckv.dtype)
+        return lambda: [w.run(qn[i], qp[i], ckv, kpe) for i in range(qn.shape[0])]

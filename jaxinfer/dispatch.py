@@ -21,6 +21,7 @@ from jaxinfer import _backend, variants
 from jaxinfer.formats import FP8_DTYPES
 from pallas_kernels.decode import DecodeConfig
 from pallas_kernels import mla as mla_kernels
+from pallas_kernels import mla_mosaic as mla_mosaic_kernels
 from pallas_kernels import prefill as prefill_kernels
 from pallas_kernels import sampling as sampling_kernels
 from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
@@ -323,6 +324,26 @@ def _mla_dtypes_unsupported(q_dtype, kv_dtype):
             f"16-bit q), got {q_dtype} / {kv_dtype}")
 
 
+def _mla_mosaic_unsupported(problem, explicit):
+    why = _mla_unsupported(problem, explicit)
+    if why is None and not explicit and not problem.hopper:
+        why = "needs a Hopper GPU (compiled; interpret mode runs it only with impl='mosaic')"
+    if why is None and problem.head_dim_vo is None:
+        why = "needs the latent width (head_dim_vo: head_dim_ckv)"
+    if why is None:
+        dc = problem.head_dim_vo
+        why = mla_mosaic_kernels.limits(num_heads=problem.num_qo_heads, head_dim_ckv=dc,
+                                        head_dim_kpe=problem.head_dim - dc, page_size=problem.page_size)
+    return why
+
+
+def _mla_mosaic_dtypes_unsupported(q_dtype, kv_dtype):
+    q_dtype, kv_dtype = np.dtype(q_dtype), np.dtype(kv_dtype)
+    if q_dtype in (np.dtype("float16"), np.dtype("bfloat16")) and kv_dtype == q_dtype:
+        return None
+    return f"q and the latent cache must both be float16 or both bfloat16, got {q_dtype} / {kv_dtype}"
+
+
 MLA_FLOPS_PER_US = 3.0e8  # a Triton MLA tile's dots (estimate: not yet measured on hardware)
 
 
@@ -351,7 +372,11 @@ IMPLEMENTATIONS = (
     Implementation("batch_mosaic", "batch", "mixed", MosaicPrefillConfig, _batch_mosaic_unsupported,
                    _batch_mosaic_cost, _mosaic_dtypes_unsupported, takes_scales=False),
     # Multi-head latent attention (BatchMLAPagedAttention): every head of a request over one
-    # latent cache, decode and multi-token rows in one kernel, split-KV merged.
+    # latent cache, decode and multi-token rows in one kernel, split-KV merged. On Hopper, tiles
+    # of 64 heads on wgmma (16-bit caches, page a multiple of 64) ...
+    Implementation("mla_mosaic", "mla", "mosaic", mla_kernels.MLAConfig, _mla_mosaic_unsupported, _mla_cost,
+                   _mla_mosaic_dtypes_unsupported, kernel=mla_mosaic_kernels.mla_mosaic),
+    # ... else the Triton kernel (any head count, page size and dtype, fp8 latents).
     Implementation("mla_triton", "mla", "triton", mla_kernels.MLAConfig, _mla_unsupported, _mla_cost,
                    _mla_dtypes_unsupported, kernel=mla_kernels.mla_paged),
     # Token sampling (jaxinfer.sampling): one program per row, threshold search without sorting ...

@@ -19,6 +19,7 @@ from jaxinfer.formats import AttentionState, check_kv_dtype, check_power_of_two,
 from jaxinfer.plans import PlanSpec, WrapperFacts
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
+from pallas_kernels import mla_mosaic as mla_mosaic_kernels
 from planner import mla as mla_planner
 from planner import validate
 
@@ -66,11 +67,14 @@ class BatchMLAPagedAttention:
     kv_indices[kv_indptr[b]:kv_indptr[b+1]]. Causal is bottom-right; a row that sees no key
     gives o = 0, lse = -inf. With max_batch_size, max_num_tokens and max_num_pages every plan has
     the same shapes (q then has max_num_tokens rows; rows past the step give o = 0), so a jitted
-    run() compiles once. config: an MLAConfig tuning the kernel.
+    run() compiles once. config: an MLAConfig tuning the Triton kernel. impl: "auto" (the
+    dispatch's choice per plan: on Hopper, "mosaic" for 16-bit caches where num_heads and
+    page_size are multiples of 64, else "triton"), "mosaic" or "triton".
     """
 
     def __init__(self, num_heads, head_dim_ckv, head_dim_kpe, page_size, *, causal=False, sm_scale,
-                 max_batch_size=None, max_num_tokens=None, max_num_pages=None, backend=None, config=None):
+                 max_batch_size=None, max_num_tokens=None, max_num_pages=None, backend=None, config=None,
+                 impl="auto"):
         if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.head_dim_ckv = check_power_of_two("head_dim_ckv", head_dim_ckv)
@@ -97,14 +101,17 @@ class BatchMLAPagedAttention:
         self.interpret = _backend.use_interpret(backend)
         self.num_sms = _backend.num_sms()
         self.problem = dispatch.Problem("mla", self.num_heads, 1, self.head_dim_ckv + self.head_dim_kpe, "paged",
-                                        self.page_size, interpret=self.interpret)
-        self.implementation = dispatch.choose(self.problem, None, None, causal)  # (one row: no step choice)
+                                        self.page_size, interpret=self.interpret, head_dim_vo=self.head_dim_ckv)
+        self.rows = dispatch.candidates(self.problem, impl)
         self.facts = WrapperFacts(type(self).__name__, self.num_heads, 1, self.head_dim_ckv, self.page_size,
                                   "NHD", (self.max_batch_size, self.max_num_tokens, self.max_num_pages))
 
-    def _block_rows(self, qo_lens):
-        """Tile rows: the config's, else (planner.mla.block_rows_for) for the longest request, or
-        under max_num_tokens for max_num_tokens / max_batch_size tokens (one tile size for every plan)."""
+    def _block_rows(self, implementation, qo_lens):
+        """Tile rows: the Mosaic kernel's 64; the config's, else (planner.mla.block_rows_for) for the
+        longest request, or under max_num_tokens for max_num_tokens / max_batch_size tokens (one
+        tile size for every plan)."""
+        if implementation.name == "mla_mosaic":
+            return mla_mosaic_kernels.WG_ROWS
         if self.config.block_rows is not None:
             return self.config.block_rows
         if self.max_num_tokens is not None:
@@ -113,19 +120,31 @@ class BatchMLAPagedAttention:
             longest = int(qo_lens.max()) if qo_lens.shape[0] else 1
         return mla_planner.block_rows_for(self.num_heads, longest)
 
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len, *, num_pages=None):
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len, *, num_pages=None, q_dtype=jnp.bfloat16,
+             kv_dtype=None):
         """Plans one step from host int32 arrays: qo_indptr, kv_indptr [B + 1], kv_indices,
         kv_len [B]. num_pages: the cache's page count (required; page ids outside [0, num_pages)
-        are rejected, and run() rejects a smaller cache)."""
+        are rejected, and run() rejects a smaller cache). q_dtype, kv_dtype (default q_dtype):
+        the dtypes run() will get (FlashInfer's q_data_type / kv_data_type): the kernel is chosen
+        for them."""
         num_pages = validate.check_num_pages(num_pages)
         qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
-        block_rows = self._block_rows(qo_lens)
+        dtypes = (np.dtype(q_dtype), np.dtype(q_dtype if kv_dtype is None else kv_dtype))
+        rows = tuple(i for i in self.rows if i.dtypes_unsupported(*dtypes) is None)
+        if not rows:
+            raise ValueError(f"kv_dtype: no MLA kernel takes q / latent cache of dtypes {dtypes[0]} / {dtypes[1]} ("
+                             + "; ".join(f"{i.name}: {i.dtypes_unsupported(*dtypes)}" for i in self.rows) + ")")
+        implementation = dispatch.choose(self.problem, None, None, self.causal, rows=rows)
+        block_rows = self._block_rows(implementation, qo_lens)
+        mosaic = implementation.name == "mla_mosaic"
         layout, buf, info = mla_planner.plan(
             qo_indptr, kv_indptr, kv_indices, kv_len, page_size=self.page_size, num_heads=self.num_heads,
-            num_cells=self.config.cells(block_rows, self.num_sms), block_rows=block_rows, causal=self.causal,
-            num_pages=num_pages, max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
-            max_num_pages=self.max_num_pages, block_kv=self.config.kv_block(block_rows), min_chunk=self.config.min_chunk)
-        spec = self.facts.spec(num_pages, self.implementation.name)
+            num_cells=(self.config.num_cells or self.num_sms) if mosaic else self.config.cells(block_rows, self.num_sms), block_rows=block_rows,
+            causal=self.causal, num_pages=num_pages, max_batch_size=self.max_batch_size,
+            max_num_tokens=self.max_num_tokens, max_num_pages=self.max_num_pages,
+            block_kv=mla_mosaic_kernels.BLOCK_KV if mosaic else self.config.kv_block(block_rows),
+            min_chunk=self.config.min_chunk, tile_merge=mosaic)
+        spec = self.facts.spec(num_pages, implementation.name)
         return MLAPlan(parts=transfer.plan_sections(buf, layout), layout=layout, spec=spec, causal=self.causal,
                        info=info)
 
@@ -148,16 +167,18 @@ class BatchMLAPagedAttention:
             o = jnp.zeros((0, h, dc), q_nope.dtype)
             return AttentionState(o, jnp.zeros((0, h), jnp.float32)) if return_lse else o
         sec = plan.sections()
-        o, lse, o_part, lse_part = self.implementation.kernel(
+        implementation = dispatch.IMPLEMENTATIONS_BY_NAME[plan.impl]
+        o, lse, o_part, lse_part = implementation.kernel(
             q_nope.reshape(t * h, dc), q_pe.reshape(t * h, dr), ckv_cache.reshape(-1, dc),
             kpe_cache.reshape(-1, dr), sec["kv_indices"], sec["items"], sec["cell_indptr"],
             columns=mla_planner.COLUMNS, num_parts=layout.part_cap, num_heads=h, page_size=self.page_size,
             sm_scale=self.sm_scale, causal=plan.causal, block_rows=layout.block_rows,
             interpret=self.interpret, config=self.config, scales=scales)
         if layout.group_cap:  # split tiles: their rows' partial states merged into o / lse in place
+            m = layout.block_rows if layout.tile_merge else 1  # rows merged together (whole tiles: M)
             o, lse = merge_kernels.merge_varlen(
-                o_part[:, None], lse_part[:, None], sec["merge_indptr"], sec["merge_dest"],
-                out=(o[:, None], lse[:, None]), interpret=self.interpret,
+                o_part.reshape(-1, m, dc), lse_part.reshape(-1, m), sec["merge_indptr"], sec["merge_dest"],
+                out=(o.reshape(-1, m, dc), lse.reshape(-1, m)), interpret=self.interpret,
                 num_programs=min(layout.group_cap, 4 * layout.num_cells), num_live=sec["num_groups"][0])
         o, lse = o.reshape(t, h, dc), lse.reshape(t, h)
         return AttentionState(o, lse) if return_lse else o
@@ -179,9 +200,9 @@ class BatchMLAPagedAttention:
         check_kv_dtype(q_nope.dtype, ckv_cache.dtype, "ckv_cache")
         if kpe_cache.dtype != ckv_cache.dtype:
             raise ValueError(f"kpe_cache dtype {kpe_cache.dtype} must match ckv_cache's {ckv_cache.dtype}")
-        why = self.implementation.dtypes_unsupported(q_nope.dtype, ckv_cache.dtype)
+        why = dispatch.IMPLEMENTATIONS_BY_NAME[plan.impl].dtypes_unsupported(q_nope.dtype, ckv_cache.dtype)
         if why is not None:
-            raise ValueError(f"ckv_cache: {why}")
+            raise ValueError(f"ckv_cache: {why} (the plan's kernel {plan.impl}; plan() takes q_dtype / kv_dtype)")
         t = plan.layout.num_tokens
         for name, x, want in (("q_nope", q_nope, (t, h, dc)), ("q_pe", q_pe, (t, h, dr))):
             if tuple(x.shape) != want:

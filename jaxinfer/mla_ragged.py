@@ -231,7 +231,9 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     page_size = ckv_cache.shape[1] if getattr(ckv_cache, "ndim", 0) == 3 else 1
     num_heads = ql_nope.shape[1] if getattr(ql_nope, "ndim", 0) == 3 else 1
     problem = dispatch.Problem("mla", num_heads, 1, head_dims, "paged", page_size, interpret=interpret)
-    implementation = dispatch.choose(problem, None, None, causal)  # (one row: no step choice)
+    # The Triton row: the device planner writes each split row's partial states together (the
+    # Mosaic row's plans merge whole tiles).
+    implementation = dispatch.choose(problem, None, None, causal, impl="triton")
     _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
            distribution, implementation)
     ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)

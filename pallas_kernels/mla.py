@@ -35,7 +35,7 @@ class MLAConfig:
     overflow Hopper's 227 KB, measured); num_warps None: 4 for tiles of up to 16 rows, else 8
     (a [64, 512] float32 accumulator takes 128 registers a thread at 8 warps); num_stages None: 3
     (H200, 128 heads B16 kv8192: 251 µs, 2 stages at 64-key blocks 284); num_cells None: two cells per SM
-    for tiles of up to 16 rows (memory-bound decode), else one; min_chunk: the planner splits a
+    for tiles of up to 16 rows (memory-bound decode), else one (the Mosaic kernel, mla_mosaic: one per SM); min_chunk: the planner splits a
     tile's keys into chunks of at least this many. benchmarks/bench_mla.py --sweep times the
     alternatives."""
     block_kv: Optional[int] = None

@@ -51,7 +51,8 @@ class MLALayout(PackedLayout):
     num_cells: int    # grid
     item_cap: int     # work items
     part_cap: int     # partial-state rows
-    group_cap: int    # merge groups (one per row of a split tile)
+    group_cap: int    # merge groups (one per row of a split tile, or per split tile with tile_merge)
+    tile_merge: bool = False  # split tiles' partial rows chunk by chunk, merged by whole tiles
 
     def sections(self):
         """(name, size) of each int32 section, in buffer order."""
@@ -67,14 +68,14 @@ class MLALayout(PackedLayout):
 
 
 @lru_cache(maxsize=64)
-def fixed_layout(*, num_heads, block_rows, num_tokens, batch, index_cap, num_cells):
+def fixed_layout(*, num_heads, block_rows, num_tokens, batch, index_cap, num_cells, tile_merge=False):
     """The layout of every plan under capacities. Bounds: tiles <= ceil(T H / M) + B + 1 (padding
     included); Algorithm 1's chunk L >= keys / cells adds at most `cells` items, splits fewer than
     `cells` tiles into at most 2 keys / L chunks each."""
     tiles = -(-num_tokens * num_heads // block_rows) + batch + 1
     return MLALayout(num_heads=num_heads, block_rows=block_rows, num_tokens=num_tokens, index_cap=index_cap,
                      num_cells=num_cells, item_cap=tiles + num_cells, part_cap=2 * num_cells * block_rows,
-                     group_cap=num_cells * block_rows)
+                     group_cap=num_cells * (1 if tile_merge else block_rows), tile_merge=tile_merge)
 
 
 def block_rows_for(num_heads, max_qo_len, cap=64):
@@ -105,13 +106,17 @@ def chunk_keys(kv_hi, num_cells, min_chunk, block_kv):
 
 def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_cells, block_rows, causal,
          num_pages=None, max_batch_size=None, max_num_tokens=None, max_num_pages=None, block_kv=64,
-         min_chunk=256, item_cost=64):
+         min_chunk=256, item_cost=64, tile_merge=False):
     """Builds the work list. Returns (layout, buffer int32[layout.size], info dict).
 
     qo_indptr, kv_indptr int32[B + 1], kv_indices int32[*], kv_len int32[B] (each at most its
     pages x page_size); num_pages: page ids must lie in [0, num_pages). item_cost: Algorithm 1's
     per-item cost in keys. Rows of q past qo_indptr[-1] (up to max_num_tokens) get items that
-    write o = 0, lse = -inf.
+    write o = 0, lse = -inf. tile_merge (num_heads a multiple of block_rows: tiles start at
+    multiples of it): a split tile's chunk i writes its rows to partial rows base + i M .. base +
+    i M + M - 1, and merge group g is a whole split tile (o viewed as [T H / M, M, D]): parts
+    merge_indptr[g] .. merge_indptr[g + 1] of the partial rows viewed as [parts / M, M, D], into
+    row merge_dest[g].
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -123,6 +128,8 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if block_kv < 1 or block_kv & (block_kv - 1):
         raise ValueError(f"block_kv must be a power of two, got {block_kv}")
+    if tile_merge and num_heads % block_rows:
+        raise ValueError(f"tile_merge needs num_heads ({num_heads}) to be a multiple of block_rows ({block_rows})")
     qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
     kv_indptr, pages, _ = validate.indptr_lengths("kv_indptr", kv_indptr)
     kv_indices = validate.as_int32("kv_indices", kv_indices)
@@ -188,11 +195,11 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
 
     if max_num_tokens is not None and max_batch_size is not None and max_num_pages is not None:
         layout = fixed_layout(num_heads=h, block_rows=m, num_tokens=tcap, batch=bcap, index_cap=icap,
-                              num_cells=int(num_cells))
+                              num_cells=int(num_cells), tile_merge=tile_merge)
     else:
         layout = MLALayout(num_heads=h, block_rows=m, num_tokens=tcap, index_cap=icap, num_cells=int(num_cells),
                            item_cap=max(n_items, 1), part_cap=int(part_rows.sum()),
-                           group_cap=int(np.count_nonzero(split)) * m)
+                           group_cap=int(np.count_nonzero(split)) * (1 if tile_merge else m), tile_merge=tile_merge)
     assert n_items <= layout.item_cap and int(part_rows.sum()) <= layout.part_cap
 
     buf = new_buffer(layout.size)
@@ -206,21 +213,28 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         work[:, _COL[name]] = t[name][item_tile]
     work[:, _COL["kv_start"]] = kv_start
     work[:, _COL["kv_end"]] = kv_end
-    work[:, _COL["part_base"]] = np.where(split[item_tile], part_base[item_tile] + piece, -1)
-    work[:, _COL["part_stride"]] = nchunks[item_tile]
+    if tile_merge:  # chunk i's rows at base + i M + r
+        work[:, _COL["part_base"]] = np.where(split[item_tile], part_base[item_tile] + piece * m, -1)
+        work[:, _COL["part_stride"]] = 1
+    else:  # row r's chunks at base + r k + i
+        work[:, _COL["part_base"]] = np.where(split[item_tile], part_base[item_tile] + piece, -1)
+        work[:, _COL["part_stride"]] = nchunks[item_tile]
     costs = kv_end - kv_start + int(item_cost)
     order, _ = scheduler.assign_cells(costs, layout.num_cells, out=sec["cell_indptr"])
     sec["items"][:n_items] = work[order]
 
-    # Merge groups: rows r of each split tile g, parts [base_g + r k_g, base_g + (r + 1) k_g).
     tiles = np.flatnonzero(split)
-    rows = scheduler.arange(m)
-    starts = (part_base[tiles][:, None] + rows[None, :] * nchunks[tiles][:, None]).reshape(-1)
+    if tile_merge:  # merge groups: each split tile g, parts [base_g / M, base_g / M + k_g) of whole tiles
+        starts, dest, end = part_base[tiles] // m, t["q_row"][tiles] // m, part_rows.sum() // m
+    else:  # rows r of each split tile g, parts [base_g + r k_g, base_g + (r + 1) k_g)
+        rows = scheduler.arange(m)
+        starts = (part_base[tiles][:, None] + rows[None, :] * nchunks[tiles][:, None]).reshape(-1)
+        dest = np.where(rows[None, :] < t["rows"][tiles][:, None], t["q_row"][tiles][:, None] + rows[None, :], -1)
+        end = part_rows.sum()
     n_groups = starts.shape[0]
     if layout.group_cap:
         sec["merge_indptr"][:n_groups] = starts
-        sec["merge_indptr"][n_groups:] = part_rows.sum()
-        dest = np.where(rows[None, :] < t["rows"][tiles][:, None], t["q_row"][tiles][:, None] + rows[None, :], -1)
+        sec["merge_indptr"][n_groups:] = end
         sec["merge_dest"][:n_groups] = dest.reshape(-1)
         sec["merge_dest"][n_groups:] = -1
     sec["num_groups"][0] = n_groups

@@ -230,23 +230,35 @@ def test_planner_covers_every_visible_key_once(rng):
     for _ in range(20):
         batch = int(rng.integers(0, 6))
         qo, kv = rng.integers(0, 6, batch).astype(np.int32), rng.integers(0, 400, batch).astype(np.int32)
-        h, page, causal, cells = int(rng.choice([8, 16, 20])), int(rng.choice([1, 16, 64])), bool(rng.integers(2)), 5
+        h, page, causal, cells = int(rng.choice([8, 16, 20, 64])), int(rng.choice([1, 16, 64])), bool(rng.integers(2)), 5
+        tile_merge = h == 64  # the Mosaic kernel's plans: 64-row tiles, split tiles merged whole
         table = step(rng, qo, kv, page, num_pages=2000)
         layout, buf, info = mla_planner.plan(*table, page_size=page, num_heads=h, num_cells=cells,
                                              block_rows=mla_planner.block_rows_for(h, 4), causal=causal,
                                              max_batch_size=6, max_num_tokens=30, max_num_pages=2000,
-                                             min_chunk=64)
+                                             min_chunk=64, tile_merge=tile_merge)
         sec = layout.named([buf[a:b] for a, b in layout.offsets.values()])
         assert sec["cell_indptr"][-1] == info["num_items"] <= layout.item_cap
         seen, written = np.zeros((30 * h, 400), np.int64), np.zeros(30 * h, np.int64)
+        parts = np.zeros(layout.part_cap, np.int64)  # partial rows: each written once
         for it in mla_planner.work_items(sec["items"][:info["num_items"]]):
             for r in range(it.rows):
                 last = it.first_pos + (it.row_start + r) // h if causal else 400
                 seen[it.q_row + r, it.kv_start:max(min(it.kv_end, last + 1), it.kv_start)] += 1
+                if it.part_base >= 0:
+                    parts[it.part_base + r * it.part_stride] += 1
             if it.part_base < 0:
                 written[it.q_row:it.q_row + it.rows] += 1
+        assert parts.max(initial=0) <= 1
         dest = sec["merge_dest"][:info["num_groups"]]
-        np.add.at(written, dest[dest >= 0], 1)
+        if tile_merge:  # group g: whole tile dest[g] (rows 64 dest .. 64 dest + 63), parts in tile units
+            m = layout.block_rows
+            for g in np.flatnonzero(dest >= 0):
+                written[dest[g] * m:(dest[g] + 1) * m] += 1
+                lo, hi = sec["merge_indptr"][g:g + 2]
+                np.testing.assert_array_equal(parts[lo * m:hi * m], 1)
+        else:
+            np.add.at(written, dest[dest >= 0], 1)
         np.testing.assert_array_equal(written, 1)
         want = np.zeros_like(seen)
         for b in range(batch):
@@ -304,6 +316,79 @@ def test_bad_plan_and_run_inputs(rng):
                 mla.run(*good, plan, **{name: bad})
     with pytest.raises(ValueError, match="causal"):
         runner(16, 64, False)[0].run(*good, plan)
+
+
+@functools.lru_cache(maxsize=None)
+def _mosaic_runner():
+    """The Mosaic GPU kernel (64 heads, page 64, causal, bf16) in the Mosaic GPU interpreter."""
+    mla = BatchMLAPagedAttention(64, CKV, KPE, 64, causal=True, sm_scale=SCALE, impl="mosaic",
+                                 max_num_pages=_num_pages(64), config=MLAConfig(num_cells=3, min_chunk=64), **CAPS)
+    return mla, jax.jit(lambda *args: mla.run(*args, return_lse=True))
+
+
+def test_mosaic_kernel_matches_float64_reference_once_compiled(rng):
+    """The Hopper row in the interpreter: decode with a split request and one without keys, then
+    a mixed causal step (rows that see no key, a request without rows), NaN in unlisted pages,
+    stale slots and padding rows; one compilation serves both steps."""
+    mla, run = _mosaic_runner()
+    for qo_lens, kv_lens in (DECODE, MIXED):
+        table = step(rng, qo_lens, kv_lens, 64)
+        plan = mla.plan(*table, num_pages=_num_pages(64))
+        assert plan.impl == "mla_mosaic" and plan.layout.tile_merge
+        assert plan.info["num_split"] > 0  # merged whole tiles
+        q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+                                  for x in inputs(rng, CAPS["max_num_tokens"], 64, 64, np.float32))
+        want = oracle(q_nope, q_pe, ckv, kpe, *table, True)
+        listed = np.zeros(ckv.shape[:2], bool)
+        for b in range(len(kv_lens)):
+            pages = table[2][table[1][b]:table[1][b + 1]]
+            listed.reshape(-1)[(pages[:, None] * 64 + np.arange(64)).reshape(-1)[:kv_lens[b]]] = True
+        ckv[~listed], kpe[~listed] = np.nan, np.nan
+        q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
+        out = run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan)
+        check(out, want, 1e-2)
+    assert run._cache_size() == 1
+
+
+def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
+    """On Hopper, "auto" plans the Mosaic kernel for 16-bit caches at 64-multiple heads and pages,
+    the Triton kernel otherwise (fp8 or float32 caches, 16 heads, page 16); run() refuses dtypes
+    its plan's kernel does not take."""
+    from jaxinfer import _backend
+    monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
+    table = step(np.random.default_rng(0), [1, 1], [70, 130], 64, 20)
+    for heads, page, kw, want in ((128, 64, {}, "mla_mosaic"), (64, 128, dict(q_dtype=jnp.float16), "mla_mosaic"),
+                                  (128, 64, dict(kv_dtype=jnp.float8_e4m3fn), "mla_triton"),
+                                  (128, 64, dict(q_dtype=jnp.float32), "mla_triton"),
+                                  (16, 64, {}, "mla_triton"), (128, 16, {}, "mla_triton")):
+        mla = BatchMLAPagedAttention(heads, CKV, KPE, page, sm_scale=SCALE, backend="gpu")
+        t = table if page == 64 else step(np.random.default_rng(0), [1, 1], [70, 130], page, 20)
+        assert mla.plan(*t, num_pages=20, **kw).impl == want, (heads, page, kw)
+    mla = BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE, backend="gpu")
+    plan = mla.plan(*table, num_pages=20)
+    with pytest.raises(ValueError, match="ckv_cache.*mla_mosaic"):
+        mla.run(jnp.ones((2, 128, CKV), jnp.bfloat16), jnp.ones((2, 128, KPE), jnp.bfloat16),
+                jnp.ones((20, 64, CKV), jnp.float8_e4m3fn), jnp.ones((20, 64, KPE), jnp.float8_e4m3fn), plan)
+    with pytest.raises(ValueError, match="num_heads must be a multiple of 64"):
+        BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic").plan(
+            *table, num_pages=20, kv_dtype=jnp.float8_e4m3fn)
+
+
+def test_mosaic_kernel_lowers_for_cuda():
+    """The Mosaic GPU kernel lowers for an H100 on any host (TMA, wgmma layouts, register stores):
+    decode of 128 heads with split tiles, causal verify rows of 64 heads."""
+    from test_backend import MOSAIC_CALL, lower_for_cuda
+    for heads, qo, causal in ((128, 1, False), (64, 3, True)):
+        b, kv, page = 4, 300, 64
+        table = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 30)
+        mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=causal, sm_scale=SCALE, backend="gpu",
+                                     impl="mosaic")
+        plan = mla.plan(*table, num_pages=30)
+        args = (jnp.ones((b * qo, heads, CKV), jnp.bfloat16), jnp.ones((b * qo, heads, KPE), jnp.bfloat16),
+                jnp.ones((30, page, CKV), jnp.bfloat16), jnp.ones((30, page, KPE), jnp.bfloat16), plan)
+        assert MOSAIC_CALL in lower_for_cuda(mla.run, *args)
 
 
 def test_gpu_kernel_lowers_for_cuda():

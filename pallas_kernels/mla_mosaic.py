@@ -1,0 +1,290 @@
+"""Multi-head latent attention (MLA) on Mosaic GPU (Hopper): TMA loads, wgmma, warp specialization.
+
+The work list is planner/mla.py's (columns: work_items.MLA) with tiles of 64 query rows and
+64-key blocks: a tile is 64 heads of one query token (num_heads a multiple of 64), so its rows
+share one causal limit, which the planner already folded into kv_end. Grid (num_cells,), three
+warpgroups per cell, the cell's items run in order:
+
+- the memory warpgroup loads each item's q (q_nope, q_pe: [64, Dc], [64, Dr]) once its
+  predecessor's last QK^T is done, then streams the item's latent blocks (ckv [64, Dc], kpe
+  [64, Dr]: whole 64-key runs of one page, by TMA) through `slots` shared-memory slots;
+- two compute warpgroups read every block. Each computes the block's scores s = q_nope ckv^T +
+  q_pe kpe^T for all 64 rows (the score dots are repeated: one [64, Dc] f32 output does not fit
+  one warpgroup's registers), runs the online softmax (base 2) and accumulates its own half of
+  the output columns, o[:, h Dc/2 : (h+1) Dc/2] += p ckv[:, that half].
+
+Keys outside [kv_start, kv_end) get score -inf, and a block's ckv rows there are zeroed in
+shared memory (each warpgroup its own column half) before P V: a freed page keeps its last
+owner's values, NaN included, and 0 * NaN is NaN. Items with part_base < 0 write the final rows
+of o (q's dtype) and lse; split items write float32 partial states, 64 consecutive rows from
+part_base (planner.mla.plan(tile_merge=True)), merged by whole tiles afterwards.
+"""
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG_ROWS = 64   # query rows per tile (one wgmma M)
+BLOCK_KV = 64  # keys per block
+LOG2E = math.log2(math.e)
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread (2 x 232 + 40 warps of 128 fit 64K)
+_LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()  # (see prefill_mosaic)
+
+
+def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
+    """Why the kernel cannot run these sizes (None when it can)."""
+    if num_heads % WG_ROWS:
+        return f"num_heads must be a multiple of {WG_ROWS} (a tile is {WG_ROWS} heads of one token), got {num_heads}"
+    if page_size % BLOCK_KV:
+        return f"page_size must be a multiple of {BLOCK_KV} (a block is {BLOCK_KV} keys of one page), got {page_size}"
+    if head_dim_ckv % 128 or head_dim_ckv > 512:
+        return f"head_dim_ckv must be a multiple of 128 up to 512 (half a row per warpgroup), got {head_dim_ckv}"
+    if head_dim_kpe % 64:
+        return f"head_dim_kpe must be a multiple of 64, got {head_dim_kpe}"
+    return None
+
+
+def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
+            o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, *, columns, page_size, sm_scale, slots, interpret):
+    # items_ref int32[W * len(columns)] (flattened; columns: the names, planner.mla.COLUMNS); cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
+    # q_nope_ref [N, 2, Dc/2], q_pe_ref [N, Dr]: q as rows token * H + head, ckv's columns in halves
+    # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
+    # o_ref [N, 2, Dc/2] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, 2, Dc/2], lse_part_ref f32[parts]
+    (qn_smem, qp_smem, ckv_smem, kpe_smem, lse_smem), (q_bar, kv_bar), (q_free, kv_free) = scoped
+    # qn_smem [2, 64, Dc/2], qp_smem [64, Dr]; ckv_smem [slots, 2, 64, Dc/2], kpe_smem [slots, 64, Dr]
+    # lse_smem f32[64]
+    wg = lax.axis_index("wg")
+    cell = lax.axis_index("cells")
+    first_item, end_item = cell_indptr_ref[cell], cell_indptr_ref[cell + 1]
+    dtype = q_nope_ref.dtype
+    half = qn_smem.shape[-1]
+    c = sm_scale * LOG2E  # base 2, the scale folded into the exponent's multiply-add
+
+    def fields(w):
+        load = lambda name: items_ref[w * len(columns) + columns.index(name)]  # (flattened: 1-D loads)
+        kv_start, kv_end = load("kv_start"), load("kv_end")
+        kv_begin = lax.div(kv_start, jnp.int32(BLOCK_KV)) * BLOCK_KV
+        steps = jnp.where(kv_end > kv_start, pl.cdiv(kv_end - kv_begin, jnp.int32(BLOCK_KV)), 0)
+        return dict(page_base=load("page_base"), q_row=load("q_row"), part_base=load("part_base"),
+                    kv_start=kv_start, kv_end=kv_end, kv_begin=kv_begin, steps=steps)
+
+    iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
+            functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+    cast = (lambda x, _: x) if interpret else plgpu.layout_cast
+
+    def load_smem(ref):  # a shared-memory buffer into registers (WGMMA layout)
+        return ref[...] if interpret else plgpu.load(ref, *_LOAD_IDX, layout=plgpu.Layout.WGMMA, optimized=False)
+
+    def memory_item(w, g):
+        """Item w's q, then its blocks; g: blocks this cell loaded before it (their slots)."""
+        f = fields(w)
+
+        @pl.when(w > first_item)
+        def _():  # the previous item's QK^T is done in both compute warpgroups
+            plgpu.barrier_wait(q_free.at[0])
+
+        rows = pl.ds(f["q_row"], WG_ROWS)
+        for h in range(2):
+            plgpu.copy_gmem_to_smem(q_nope_ref.at[rows, h], qn_smem.at[h], q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_pe_ref.at[rows], qp_smem, q_bar.at[0])
+
+        def fill(j, _):
+            n = g + j
+            slot = lax.rem(n, jnp.int32(slots))
+            key = f["kv_begin"] + j * BLOCK_KV
+            page = kv_indices_ref[f["page_base"] + lax.div(key, jnp.int32(page_size))]
+            keys = pl.ds(lax.rem(key, jnp.int32(page_size)), BLOCK_KV)
+
+            @pl.when(n >= slots)
+            def _():
+                plgpu.barrier_wait(kv_free.at[slot])
+
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(ckv_ref.at[page, keys, h], ckv_smem.at[slot, h], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(kpe_ref.at[page, keys], kpe_smem.at[slot], kv_bar.at[slot])
+
+        lax.fori_loop(0, f["steps"], fill, None)
+        return g + f["steps"]
+
+    def clean_ckv(f, j, slot):
+        """Zeroes this warpgroup's half of block j's ckv rows outside [kv_start, kv_end)."""
+        start = f["kv_begin"] + j * BLOCK_KV
+        lo = jnp.clip(f["kv_start"] - start, 0, BLOCK_KV)
+        hi = jnp.clip(f["kv_end"] - start, 0, BLOCK_KV)
+
+        @pl.when((lo > 0) | (hi < BLOCK_KV))
+        def _():
+            rows = ckv_smem.at[slot, wg]  # [64, Dc/2]
+            x = load_smem(rows)
+            r = iota(x.shape, 0)
+            rows[...] = jnp.where((r >= lo) & (r < hi), x, jnp.zeros((), x.dtype))
+            plgpu.commit_smem()
+
+    def compute_item(w, g):
+        f = fields(w)
+        plgpu.barrier_wait(q_bar.at[0])
+        m = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = cast(jnp.zeros((WG_ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+        # Blocks wholly inside [kv_start, kv_end): after a lead block that starts before kv_start,
+        # up to the last whole one.
+        lead = jnp.minimum(jnp.where(f["kv_start"] > f["kv_begin"], 1, 0), f["steps"])
+        n_full = jnp.clip(lax.div(f["kv_end"] - f["kv_begin"], jnp.int32(BLOCK_KV)), lead, f["steps"])
+
+        def block(j, carry, masked):
+            acc, m, l = carry  # [64, Dc/2] f32, [64], [64]
+            slot = lax.rem(g + j, jnp.int32(slots))
+            plgpu.barrier_wait(kv_bar.at[slot])
+            if interpret:  # the interpreter's wgmma takes no transposed operand: plain dots
+                nt = (((1,), (1,)), ((), ()))
+                s = lax.dot_general(qp_smem[...], kpe_smem[slot], nt, preferred_element_type=jnp.float32)
+                for h in range(2):
+                    s = s + lax.dot_general(qn_smem[h], ckv_smem[slot, h], nt, preferred_element_type=jnp.float32)
+            else:
+                def qk(s_ref):
+                    for h in range(2):
+                        plgpu.wgmma(s_ref, qn_smem.at[h], ckv_smem.at[slot, h].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, qp_smem, kpe_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, BLOCK_KV), jnp.float32))  # [64, 64]
+            if masked:
+                key = iota(s.shape, 1) + (f["kv_begin"] + j * BLOCK_KV)
+                s = jnp.where((key >= f["kv_start"]) & (key < f["kv_end"]), s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # [64, 64]
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            if masked:
+                clean_ckv(f, j, slot)
+            if interpret:
+                acc = acc + jnp.dot(p16, ckv_smem[slot, wg], preferred_element_type=jnp.float32)
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, ckv_smem.at[slot, wg])
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(kv_free.at[slot])
+            return acc, m_new, l
+
+        carry = (acc, m, l)
+        carry = lax.fori_loop(0, lead, functools.partial(block, masked=True), carry)
+        carry = lax.fori_loop(lead, n_full, functools.partial(block, masked=False), carry)
+        acc, m, l = lax.fori_loop(n_full, f["steps"], functools.partial(block, masked=True), carry)
+        plgpu.barrier_arrive(q_free.at[0])  # q is free for the next item
+
+        nonempty = l > 0
+        l_safe = jnp.where(nonempty, l, 1.0)
+        o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # [64, Dc/2] f32
+        lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)  # [64] natural log
+        split = f["part_base"] >= 0
+        row = jnp.where(split, f["part_base"], f["q_row"])
+        for h in range(2):  # register stores need static column halves
+            @pl.when((wg == h) & ~split)
+            def _():
+                o_ref[pl.ds(row, WG_ROWS), h] = o.astype(o_ref.dtype)
+
+            @pl.when((wg == h) & split)
+            def _():
+                o_part_ref[pl.ds(row, WG_ROWS), h] = o
+
+        @pl.when(wg == 0)
+        def _():
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            pl.when(~split)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[pl.ds(row, WG_ROWS)]))
+            pl.when(split)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_part_ref.at[pl.ds(row, WG_ROWS)]))
+            plgpu.wait_smem_to_gmem(0)
+
+        return g + f["steps"]
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        lax.fori_loop(first_item, end_item, compute_item, jnp.int32(0))
+
+    @pl.when(wg == 2)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        g = lax.fori_loop(first_item, end_item, memory_item, jnp.int32(0))
+        # Every barrier phase is awaited: the last item's q and the last blocks' releases.
+        pl.when(end_item > first_item)(lambda: plgpu.barrier_wait(q_free.at[0]))
+
+        @pl.loop(jnp.maximum(g - slots, 0), g)
+        def _(n):
+            plgpu.barrier_wait(kv_free.at[lax.rem(n, jnp.int32(slots))])
+
+
+def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
+               num_heads, page_size, sm_scale, causal, block_rows, interpret, config=None, scales=None, slots=2):
+    """Runs the MLA work list (planner/mla.py, tiles of 64 rows, tile_merge: a split item's
+    partial rows are part_base .. part_base + 63).
+
+    q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head (num_heads a multiple of 64);
+    ckv_rows [num_pages * page_size, Dc], kpe_rows [.., Dr] in q's dtype (16-bit); kv_indices
+    int32[I]; items int32[W, len(columns)]; cell_indptr int32[num_cells + 1]. causal is the
+    planner's (kv_end is each tile's causal limit); config is unused (the MLAConfig of the Triton
+    kernel); scales must be None. Returns (o [N, Dc] q's dtype, lse f32[N], o_part
+    f32[max(num_parts, 1), Dc], lse_part f32[max(num_parts, 1)]); rows of o written by no
+    writethrough item are the merge's.
+    """
+    del causal, config
+    if scales is not None:
+        raise ValueError("mla_mosaic: fp8 latent caches run on the Triton kernel")
+    if block_rows != WG_ROWS:
+        raise ValueError(f"mla_mosaic: plans need tiles of {WG_ROWS} rows, got {block_rows}")
+    n, dc = q_nope.shape
+    dr = q_pe.shape[-1]
+    why = limits(num_heads=num_heads, head_dim_ckv=dc, head_dim_kpe=dr, page_size=page_size, slots=slots)
+    if why is not None:
+        raise ValueError(f"mla_mosaic: {why}")
+    num_parts = max(int(num_parts), 1)
+    half = dc // 2
+    q_halves = q_nope.reshape(n, 2, half)
+    ckv = ckv_rows.reshape(-1, page_size, 2, half)
+    kpe = kpe_rows.reshape(-1, page_size, dr)
+    num_cells = cell_indptr.shape[0] - 1
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw = dict(interpret=InterpretGPUParams(uninitialized_memory="nan"))  # outputs poisoned
+        if num_cells > 2:  # each interpreted grid point compiles anew: the cells merged into two
+            cell_indptr = cell_indptr[jnp.array([0, num_cells // 2, num_cells])]
+            num_cells = 2
+
+    def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
+              o_ref, lse_ref, o_part_ref, lse_part_ref):
+        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((2, WG_ROWS, half), q_nope.dtype, transforms=tiled),
+                plgpu.SMEM((WG_ROWS, dr), q_nope.dtype, transforms=tiled),
+                plgpu.SMEM((slots, 2, BLOCK_KV, half), q_nope.dtype, transforms=tiled),
+                plgpu.SMEM((slots, BLOCK_KV, dr), q_nope.dtype, transforms=tiled),
+                plgpu.SMEM((WG_ROWS,), jnp.float32))
+        loaded = (plgpu.Barrier(num_arrivals=3, num_barriers=1),        # q: two halves of q_nope, q_pe
+                  plgpu.Barrier(num_arrivals=3, num_barriers=slots))    # a block: two halves of ckv, kpe
+        freed = (plgpu.Barrier(num_arrivals=2, num_barriers=1),         # by both compute warpgroups
+                 plgpu.Barrier(num_arrivals=2, num_barriers=slots))
+        pl.run_scoped(
+            lambda *scoped: _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref,
+                                    kpe_ref, o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, columns=tuple(columns),
+                                    page_size=page_size, sm_scale=float(sm_scale), slots=slots,
+                                    interpret=interpret),
+            smem, loaded, freed, collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((n, 2, half), q_nope.dtype),
+                jax.ShapeDtypeStruct((n,), jnp.float32),
+                jax.ShapeDtypeStruct((num_parts, 2, half), jnp.float32),
+                jax.ShapeDtypeStruct((num_parts,), jnp.float32))
+    o, lse, o_part, lse_part = plgpu.kernel(
+        entry, out_type=out_type, grid=(num_cells,), grid_names=("cells",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        **kw)(items.reshape(-1), cell_indptr, kv_indices, q_halves, q_pe, ckv, kpe)
+    return o.reshape(n, dc), lse, o_part.reshape(num_parts, dc), lse_part
