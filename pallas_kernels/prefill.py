@@ -230,10 +230,12 @@ def mosaic_limits(*, head_dim=64, page_size=None, block_kv=128, layout="NHD", q_
     known yet; head_dim_vo (V and o's head_dim) None: head_dim."""
     if layout not in ("NHD", "NHD_FUSED"):
         return f"layout must be 'NHD' or 'NHD_FUSED', got {layout!r}"
-    if head_dim_vo is not None and head_dim_vo != head_dim:
-        return f"head_dim_vo ({head_dim_vo}) must equal head_dim ({head_dim}) (Triton runs them)"
     if head_dim % 64:
         return f"head_dim must be a multiple of 64, got {head_dim}"
+    if head_dim_vo is not None and (head_dim_vo % 64 or head_dim_vo > 256):
+        return f"head_dim_vo must be a multiple of 64 up to 256, got {head_dim_vo}"
+    if head_dim_vo is not None and head_dim_vo != head_dim and layout == "NHD_FUSED":
+        return "an NHD_FUSED cache holds K and V of one head_dim"
     if page_size is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
         return f"page_size must be a multiple of 8 dividing {block_kv} (or a multiple of it), got {page_size}"
     if q_dtype is not None:
@@ -279,8 +281,9 @@ def run_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
         tree_max=config.tree_max, compute_wgs=config.compute_wgs, columns=columns)
     o = o.at[tail_dest].set(o_tail, mode="drop")
     lse = lse_items[:, lse_src[:nnz]].T  # [nnz, Hq]
-    return (o.reshape(nnz * num_qo_heads, d), lse.reshape(-1),
-            jnp.zeros((num_parts * num_qo_heads, d), jnp.float32),
+    dv = v_rows.shape[1]
+    return (o.reshape(nnz * num_qo_heads, dv), lse.reshape(-1),
+            jnp.zeros((num_parts * num_qo_heads, dv), jnp.float32),
             jnp.zeros((num_parts * num_qo_heads,), jnp.float32))
 
 

@@ -116,10 +116,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
     tile_tokens = compute_wgs * WG_ROWS
     cell = lax.axis_index("cells")
     num_qo_heads = q_ref.shape[1]
+    dv = v_ref.shape[-1]  # V and o's head_dim
     group = num_qo_heads // num_kv_heads
     mixed = packed_tokens > 0
     smem, (k_bar, v_bar, q_bar, *qp_bar), (k_free, v_free), sched = scoped
     q_smem2, k_smem, v_smem, lse_smem2, *extra_smem = smem
+    # o's staging buffer where V's head_dim differs from q's: [wgs, 64, Dv] (else q_smem2 stages o)
+    o_smem2 = extra_smem.pop() if v_ref.shape[-1] != q_ref.shape[-1] else None
     qp_smem = extra_smem.pop() if mixed else None  # [wgs, 64, D] unswizzled (store_mixed)
     pos_smem2 = extra_smem[0] if extra_smem else None  # [2, 64] int32 with a variant
     wg = lax.axis_index("wg")
@@ -303,9 +306,9 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
             schedule_barrier()
 
     def store_item(f, first_tok, has_item, acc, m_i, l_i):
-        """The warpgroup's finished state (acc [64, D], m_i, l_i [64]) of item f: o normalized and
+        """The warpgroup's finished state (acc [64, Dv], m_i, l_i [64]) of item f: o normalized and
         stored (whole tile, its own rows, or its tail slot), lse by the item's slot."""
-        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+        o_smem, lse_smem = (q_smem2 if o_smem2 is None else o_smem2).at[wg], lse_smem2.at[wg]  # [64, Dv]
         if softmax:
             nonempty = l_i > 0
             l_safe = jnp.where(nonempty, l_i, 1.0)
@@ -313,7 +316,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
             lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
         else:  # plain sums: lse 0 (see _attention.finalize)
             o, lse = acc, l_i
-        (qp_smem.at[wg] if mixed else q_smem)[...] = o.astype(q_ref.dtype)
+        (qp_smem.at[wg] if mixed else o_smem)[...] = o.astype(q_ref.dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
         row0 = f.q_row_start + first_tok
@@ -324,23 +327,23 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
 
             @pl.when(has_item & (n_rows == WG_ROWS))
             def _():
-                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
 
             for j in range(0, WG_ROWS, 8):  # rows past the request up to its next 8-aligned row: nobody's
                 @pl.when(has_item & (n_rows < WG_ROWS) & (j < n_rows))
                 def _():
-                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), f.head])
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(j, 8)], o_ref.at[pl.ds(row0 + j, 8), f.head])
         else:
             tail = f.tail
 
             @pl.when(has_item & (tail < 0))  # the tile is wholly the request's rows
             def _():
-                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(row0, WG_ROWS), f.head])
 
             @pl.when(has_item & (tail >= 0))
             def _():
                 plgpu.copy_smem_to_gmem(
-                    q_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), f.head])
+                    o_smem, o_tail_ref.at[pl.ds(tail * tile_tokens + wg * WG_ROWS, WG_ROWS), f.head])
 
         # lse rows by slot (a contiguous TMA store needs a 16-byte aligned destination); a packed
         # tile's rows in token-major order
@@ -363,7 +366,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
         cast = (lambda x, _: x) if interpret else plgpu.layout_cast
         m_i = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = cast(jnp.full((WG_ROWS, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+        acc = cast(jnp.full((WG_ROWS, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
         if variant is not None:  # the rows' query positions [64]
             q_pos = (pos_smem2[wg] if interpret else plgpu.load(
                 pos_smem2.at[wg], *_LOAD_IDX, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False))
@@ -539,7 +542,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
             acc, m_i, l_i = segments(kv_step, 0, (acc, m_i, l_i))
         else:
             run = overlapped if interpret else (
-                lambda _: pl.run_scoped(overlapped, plgpu.ACC((WG_ROWS, q_ref.shape[-1]), jnp.float32)))
+                lambda _: pl.run_scoped(overlapped, plgpu.ACC((WG_ROWS, dv), jnp.float32)))
             acc, m_i, l_i = lax.cond(steps > 0, lambda: run(None), lambda: (acc, m_i, l_i))
 
         lax.fori_loop(steps, tile_steps, drain, None)
@@ -671,10 +674,13 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     past kv_len zeroed (a freed slot keeps its last owner's values, NaN included, and 0 * NaN in
     P @ V is NaN). Other launches zero those rows in shared memory."""
     nnz, num_qo_heads, d = q.shape
+    dv = v_rows.shape[-1]  # V and o's head_dim (DeepSeek's prefill: 128 beside q / K's 192)
     mixed = packed_tokens > 0
     persistent = persistent or mixed
     if mixed and (variant is not None or row_stores):
         raise ValueError("prefill_mosaic: a mixed launch takes no variant and no row_stores")
+    if mixed and dv != d:
+        raise ValueError("prefill_mosaic: a mixed launch needs V's head_dim equal to q's")
     if mixed and packed_tokens * (num_qo_heads // num_kv_heads) > WG_ROWS:
         raise ValueError(f"prefill_mosaic: packed_tokens={packed_tokens} x the head group is over {WG_ROWS} rows")
     # TMA into tiled shared memory views token dimensions in tiles of 8 rows: arrays are padded to
@@ -690,13 +696,13 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     fused = layout == "NHD_FUSED" and not contiguous
     if contiguous:
         k = k_rows.reshape(-1, num_kv_heads, d)
-        v = v_rows.reshape(-1, num_kv_heads, d)
+        v = v_rows.reshape(-1, num_kv_heads, dv)
         kv_pad = _round_up(k.shape[0], 8) + (block_kv if interpret else 0)
         k, v = _pad_rows(k, kv_pad), _pad_rows(v, kv_pad)
         kv_indices = jnp.zeros((1,), jnp.int32)
     else:  # pages [P, S, Hkv, D] (fused: the one array [P, S, Hkv, 2, D] as both)
-        kv_shape = (-1, page_size, num_kv_heads) + ((2,) if fused else ()) + (d,)
-        k, v = k_rows.reshape(kv_shape), v_rows.reshape(kv_shape)
+        kv_shape = (-1, page_size, num_kv_heads) + ((2,) if fused else ())
+        k, v = k_rows.reshape(kv_shape + (d,)), v_rows.reshape(kv_shape + (dv,))
     last = [] if last_pages is None or not mixed or contiguous else [last_pages.sanitized_v(v)]
     num_cells = cell_indptr.shape[0] - 1
     if interpret and num_cells > 2:
@@ -724,12 +730,14 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         swizzle = plgpu.SwizzleTransform(128)
         smem = [plgpu.SMEM((compute_wgs, WG_ROWS, d), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
-                plgpu.SMEM((max_concurrent_steps, block_kv, d), q.dtype, transforms=(tiling, swizzle)),
+                plgpu.SMEM((max_concurrent_steps, block_kv, dv), q.dtype, transforms=(tiling, swizzle)),
                 plgpu.SMEM((compute_wgs, WG_ROWS), jnp.float32)]
         if variant is not None:
             smem.append(plgpu.SMEM((compute_wgs, WG_ROWS), jnp.int32))
         if mixed:  # unswizzled: a packed tile's q; each warpgroup's output rows
             smem.append(plgpu.SMEM((compute_wgs, WG_ROWS, d), q.dtype))
+        if dv != d:  # o staged apart from q
+            smem.append(plgpu.SMEM((compute_wgs, WG_ROWS, dv), q.dtype, transforms=(tiling, swizzle)))
         copies = 1 if contiguous else max(1, block_kv // page_size)
         loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
                   plgpu.Barrier(num_arrivals=copies, num_barriers=max_concurrent_steps),
@@ -749,9 +757,9 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
             smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     lse_shape = (1, num_lse_slots * tile_tokens) if mixed else (num_qo_heads, items.shape[0] * tile_tokens)
-    out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, d), q.dtype),
+    out_shape = (jax.ShapeDtypeStruct((nnz_pad, num_qo_heads, dv), q.dtype),
                  jax.ShapeDtypeStruct(lse_shape, jnp.float32),
-                 jax.ShapeDtypeStruct((num_tail_rows, num_qo_heads, d), q.dtype))
+                 jax.ShapeDtypeStruct((num_tail_rows, num_qo_heads, dv), q.dtype))
     kw = dict(interpret=interpret_params) if interpret else {}
     grid = (1 if mixed else num_qo_heads, num_cells)
     o, lse_items, o_tail = plgpu.kernel(entry, out_type=out_shape, grid=grid,

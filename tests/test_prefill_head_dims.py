@@ -64,18 +64,45 @@ def test_paged_192_128_bf16_fixed_shapes_matches_reference(rng, layout):
         np.testing.assert_array_equal(np.asarray(o[n:], np.float32), 0.0)
 
 
-def test_dispatch_routes_distinct_head_dims_to_triton():
+def test_mosaic_192_128_matches_reference(rng):
+    """The Mosaic GPU kernel (its interpreter) with V / o of 128 beside q / K of 192: ragged and
+    paged, causal rows that see no key, a request of one token; bf16."""
+    hq, hkv, page = 4, 2, 64
+    qo, kv = np.array([70, 1, 50]), np.array([130, 1, 20])
+    qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
+    q = randn(rng, (qo_indptr[-1], hq, QK), jnp.bfloat16)
+    k, v = randn(rng, (kv_indptr[-1], hkv, QK), jnp.bfloat16), randn(rng, (kv_indptr[-1], hkv, VO), jnp.bfloat16)
+    pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, QK, head_dim_vo=VO, causal=True, impl="mosaic")
+    plan = pre.plan(qo_indptr, kv_indptr)
+    assert plan.impl == "prefill_mosaic"
+    o, lse = pre.run(q, k, v, plan, return_lse=True)
+    want = ref.ragged_attention(q, k, v, qo_indptr, kv_indptr, causal=True)
+    assert o.shape == (qo_indptr[-1], hq, VO) and rel_err(o, want.o) < TOL[jnp.bfloat16]
+    assert_lse_close(lse, want.lse, 1e-2)
+    indptr, indices, last, num_pages = page_table(rng, kv, page, extra_pages=2)
+    cache = ji.PagedKVCache(randn(rng, (num_pages, page, hkv, QK), jnp.bfloat16),
+                            randn(rng, (num_pages, page, hkv, VO), jnp.bfloat16))
+    paged = ji.BatchPrefillWithPagedKVCache(hq, hkv, QK, page, head_dim_vo=VO, causal=True, impl="mosaic")
+    plan = paged.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    o = paged.run(q, cache, plan)
+    want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True)
+    assert plan.impl == "prefill_mosaic" and rel_err(o, want.o) < TOL[jnp.bfloat16]
+
+
+def test_dispatch_routes_distinct_head_dims():
     problem = dispatch.Problem("prefill", 16, 16, QK, "paged", 16, head_dim_vo=VO, interpret=False)
     reasons = {row.name: row.unsupported(problem, True) for row, _ in dispatch.implementations(problem)}
-    assert "head_dim_vo" in reasons["prefill_mosaic"] and "prefill kernels" in reasons["prefill_short"]
-    assert reasons["prefill_triton"] is None
+    assert "prefill kernels" in reasons["prefill_short"]
+    assert reasons["prefill_triton"] is None and reasons["prefill_mosaic"] is None
+    odd_vo = dispatch.Problem("prefill", 16, 16, QK, "ragged", head_dim_vo=96, interpret=False)
+    assert "head_dim_vo" in dispatch._mosaic_unsupported(odd_vo, True)
     odd = dispatch.Problem("prefill", 16, 16, QK, "ragged", head_dim_vo=96, interpret=False)
     assert "power of two" in dispatch._triton_prefill_unsupported(odd, False)
     rope = dispatch.Problem("prefill", 16, 16, QK, "ragged", variant=ji.variants.rope(), head_dim_vo=VO,
                             interpret=False)  # q / K of 192 run in column blocks: no whole rows to rotate
     assert "rope" in dispatch._triton_prefill_unsupported(rope, False)
     with pytest.raises(ValueError, match="head_dim_vo"):  # explicit Mosaic, even in interpret mode
-        ji.BatchPrefillWithRaggedKVCache(4, 4, QK, head_dim_vo=VO, impl="mosaic")
+        ji.BatchPrefillWithRaggedKVCache(4, 4, QK, head_dim_vo=96, impl="mosaic")
     with pytest.raises(ValueError, match="power of two"):  # compiled Triton: V's tiles
         ji.BatchPrefillWithRaggedKVCache(4, 4, QK, head_dim_vo=96, backend="gpu")
 
@@ -106,7 +133,7 @@ def test_bad_shapes_and_plans_across_head_dims(rng):
 
 
 def test_gpu_kernel_lowers_for_cuda():
-    """q / K of 192 read as 128 + 64 column blocks, V / o of 128: the compiled kernel lowers to Triton."""
+    """q / K of 192 read as 128 + 64 column blocks, V / o of 128: the compiled kernels lower for CUDA."""
     from test_backend import TRITON_CALL, lower_for_cuda
     qo_indptr, kv_indptr = _indptr([100, 7]), _indptr([100, 300])
     pre = ji.BatchPrefillWithRaggedKVCache(16, 16, QK, head_dim_vo=VO, backend="gpu")
@@ -114,3 +141,7 @@ def test_gpu_kernel_lowers_for_cuda():
     args = (jnp.ones((107, 16, QK), jnp.bfloat16), jnp.ones((400, 16, QK), jnp.bfloat16),
             jnp.ones((400, 16, VO), jnp.bfloat16), plan)
     assert TRITON_CALL in lower_for_cuda(pre.run, *args)
+    from test_backend import MOSAIC_CALL  # ... and on the Mosaic GPU kernel, V / o staged apart from q
+    for config in (None, ji.MosaicPrefillConfig(block_kv=64, pipeline="overlap")):
+        pre = ji.BatchPrefillWithRaggedKVCache(16, 16, QK, head_dim_vo=VO, backend="gpu", impl="mosaic", config=config)
+        assert MOSAIC_CALL in lower_for_cuda(pre.run, *args[:3], pre.plan(qo_indptr, kv_indptr))
