@@ -338,6 +338,13 @@ def _mla_mosaic_unsupported(problem, explicit):
     return why
 
 
+def _mla_mosaic_cost(problem, qo_lens, kv_lens, causal):
+    """_mla_cost, or infinite where a request's rows are not whole 64-row tiles (num_heads < 64)."""
+    if np.any(np.asarray(qo_lens, np.int64) * problem.num_qo_heads % mla_mosaic_kernels.WG_ROWS):
+        return _INF
+    return _mla_cost(problem, np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64), causal)
+
+
 def _mla_mosaic_dtypes_unsupported(q_dtype, kv_dtype):
     q_dtype, kv_dtype = np.dtype(q_dtype), np.dtype(kv_dtype)
     if q_dtype in (np.dtype("float16"), np.dtype("bfloat16")) and kv_dtype == q_dtype:
@@ -375,7 +382,7 @@ IMPLEMENTATIONS = (
     # Multi-head latent attention (BatchMLAPagedAttention): every head of a request over one
     # latent cache, decode and multi-token rows in one kernel, split-KV merged. On Hopper, tiles
     # of 64 heads on wgmma (16-bit caches, page a multiple of 64) ...
-    Implementation("mla_mosaic", "mla", "mosaic", mla_kernels.MLAConfig, _mla_mosaic_unsupported, _mla_cost,
+    Implementation("mla_mosaic", "mla", "mosaic", mla_kernels.MLAConfig, _mla_mosaic_unsupported, _mla_mosaic_cost,
                    _mla_mosaic_dtypes_unsupported, kernel=mla_mosaic_kernels.mla_mosaic),
     # ... else the Triton kernel (any head count, page size and dtype, fp8 latents).
     Implementation("mla_triton", "mla", "triton", mla_kernels.MLAConfig, _mla_unsupported, _mla_cost,
@@ -388,6 +395,7 @@ IMPLEMENTATIONS = (
                    lambda problem, qo_lens, kv_lens, causal: 0.0, kernel=sampling_kernels.race_sample),
 )
 IMPLEMENTATIONS_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
+_MAY_BE_INFINITE = (_short_cost, _mla_mosaic_cost)  # rows that may not take a step's lengths
 WHOLE_TILE_ROWS = tuple(i.name for i in IMPLEMENTATIONS if i.whole_tiles)
 
 
@@ -494,13 +502,13 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None, *, fixed_s
         if not rows:
             raise ValueError(f"impl={impl!r}: no kernel left for this plan (not {', '.join(without)})")
     if fixed_shapes:
-        return _fixed_choice(rows, often_empty)
+        return _fixed_choice(problem, rows, often_empty)
     if qo_lens is None:
         return min(rows, key=lambda i: i.name)
     costs = {}
-    if len(rows) > 1 or rows[0].cost_us is _short_cost:
+    if len(rows) > 1 or rows[0].cost_us in _MAY_BE_INFINITE:
         for i in rows:
-            if i.cost_us is _short_cost:  # (maxima and sums only: any integer dtype, no cast)
+            if i.cost_us in _MAY_BE_INFINITE:  # (maxima and sums only: any integer dtype, no cast)
                 costs[i.name] = i.cost_us(problem, qo_lens, kv_lens, causal)
     finite = [i for i in rows if costs.get(i.name, 0.0) < _INF]
     if not finite:
@@ -515,7 +523,7 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None, *, fixed_s
     return min(finite, key=lambda i: costs[i.name])
 
 
-def _fixed_choice(rows, often_empty):
+def _fixed_choice(problem, rows, often_empty):
     """The one kernel of a wrapper whose plans keep their shapes for every step. A batch
     problem's: its first row. A prefill problem's: Mosaic where it runs, else Triton; never the
     short path (its program depends on the step's longest request). often_empty: the kernel
@@ -524,6 +532,13 @@ def _fixed_choice(rows, often_empty):
     and head) cost ~170 µs a step (H200, decode B64 kv4096)."""
     if rows[0].family == "batch":
         return rows[0]
+    if rows[0].family == "mla":  # the Mosaic kernel where every composition is whole tiles
+        whole = problem.num_qo_heads % mla_mosaic_kernels.WG_ROWS == 0
+        for i in rows:
+            if i.name != "mla_mosaic" or whole:
+                return i
+        raise ValueError(f"impl='mosaic' cannot serve MLA plans of fixed shapes at num_heads "
+                         f"{problem.num_qo_heads} (steps whose rows are not whole 64-row tiles); use 'auto'")
     order = ("prefill_triton", "prefill_mosaic") if often_empty else ("prefill_mosaic", "prefill_triton")
     for name in order:
         if any(i.name == name for i in rows):

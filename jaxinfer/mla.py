@@ -134,7 +134,9 @@ class BatchMLAPagedAttention:
         if not rows:
             raise ValueError(f"kv_dtype: no MLA kernel takes q / latent cache of dtypes {dtypes[0]} / {dtypes[1]} ("
                              + "; ".join(f"{i.name}: {i.dtypes_unsupported(*dtypes)}" for i in self.rows) + ")")
-        implementation = dispatch.choose(self.problem, None, None, self.causal, rows=rows)
+        fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
+        implementation = dispatch.choose(self.problem, qo_lens, validate.as_int32("kv_len", kv_len), self.causal,
+                                         rows=rows, fixed_shapes=fixed)
         block_rows = self._block_rows(implementation, qo_lens)
         mosaic = implementation.name == "mla_mosaic"
         layout, buf, info = mla_planner.plan(

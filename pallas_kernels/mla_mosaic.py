@@ -1,9 +1,9 @@
 """Multi-head latent attention (MLA) on Mosaic GPU (Hopper): TMA loads, wgmma, warp specialization.
 
 The work list is planner/mla.py's (columns: work_items.MLA) with tiles of 64 query rows and
-64-key blocks: a tile is 64 heads of one query token (num_heads a multiple of 64), so its rows
-share one causal limit, which the planner already folded into kv_end. Grid (num_cells,), three
-warpgroups per cell, the cell's items run in order:
+64-key blocks: a tile is 64 heads of one query token (num_heads a multiple of 64), or 64 / H
+tokens of H heads (causal: row r's keys end at its token's diagonal, masked in the blocks past
+the first row's). Grid (num_cells,), three warpgroups per cell, the cell's items run in order:
 
 - the memory warpgroup loads each item's q (q_nope [64, Dc]; q_pe [64, Dr] into p's buffer)
   once both compute warpgroups are done with the previous item, then streams the item's latent
@@ -42,8 +42,8 @@ _LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()  
 
 def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
     """Why the kernel cannot run these sizes (None when it can)."""
-    if num_heads % WG_ROWS:
-        return f"num_heads must be a multiple of {WG_ROWS} (a tile is {WG_ROWS} heads of one token), got {num_heads}"
+    if num_heads % WG_ROWS and WG_ROWS % num_heads:
+        return f"num_heads must divide {WG_ROWS} or be a multiple of it (a tile's rows), got {num_heads}"
     if page_size % BLOCK_KV:
         return f"page_size must be a multiple of {BLOCK_KV} (a block is {BLOCK_KV} keys of one page), got {page_size}"
     if head_dim_ckv % 128 or head_dim_ckv > 512:
@@ -54,7 +54,8 @@ def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
 
 
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
-            o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, *, columns, page_size, sm_scale, slots, interpret):
+            o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, *, columns, num_heads, page_size, sm_scale, causal,
+            slots, interpret):
     # items_ref int32[W * len(columns)] (flattened; columns: the names, planner.mla.COLUMNS); cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
     # q_nope_ref [N, 2, Dc/2], q_pe_ref [N, Dr]: q as rows token * H + head, ckv's columns in halves
     # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
@@ -69,14 +70,17 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
     dtype = q_nope_ref.dtype
     half = qn_smem.shape[-1]
     c = sm_scale * LOG2E  # base 2, the scale folded into the exponent's multiply-add
+    per_row_limits = causal and num_heads < WG_ROWS  # a tile holds 64 / H tokens
 
     def fields(w):
         load = lambda name: items_ref[w * len(columns) + columns.index(name)]  # (flattened: 1-D loads)
         kv_start, kv_end = load("kv_start"), load("kv_end")
         kv_begin = lax.div(kv_start, jnp.int32(BLOCK_KV)) * BLOCK_KV
         steps = jnp.where(kv_end > kv_start, pl.cdiv(kv_end - kv_begin, jnp.int32(BLOCK_KV)), 0)
+        # causal: row r sees keys <= limit + r // H (its token's diagonal; one token per tile where H >= 64)
+        limit = load("first_pos") + lax.div(load("row_start"), jnp.int32(num_heads))
         return dict(page_base=load("page_base"), q_row=load("q_row"), part_base=load("part_base"),
-                    kv_start=kv_start, kv_end=kv_end, kv_begin=kv_begin, steps=steps)
+                    kv_start=kv_start, kv_end=kv_end, kv_begin=kv_begin, steps=steps, limit=limit)
 
     iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
             functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
@@ -147,7 +151,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, BLOCK_KV), jnp.float32))
         if masked:
             key = iota(s.shape, 1) + (f["kv_begin"] + j * BLOCK_KV)
-            s = jnp.where((key >= f["kv_start"]) & (key < f["kv_end"]), s, -jnp.inf)
+            visible = (key >= f["kv_start"]) & (key < f["kv_end"])
+            if per_row_limits:  # key <= limit + r // H  <=>  (key - limit) H <= r
+                visible = visible & ((key - f["limit"]) * num_heads <= iota(s.shape, 0))
+            s = jnp.where(visible, s, -jnp.inf)
         return s
 
     def online_softmax(s, m, l):
@@ -200,9 +207,11 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
 
     def segments(f, block, carry):
         """block(j, carry, masked) over item f's blocks: a lead block that starts before kv_start,
-        the blocks wholly inside [kv_start, kv_end), then the partial last one."""
+        the blocks every row sees whole, then the rest (the partial last one; with several tokens
+        per tile, those past the first row's diagonal)."""
         lead = jnp.minimum(jnp.where(f["kv_start"] > f["kv_begin"], 1, 0), f["steps"])
-        n_full = jnp.clip(lax.div(f["kv_end"] - f["kv_begin"], jnp.int32(BLOCK_KV)), lead, f["steps"])
+        end = jnp.minimum(f["kv_end"], f["limit"] + 1) if per_row_limits else f["kv_end"]
+        n_full = jnp.clip(lax.div(end - f["kv_begin"], jnp.int32(BLOCK_KV)), lead, f["steps"])
         carry = lax.fori_loop(0, lead, functools.partial(block, masked=True), carry)
         carry = lax.fori_loop(lead, n_full, functools.partial(block, masked=False), carry)
         return lax.fori_loop(n_full, f["steps"], functools.partial(block, masked=True), carry)
@@ -311,15 +320,17 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
     """Runs the MLA work list (planner/mla.py, tiles of 64 rows, tile_merge: a split item's
     partial rows are part_base .. part_base + 63).
 
-    q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head (num_heads a multiple of 64);
-    ckv_rows [num_pages * page_size, Dc], kpe_rows [.., Dr] in q's dtype (16-bit); kv_indices
-    int32[I]; items int32[W, len(columns)]; cell_indptr int32[num_cells + 1]. causal is the
-    planner's (kv_end is each tile's causal limit); config is unused (the MLAConfig of the Triton
-    kernel); scales must be None. Returns (o [N, Dc] q's dtype, lse f32[N], o_part
+    q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head, every tile 64 rows of one
+    request (num_heads a multiple of 64, or dividing 64 with each request's qo_len x num_heads a
+    multiple of 64: dispatch's mla_mosaic cost is infinite otherwise); ckv_rows [num_pages *
+    page_size, Dc], kpe_rows [.., Dr] in q's dtype (16-bit); kv_indices int32[I]; items
+    int32[W, len(columns)]; cell_indptr int32[num_cells + 1]. causal as the planner's (kv_end is
+    each tile's last row's causal limit); config is unused (the MLAConfig of the Triton kernel);
+    scales must be None. Returns (o [N, Dc] q's dtype, lse f32[N], o_part
     f32[max(num_parts, 1), Dc], lse_part f32[max(num_parts, 1)]); rows of o written by no
     writethrough item are the merge's.
     """
-    del causal, config
+    del config
     if scales is not None:
         raise ValueError("mla_mosaic: fp8 latent caches run on the Triton kernel")
     if block_rows != WG_ROWS:
@@ -360,8 +371,8 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
         pl.run_scoped(
             lambda *scoped: _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref,
                                     kpe_ref, o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, columns=tuple(columns),
-                                    page_size=page_size, sm_scale=float(sm_scale), slots=slots,
-                                    interpret=interpret),
+                                    num_heads=num_heads, page_size=page_size, sm_scale=float(sm_scale),
+                                    causal=causal, slots=slots, interpret=interpret),
             smem, loaded, freed, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((n, 2, half), q_nope.dtype),

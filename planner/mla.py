@@ -112,8 +112,8 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
     qo_indptr, kv_indptr int32[B + 1], kv_indices int32[*], kv_len int32[B] (each at most its
     pages x page_size); num_pages: page ids must lie in [0, num_pages). item_cost: Algorithm 1's
     per-item cost in keys. Rows of q past qo_indptr[-1] (up to max_num_tokens) get items that
-    write o = 0, lse = -inf. tile_merge (num_heads a multiple of block_rows: tiles start at
-    multiples of it): a split tile's chunk i writes its rows to partial rows base + i M .. base +
+    write o = 0, lse = -inf. tile_merge (every request's rows, and the capacity's, whole tiles:
+    tiles start at multiples of block_rows): a split tile's chunk i writes its rows to partial rows base + i M .. base +
     i M + M - 1, and merge group g is a whole split tile (o viewed as [T H / M, M, D]): parts
     merge_indptr[g] .. merge_indptr[g + 1] of the partial rows viewed as [parts / M, M, D], into
     row merge_dest[g].
@@ -128,8 +128,6 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if block_kv < 1 or block_kv & (block_kv - 1):
         raise ValueError(f"block_kv must be a power of two, got {block_kv}")
-    if tile_merge and num_heads % block_rows:
-        raise ValueError(f"tile_merge needs num_heads ({num_heads}) to be a multiple of block_rows ({block_rows})")
     qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
     kv_indptr, pages, _ = validate.indptr_lengths("kv_indptr", kv_indptr)
     kv_indices = validate.as_int32("kv_indices", kv_indices)
@@ -156,6 +154,9 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         raise ValueError(f"kv_indices lists {num_listed} pages, over max_num_pages={icap}")
 
     h, m = int(num_heads), int(block_rows)
+    if tile_merge and (np.any(qo_lens.astype(np.int64) * h % m) or tcap * h % m):
+        raise ValueError(f"tile_merge needs whole tiles: every request's qo_len x num_heads ({h}) and "
+                         f"max_num_tokens x num_heads a multiple of block_rows ({m})")
     # Tiles of the requests' rows, then padding tiles over rows T H .. T_cap H.
     req_rows = qo_lens.astype(np.int64) * h
     ntiles = -(-req_rows // m)

@@ -350,6 +350,23 @@ def test_mosaic_kernel_matches_float64_reference_once_compiled(rng):
     assert run._cache_size() == 1
 
 
+def test_mosaic_kernel_several_tokens_per_tile(rng):
+    """16 heads: each 64-row tile holds 4 tokens, masked row by row on their diagonals (causal),
+    rows before the first key (qo 12 > kv 6) give 0 and -inf; the interpreter, bf16, split tiles."""
+    mla = BatchMLAPagedAttention(16, CKV, KPE, 64, causal=True, sm_scale=SCALE, impl="mosaic",
+                                 config=MLAConfig(num_cells=3, min_chunk=64))
+    qo_lens, kv_lens = [4, 8, 12], [4, 300, 6]
+    table = step(rng, qo_lens, kv_lens, 64)
+    plan = mla.plan(*table, num_pages=_num_pages(64))
+    assert plan.impl == "mla_mosaic" and plan.info["num_split"] > 0
+    q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+                              for x in inputs(rng, sum(qo_lens), 16, 64, np.float32))
+    want = oracle(q_nope, q_pe, ckv, kpe, *table, True)
+    out = mla.run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan, return_lse=True)
+    check(out, want, 1e-2)
+    assert np.isneginf(want[1]).sum() == 6 * 16
+
+
 def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
     """On Hopper, "auto" plans the Mosaic kernel for 16-bit caches at 64-multiple heads and pages,
     the Triton kernel otherwise (fp8 or float32 caches, 16 heads, page 16); run() refuses dtypes
@@ -364,13 +381,24 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
         mla = BatchMLAPagedAttention(heads, CKV, KPE, page, sm_scale=SCALE, backend="gpu")
         t = table if page == 64 else step(np.random.default_rng(0), [1, 1], [70, 130], page, 20)
         assert mla.plan(*t, num_pages=20, **kw).impl == want, (heads, page, kw)
+    # 16 heads: Mosaic for steps of whole tiles (4 tokens a request: verify rows, prefill chunks)
+    # without capacities; under capacities every step's plan is Triton's (one program)
+    whole = step(np.random.default_rng(0), [4, 8], [70, 130], 64, 20)
+    for caps, want in (({}, "mla_mosaic"), (dict(max_batch_size=4, max_num_tokens=16, max_num_pages=20), "mla_triton")):
+        mla = BatchMLAPagedAttention(16, CKV, KPE, 64, causal=True, sm_scale=SCALE, backend="gpu", **caps)
+        assert mla.plan(*whole, num_pages=20).impl == want, caps
     mla = BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE, backend="gpu")
     plan = mla.plan(*table, num_pages=20)
     with pytest.raises(ValueError, match="ckv_cache.*mla_mosaic"):
         mla.run(jnp.ones((2, 128, CKV), jnp.bfloat16), jnp.ones((2, 128, KPE), jnp.bfloat16),
                 jnp.ones((20, 64, CKV), jnp.float8_e4m3fn), jnp.ones((20, 64, KPE), jnp.float8_e4m3fn), plan)
-    with pytest.raises(ValueError, match="num_heads must be a multiple of 64"):
-        BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic")
+    with pytest.raises(ValueError, match="num_heads must divide 64"):
+        BatchMLAPagedAttention(24, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic")
+    with pytest.raises(ValueError, match="lengths"):  # 16 heads of one token: a partial tile
+        BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic").plan(*table, num_pages=20)
+    with pytest.raises(ValueError, match="fixed shapes"):
+        BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic", max_batch_size=4, max_num_tokens=16,
+                               max_num_pages=20).plan(*table, num_pages=20)
     with pytest.raises(ValueError, match="kv_dtype"):
         BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic").plan(
             *table, num_pages=20, kv_dtype=jnp.float8_e4m3fn)
@@ -378,9 +406,9 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
 
 def test_mosaic_kernel_lowers_for_cuda():
     """The Mosaic GPU kernel lowers for an H100 on any host (TMA, wgmma layouts, register stores):
-    decode of 128 heads with split tiles, causal verify rows of 64 heads."""
+    decode of 128 heads with split tiles, causal verify rows of 64 heads, 16 heads x 4 tokens a tile."""
     from test_backend import MOSAIC_CALL, lower_for_cuda
-    for heads, qo, causal in ((128, 1, False), (64, 3, True)):
+    for heads, qo, causal in ((128, 1, False), (64, 3, True), (16, 4, True)):
         b, kv, page = 4, 300, 64
         table = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 30)
         mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=causal, sm_scale=SCALE, backend="gpu",
