@@ -25,6 +25,7 @@ from jaxinfer.formats import check_kv_dtype, check_power_of_two, check_q, check_
 from jaxinfer.ragged_plan import CHUNKS_PER_CELL, excl_cumsum, owner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
+from pallas_kernels import mla_mosaic as mla_mosaic_kernels
 from pallas_kernels.kv_write import write_rows
 from planner import mla as mla_planner
 from planner.work_items import MLA
@@ -42,26 +43,34 @@ class MLASizes:
     tiles: int       # tile capacity: ceil(T H / block_rows) + S + 1 (padding rows' tiles included)
     items: int       # item capacity: tiles + CHUNKS_PER_CELL x cells (extra chunks)
     parts: int       # partial-state rows: 2 x CHUNKS_PER_CELL x cells x block_rows
-    groups: int      # merge groups (one per row of a split tile): CHUNKS_PER_CELL x cells x block_rows
+    groups: int      # merge groups: one per row of a split tile (CHUNKS_PER_CELL x cells x block_rows),
+                     # or per split tile with tile_merge (CHUNKS_PER_CELL x cells)
+    tile_merge: bool = False  # split tiles' partial rows chunk by chunk, merged whole (the Mosaic kernel)
 
 
-def sizes(num_tokens, num_heads, num_seqs, config, num_cells):
+def sizes(num_tokens, num_heads, num_seqs, config, num_cells, mosaic=False):
     """MLASizes: tile rows for T / S tokens per sequence (planner.mla.block_rows_for, as the host
     wrapper's under capacities), unless config.block_rows; cells: num_cells, else the config's.
+    mosaic: the Mosaic kernel's 64-row tiles and 64-key blocks, one cell per SM, whole-tile merges.
 
     Bounds: a sequence's rows make ceil(rows / M) <= rows / M + 1 tiles, the padding rows one more
     run, so at most ceil(T H / M) + S + 1 tiles. The chunk L is at least the step's keys / (2 x
     cells) (plan), so sum(ceil(kv / L) - 1) <= keys / L <= 2 x cells extra items; a split tile has
     more than L keys, so fewer than 2 x cells tiles split, into ceil(kv / L) < 2 kv / L chunks:
     fewer than 4 x cells chunks of M partial rows in all."""
-    block_rows = config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
-    block_kv = config.kv_block(block_rows)
-    cells = int(num_cells or config.cells(block_rows, _backend.num_sms()))
+    if mosaic:
+        block_rows, block_kv = mla_mosaic_kernels.WG_ROWS, mla_mosaic_kernels.BLOCK_KV
+        cells = int(num_cells or config.num_cells or _backend.num_sms())
+    else:
+        block_rows = config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
+        block_kv = config.kv_block(block_rows)
+        cells = int(num_cells or config.cells(block_rows, _backend.num_sms()))
     tiles = -(-num_tokens * num_heads // block_rows) + num_seqs + 1
     c = CHUNKS_PER_CELL * cells
     min_chunk = max(-(-int(config.min_chunk) // block_kv), 1) * block_kv
     return MLASizes(block_rows=block_rows, block_kv=block_kv, min_chunk=min_chunk, cells=cells, tiles=tiles,
-                    items=tiles + c, parts=2 * c * block_rows, groups=c * block_rows)
+                    items=tiles + c, parts=2 * c * block_rows, groups=c * (1 if mosaic else block_rows),
+                    tile_merge=mosaic)
 
 
 def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_seq, causal, sz):
@@ -105,7 +114,7 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
     size = -(-(-(-kv_hi // jnp.maximum(n_chunks, 1))) // bk) * bk
     split = n_chunks > 1
     part_rows = jnp.where(split, n_chunks * m, 0)
-    part_base = excl_cumsum(part_rows)  # split tile g: rows [base_g, base_g + M k_g), row r's k_g consecutive
+    part_base = excl_cumsum(part_rows)  # split tile g: rows [base_g, base_g + M k_g)
 
     tile, piece, i_ok = owner(n_chunks, sz.items)  # [items]
     kv_start = jnp.minimum(piece * size[tile], kv_hi[tile])
@@ -115,7 +124,9 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
         page_base=jnp.minimum(tseq[tile], s - 1) * pages_per_seq, q_row=start_x[tseq[tile]] + row_start[tile],
         rows=jnp.where(i_ok, rows[tile], 0), row_start=row_start[tile], first_pos=first_pos[tile],
         kv_start=jnp.where(i_ok, kv_start, 0), kv_end=jnp.where(i_ok, kv_end, 0),
-        part_base=jnp.where(i_ok & split[tile], part_base[tile] + piece, -1), part_stride=n_chunks[tile] + zero)
+        # row r of chunk i: base_g + i M + r (tile_merge), else base_g + r k_g + i (row r's k_g consecutive)
+        part_base=jnp.where(i_ok & split[tile], part_base[tile] + (piece * m if sz.tile_merge else piece), -1),
+        part_stride=(zero + 1) if sz.tile_merge else n_chunks[tile] + zero)
     items = jnp.stack(cols, axis=1).astype(jnp.int32)
 
     cost = jnp.where(i_ok, kv_end - kv_start + ITEM_COST, 0).astype(jnp.float32)
@@ -124,14 +135,20 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
     cell_indptr = jnp.searchsorted(cell_of, jnp.arange(sz.cells + 1, dtype=jnp.float32), side="left",
                                    method="compare_all").astype(jnp.int32)
 
-    # Merge groups: row r of split tile g merges parts [base_g + r k_g, base_g + (r + 1) k_g).
-    gt, r, g_ok = owner(jnp.where(split, m, 0), sz.groups)
-    merge_end = jnp.where(g_ok, part_base[gt] + (r + 1) * n_chunks[gt], jnp.sum(part_rows))
+    if sz.tile_merge:  # merge groups: split tile g whole, parts [base_g / M, base_g / M + k_g) of whole tiles
+        gt, _, g_ok = owner(split.astype(jnp.int32), sz.groups)
+        merge_end = jnp.where(g_ok, (part_base[gt] + part_rows[gt]) // m, jnp.sum(part_rows) // m)
+        merge_dest = jnp.where(g_ok, (start_x[tseq[gt]] + row_start[gt]) // m, -1)
+        num_groups = jnp.sum(split.astype(jnp.int32))
+    else:  # row r of split tile g merges parts [base_g + r k_g, base_g + (r + 1) k_g)
+        gt, r, g_ok = owner(jnp.where(split, m, 0), sz.groups)
+        merge_end = jnp.where(g_ok, part_base[gt] + (r + 1) * n_chunks[gt], jnp.sum(part_rows))
+        merge_dest = jnp.where(g_ok & (r < rows[gt]), start_x[tseq[gt]] + row_start[gt] + r, -1)
+        num_groups = jnp.sum(jnp.where(split, m, 0))
     merge_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), merge_end.astype(jnp.int32)])
-    merge_dest = jnp.where(g_ok & (r < rows[gt]), start_x[tseq[gt]] + row_start[gt] + r, -1)
     return dict(items=items, cell_indptr=cell_indptr, merge_indptr=merge_indptr,
                 merge_dest=merge_dest.astype(jnp.int32),
-                num_groups=jnp.minimum(jnp.sum(jnp.where(split, m, 0)), sz.groups).astype(jnp.int32))
+                num_groups=jnp.minimum(num_groups, sz.groups).astype(jnp.int32))
 
 
 def _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
@@ -177,7 +194,7 @@ def _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, pag
 
 def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices,
                                cu_q_lens, distribution, *, sm_scale, causal=True, ckv_scale=None, kpe_scale=None,
-                               num_cells=None, backend=None, config=None):
+                               num_cells=None, backend=None, config=None, impl="auto"):
     """One MLA serving step: writes the new latent rows, then MLA over the paged latent caches.
 
         ql_nope       [T, H, Dc]  q's no-rope part absorbed into the latent space (W_UK folded in)
@@ -203,8 +220,10 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     times any YaRN mscale^2). ckv_scale, kpe_scale: fp8 caches' dequantization scales (positive
     scalars or 0-d arrays, data; default 1), as BatchMLAPagedAttention.run's. num_cells: the
     kernel's grid (default: two per SM for tiles of up to 16 rows, else one; MLAConfig.cells);
-    config: an MLAConfig (block_rows, block_kv, min_chunk, ...); backend: as the wrappers'. The
-    kernel is jaxinfer.dispatch's mla row.
+    config: an MLAConfig (block_rows, block_kv, min_chunk, ...); backend: as the wrappers'. impl:
+    "auto" (jaxinfer.dispatch's mla row for these shapes and dtypes: on Hopper the Mosaic kernel
+    where H and page_size are multiples of 64 and the caches 16-bit, else Triton), "mosaic" or
+    "triton".
 
     Returns (o [T, H, Dc] in ql_nope's dtype, ckv_cache, kpe_cache (updated)). Metadata are checked
     when concrete; under jax.jit (one compilation for every composition of the same shapes; donate
@@ -230,10 +249,14 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     head_dims = (getattr(ql_nope, "shape", (0,))[-1] or 0) + (getattr(q_pe, "shape", (0,))[-1] or 0)
     page_size = ckv_cache.shape[1] if getattr(ckv_cache, "ndim", 0) == 3 else 1
     num_heads = ql_nope.shape[1] if getattr(ql_nope, "ndim", 0) == 3 else 1
-    problem = dispatch.Problem("mla", num_heads, 1, head_dims, "paged", page_size, interpret=interpret)
-    # The Triton row: the device planner writes each split row's partial states together (the
-    # Mosaic row's plans merge whole tiles).
-    implementation = dispatch.choose(problem, None, None, causal, impl="triton")
+    dc = getattr(ql_nope, "shape", (0,))[-1] or 0
+    problem = dispatch.Problem("mla", num_heads, 1, head_dims, "paged", page_size, interpret=interpret,
+                               head_dim_vo=dc)
+    dtypes = (getattr(ql_nope, "dtype", None), getattr(ckv_cache, "dtype", None))
+    rows = dispatch.candidates(problem, impl)
+    taking = tuple(i for i in rows if None in dtypes or i.dtypes_unsupported(*dtypes) is None)
+    # (no row takes the dtypes: the last one's check below names them)
+    implementation = dispatch.choose(problem, None, None, causal, rows=taking or rows[-1:], fixed_shapes=True)
     _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
            distribution, implementation)
     ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)
@@ -241,7 +264,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     if ckv_scale is not None or kpe_scale is not None:  # f32[2]; a missing one is 1
         scales = jnp.stack([jnp.float32(1.0) if x is None else x for x in (ckv_scale, kpe_scale)])
     t, h, _ = ql_nope.shape
-    sz = sizes(t, h, kv_lens.shape[0], config, num_cells)
+    sz = sizes(t, h, kv_lens.shape[0], config, num_cells, mosaic=implementation.name == "mla_mosaic")
     return _run(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
                 distribution, scales, sm_scale=float(sm_scale), causal=causal, sz=sz, interpret=interpret,
                 config=config, kernel=implementation.kernel)
@@ -277,9 +300,11 @@ def _run(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_
         sec["cell_indptr"], columns=mla_planner.COLUMNS, num_parts=sz.parts, num_heads=h, page_size=page_size,
         sm_scale=sm_scale, causal=causal, block_rows=sz.block_rows, interpret=interpret,
         config=config, scales=scales)
+    m = sz.block_rows if sz.tile_merge else 1  # rows merged together (whole tiles: M)
     o, _ = merge_kernels.merge_varlen(
-        o_part[:, None], lse_part[:, None], sec["merge_indptr"], sec["merge_dest"], out=(o[:, None], lse[:, None]),
-        interpret=interpret, num_programs=min(sz.groups, 4 * sz.cells), num_live=sec["num_groups"])
+        o_part.reshape(-1, m, dc), lse_part.reshape(-1, m), sec["merge_indptr"], sec["merge_dest"],
+        out=(o.reshape(-1, m, dc), lse.reshape(-1, m)), interpret=interpret,
+        num_programs=min(sz.groups, 4 * sz.cells), num_live=sec["num_groups"])
     new_ckv, new_kpe = ckv_rows.reshape(ckv_cache.shape), kpe_rows.reshape(kpe_cache.shape)
     # The returned caches are tied to the output: every read of the written caches runs before a
     # later in-place write to them (as ragged_paged_attention's).

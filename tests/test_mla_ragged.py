@@ -171,6 +171,36 @@ def test_compositions_128_heads(page_size):
     assert _run_compositions(128, page_size, seed=2) == 1
 
 
+def test_mosaic_kernel_compositions_one_compilation(monkeypatch):
+    """impl="mosaic" (the Mosaic GPU interpreter): 64 heads, Dc 128 + Dr 64, page 64, bf16; the
+    compositions through one trace, the writes bit for bit, NaN-poisoned pages and slots, split
+    tiles merged whole, padding rows 0."""
+    import sys
+    monkeypatch.setattr(sys.modules[__name__], "DC", 128)
+    monkeypatch.setattr(sys.modules[__name__], "DR", 64)
+    heads, page_size, traces = 64, 64, [0]
+
+    def fn(*args):
+        traces[0] += 1
+        return jaxinfer.mla_ragged_paged_attention(*args, sm_scale=SCALE, num_cells=CELLS, config=CONFIG,
+                                                   impl="mosaic")
+
+    call, rng, bf16 = jax.jit(fn), np.random.default_rng(6), jnp.bfloat16
+    as_bf16 = lambda x: np.asarray(jnp.asarray(x, bf16))  # noqa: E731
+    for q_lens, kv_lens, dist in COMPOSITIONS:
+        kv, pi, cu, dist = metadata(rng, q_lens, kv_lens, dist, page_size)
+        ckv, kpe = (as_bf16(x) for x in poison(*caches(rng, page_size), kv, pi, cu, dist, page_size))
+        qn, qp, nc, npe = (as_bf16(x) for x in new_rows(rng, heads))
+        o, ckv_out, kpe_out = call(qn, qp, nc, npe, ckv, kpe, kv, pi, cu, dist)
+        want_ckv, want_kpe = expected_caches(ckv, kpe, nc, npe, kv, pi, cu, dist, page_size)
+        np.testing.assert_array_equal(_bits(ckv_out), _bits(want_ckv))
+        o = np.asarray(o, np.float32)
+        assert np.all(np.isfinite(o)) and np.all(o[cu[dist[2]]:] == 0)
+        want = oracle(*(np.asarray(x, np.float32) for x in (qn, qp, want_ckv, want_kpe)), kv, pi, cu, dist, page_size)
+        assert np.linalg.norm(o - want) <= 1e-2 * np.linalg.norm(want)
+    assert traces[0] == 1
+
+
 def test_fp8_caches_with_scales_eager():
     """bfloat16 q over float8_e4m3fn caches holding rows / scale; an eager call (concrete metadata:
     the checks run)."""
@@ -245,6 +275,33 @@ def test_plan_covers_every_row_within_capacity(seed):
     live = dest[dest >= 0]
     assert len(live) == len(set(live))
     assert sec["merge_indptr"][ng] <= sz.parts
+
+
+def test_plan_tile_merge_for_the_mosaic_kernel():
+    """Mosaic sizes (64-row tiles, whole-tile merges): each split tile's chunk i writes partial rows
+    base + 64 i .. + 63, and its merge group names those whole tiles and its own tile of o."""
+    rng = np.random.default_rng(3)
+    heads, cells, s = 64, 2, 3
+    q_lens, kv_lens = np.array([1, 2, 1]), rng.integers(2000, 4000, s)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 2
+    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=64), cells, mosaic=True)
+    assert sz.tile_merge and sz.block_rows == 64 and sz.groups == 2 * cells
+    sec = jax.jit(functools.partial(mla_ragged.plan, num_tokens=t, num_heads=heads, pages_per_seq=16, causal=True,
+                                    sz=sz))(kv_lens.astype(np.int32), cu, np.asarray([0, 0, s], np.int32))
+    sec = {k: np.asarray(v) for k, v in sec.items()}
+    col = {name: i for i, name in enumerate(mla_ragged.MLA.names)}
+    chunks = {}  # q_row -> part bases of its chunks
+    for w in sec["items"][:sec["cell_indptr"][-1]]:
+        f = {k: int(w[i]) for k, i in col.items()}
+        if f["part_base"] >= 0:
+            assert f["part_stride"] == 1 and f["part_base"] % 64 == 0
+            chunks.setdefault(f["q_row"], []).append(f["part_base"] // 64)
+    ng = int(sec["num_groups"])
+    assert ng == len(chunks) > 0
+    for g in range(ng):
+        lo, hi = sec["merge_indptr"][g:g + 2]
+        assert sorted(chunks[int(sec["merge_dest"][g]) * 64]) == list(range(lo, hi))
 
 
 def test_plan_worst_case_capacity():
@@ -365,3 +422,15 @@ def test_donated_caches_chain():
         kv = kv + np.asarray([1, 1, 0, 0, 0, 0], np.int32)  # next: a decode token each
         cu = np.asarray([0, 1, 2, 2, 2, 2, 2], np.int32)
         dist = np.asarray([2, 2, 2], np.int32)
+
+
+def test_mosaic_kernel_lowers_for_cuda():
+    """The device-planned step on the Mosaic GPU kernel lowers for an H100 on any host."""
+    from test_backend import MOSAIC_CALL, lower_for_cuda
+    t, s, h, page, pps = 8, 4, 128, 64, 4
+    bf = jnp.bfloat16
+    args = (jnp.ones((t, h, 512), bf), jnp.ones((t, h, 64), bf), jnp.ones((t, 512), bf), jnp.ones((t, 64), bf),
+            jnp.ones((s * pps, page, 512), bf), jnp.ones((s * pps, page, 64), bf), jnp.full((s,), 100, jnp.int32),
+            jnp.arange(s * pps, dtype=jnp.int32), jnp.array([0, 1, 2, 3, 8], jnp.int32), jnp.array([3, 3, 4], jnp.int32))
+    fn = functools.partial(jaxinfer.mla_ragged_paged_attention, sm_scale=SCALE, backend="gpu", impl="mosaic")
+    assert MOSAIC_CALL in lower_for_cuda(fn, *args)
