@@ -318,6 +318,16 @@ def test_bad_plan_and_run_inputs(rng):
         runner(16, 64, False)[0].run(*good, plan)
 
 
+def _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size):
+    """NaN (in place) in unlisted pages, each last page's slots past kv_len and q's rows past the step."""
+    listed = np.zeros(ckv.shape[:2], bool)
+    for b in range(len(kv_lens)):
+        pages = table[2][table[1][b]:table[1][b + 1]]
+        listed.reshape(-1)[(pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:kv_lens[b]]] = True
+    ckv[~listed], kpe[~listed] = np.nan, np.nan
+    q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
+
+
 @functools.lru_cache(maxsize=None)
 def _mosaic_runner():
     """The Mosaic GPU kernel (64 heads, page 64, causal, bf16) in the Mosaic GPU interpreter."""
@@ -339,12 +349,7 @@ def test_mosaic_kernel_matches_float64_reference_once_compiled(rng):
         q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
                                   for x in inputs(rng, CAPS["max_num_tokens"], 64, 64, np.float32))
         want = oracle(q_nope, q_pe, ckv, kpe, *table, True)
-        listed = np.zeros(ckv.shape[:2], bool)
-        for b in range(len(kv_lens)):
-            pages = table[2][table[1][b]:table[1][b + 1]]
-            listed.reshape(-1)[(pages[:, None] * 64 + np.arange(64)).reshape(-1)[:kv_lens[b]]] = True
-        ckv[~listed], kpe[~listed] = np.nan, np.nan
-        q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
+        _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, 64)
         out = run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan)
         check(out, want, 1e-2)
     assert run._cache_size() == 1
@@ -352,7 +357,8 @@ def test_mosaic_kernel_matches_float64_reference_once_compiled(rng):
 
 def test_mosaic_kernel_several_tokens_per_tile(rng):
     """16 heads: each 64-row tile holds 4 tokens, masked row by row on their diagonals (causal),
-    rows before the first key (qo 12 > kv 6) give 0 and -inf; the interpreter, bf16, split tiles."""
+    rows before the first key (qo 12 > kv 6) give 0 and -inf; the interpreter, bf16, split tiles,
+    NaN in unlisted pages and stale slots."""
     mla = BatchMLAPagedAttention(16, CKV, KPE, 64, causal=True, sm_scale=SCALE, impl="mosaic",
                                  config=MLAConfig(num_cells=3, min_chunk=64))
     qo_lens, kv_lens = [4, 8, 12], [4, 300, 6]
@@ -362,6 +368,7 @@ def test_mosaic_kernel_several_tokens_per_tile(rng):
     q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
                               for x in inputs(rng, sum(qo_lens), 16, 64, np.float32))
     want = oracle(q_nope, q_pe, ckv, kpe, *table, True)
+    _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, 64)
     out = mla.run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan, return_lse=True)
     check(out, want, 1e-2)
     assert np.isneginf(want[1]).sum() == 6 * 16
