@@ -55,7 +55,7 @@ def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
 
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
             o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, *, columns, num_heads, page_size, sm_scale, causal,
-            slots, overlap, interpret):
+            slots, interpret):
     # items_ref int32[W * len(columns)] (flattened; columns: the names, planner.mla.COLUMNS); cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
     # q_nope_ref [N, 2, Dc/2], q_pe_ref [N, Dr]: q as rows token * H + head, ckv's columns in halves
     # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
@@ -134,13 +134,6 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             rows[...] = jnp.where((r >= lo) & (r < hi), x, jnp.zeros((), x.dtype))
             plgpu.commit_smem()
 
-    def issue_scores(s_ref, slot, q_pe):
-        """Issues block `slot`'s score dots into s_ref [64, 64] (wgmma: q_nope from shared memory,
-        q_pe [64, Dr] from registers)."""
-        for h in range(2):
-            plgpu.wgmma(s_ref, qn_smem.at[h], ckv_smem.at[slot, h].transpose((1, 0)))
-        plgpu.wgmma(s_ref, q_pe, kpe_smem.at[slot].transpose((1, 0)))
-
     def mask(f, j, s):
         """s [64, 64] with -inf outside [kv_start, kv_end) (and, several tokens a tile, past each row's diagonal)."""
         key = iota(s.shape, 1) + (f["kv_begin"] + j * BLOCK_KV)
@@ -157,8 +150,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             for h in range(2):
                 s = s + lax.dot_general(qn_smem[h], ckv_smem[slot, h], nt, preferred_element_type=jnp.float32)
         else:
-            def qk(s_ref):
-                issue_scores(s_ref, slot, q_pe)
+            def qk(s_ref):  # q_nope from shared memory, q_pe from registers
+                for h in range(2):
+                    plgpu.wgmma(s_ref, qn_smem.at[h], ckv_smem.at[slot, h].transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_pe, kpe_smem.at[slot].transpose((1, 0)))
                 return s_ref[...]
             s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, BLOCK_KV), jnp.float32))
         return mask(f, j, s) if masked else s
@@ -211,18 +206,16 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             def _():
                 lse_part_ref[pl.ds(row, WG_ROWS)] = lse
 
-    def segments(f, block, carry, first=0):
-        """block(j, carry, masked) over item f's blocks from `first`: a lead block that starts
-        before kv_start, the blocks every row sees whole, then the rest (the partial last one; with
-        several tokens per tile, those past the first row's diagonal)."""
+    def segments(f, block, carry):
+        """block(j, carry, masked) over item f's blocks: a lead block that starts before kv_start,
+        the blocks every row sees whole, then the rest (the partial last one; with several tokens
+        per tile, those past the first row's diagonal)."""
         lead = jnp.minimum(jnp.where(f["kv_start"] > f["kv_begin"], 1, 0), f["steps"])
         end = jnp.minimum(f["kv_end"], f["limit"] + 1) if per_row_limits else f["kv_end"]
         n_full = jnp.clip(lax.div(end - f["kv_begin"], jnp.int32(BLOCK_KV)), lead, f["steps"])
-        lead_end = jnp.maximum(lead, first)
-        full_end = jnp.maximum(n_full, lead_end)
-        carry = lax.fori_loop(first, lead_end, functools.partial(block, masked=True), carry)
-        carry = lax.fori_loop(lead_end, full_end, functools.partial(block, masked=False), carry)
-        return lax.fori_loop(full_end, f["steps"], functools.partial(block, masked=True), carry)
+        carry = lax.fori_loop(0, lead, functools.partial(block, masked=True), carry)
+        carry = lax.fori_loop(lead, n_full, functools.partial(block, masked=False), carry)
+        return lax.fori_loop(n_full, f["steps"], functools.partial(block, masked=True), carry)
 
     def zeros_state():
         m = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -247,72 +240,11 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         plgpu.barrier_arrive(p_ready.at[0])
 
     def scorer_item(w, carry):
-        """Warpgroup 0: block j's scores and softmax, p and alpha handed to warpgroup 1, and its
-        own half of P V, FA3's intra-warpgroup overlap: block j's score dots are issued with
-        block j - 1's P V, and block j's softmax runs while that P V does. At the item's end, l
-        handed over."""
-        g, hs = carry
-        f = fields(w)
-        plgpu.barrier_wait(q_bar.at[0])
-        q_pe = load_smem(p_smem)  # [64, Dr]: p_smem is p's again
-        acc0, m0, l0 = zeros_state()
-
-        def run(o_ref):  # o_ref: the accumulator [64, Dc/2] (None when interpreting: the carry holds it)
-            slot0 = lax.rem(g, jnp.int32(slots))
-            plgpu.barrier_wait(kv_bar.at[slot0])
-            p, m, l, alpha = online_softmax(scores(f, 0, slot0, True, q_pe), m0, l0)
-            p16 = p.astype(dtype)
-            hand_over(alpha, hs, p16)
-
-            def step(j, carry, masked):
-                acc, m, l, p16_prev, alpha_prev, hs = carry  # p16_prev, alpha_prev: block j - 1's
-                slot = lax.rem(g + j, jnp.int32(slots))
-                prev = lax.rem(g + j - 1, jnp.int32(slots))
-                plgpu.barrier_wait(kv_bar.at[slot])
-                if interpret:
-                    s = scores(f, j, slot, False, q_pe)
-                    clean_ckv(f, j - 1, prev)
-                    acc = pv(rescale(acc, alpha_prev), p16_prev, prev)
-                else:
-                    def qk_scope(s_ref):
-                        issue_scores(s_ref, slot, q_pe)
-                        o_ref[...] = rescale(plgpu.wgmma_accumulator_load(o_ref, wait_n=None), alpha_prev)
-                        clean_ckv(f, j - 1, prev)
-                        plgpu.wgmma(o_ref, p16_prev, ckv_smem.at[prev, 0])
-                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores done, P V may run
-                    s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, BLOCK_KV), jnp.float32))
-                p, m, l, alpha = online_softmax(mask(f, j, s) if masked else s, m, l)
-                p16 = p.astype(dtype)
-                if not interpret:
-                    plgpu.wgmma_wait(0)  # block j - 1's P V
-                plgpu.barrier_arrive(kv_free.at[prev])
-                hand_over(alpha, hs, p16)
-                return acc, m, l, p16, alpha, hs + 1
-
-            carry = (acc0 if interpret else None, m, l, p16, alpha, hs + 1)
-            acc, m, l, p16, alpha, hs_end = segments(f, step, carry, first=1)
-            last = lax.rem(g + f["steps"] - 1, jnp.int32(slots))
-            clean_ckv(f, f["steps"] - 1, last)
-            if interpret:
-                acc = pv(rescale(acc, alpha), p16, last)
-            else:
-                o_ref[...] = rescale(plgpu.wgmma_accumulator_load(o_ref, wait_n=None), alpha)
-                plgpu.wgmma(o_ref, p16, ckv_smem.at[last, 0])
-                acc = o_ref[...]
-            plgpu.barrier_arrive(kv_free.at[last])
-            return acc, m, l, hs_end
-
-        run_item = (lambda: run(None)) if interpret else (
-            lambda: pl.run_scoped(run, plgpu.ACC((WG_ROWS, half), jnp.float32)))
-        acc, m, l, hs = lax.cond(f["steps"] > 0, run_item, lambda: (acc0, m0, l0, hs))
-        plgpu.barrier_arrive(q_free.at[0])
-        hand_over(l, hs)
-        finish(f, acc, m, l)
-        return g + f["steps"], hs + 1
-
-    def scorer_item_serial(w, carry):
         """Warpgroup 0: scores, softmax, p and alpha handed to warpgroup 1, then its own half of
-        P V; at the item's end, l handed over."""
+        P V; at the item's end, l handed over. (FA3's intra-warpgroup overlap here, block j's
+        score dots issued with block j - 1's P V, measured slower on an H100: 277.2 against
+        about 207 µs, 128 heads B64 kv4000; it keeps the accumulator, two score tiles and q_pe
+        live in 232 registers a thread, likely spilling.)"""
         g, hs = carry
         f = fields(w)
         plgpu.barrier_wait(q_bar.at[0])
@@ -324,11 +256,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             plgpu.barrier_wait(kv_bar.at[slot])
             p, m, l, alpha = online_softmax(scores(f, j, slot, masked, q_pe), m, l)
             p16 = p.astype(dtype)
-            handoff(hs)
-            p_smem[...] = p16
-            vec_smem[...] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_ready.at[0])
+            hand_over(alpha, hs, p16)
             acc = rescale(acc, alpha)
             if masked:
                 clean_ckv(f, j, slot)
@@ -338,10 +266,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
 
         acc, m, l, hs = segments(f, block, zeros_state() + (hs,))
         plgpu.barrier_arrive(q_free.at[0])
-        handoff(hs)
-        vec_smem[...] = l
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready.at[0])
+        hand_over(l, hs)
         finish(f, acc, m, l)
         return g + f["steps"], hs + 1
 
@@ -376,8 +301,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         @pl.when(wg == 0)
         def _():
-            _, hs = lax.fori_loop(first_item, end_item, scorer_item if overlap else scorer_item_serial,
-                                  (jnp.int32(0), jnp.int32(0)))
+            _, hs = lax.fori_loop(first_item, end_item, scorer_item, (jnp.int32(0), jnp.int32(0)))
             handoff(hs)  # every phase awaited
 
         @pl.when(wg == 1)
@@ -398,8 +322,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
 
 
 def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
-               num_heads, page_size, sm_scale, causal, block_rows, interpret, config=None, scales=None, slots=2,
-               overlap=True):
+               num_heads, page_size, sm_scale, causal, block_rows, interpret, config=None, scales=None, slots=2):
     """Runs the MLA work list (planner/mla.py, tiles of 64 rows, tile_merge: a split item's
     partial rows are part_base .. part_base + 63).
 
@@ -455,7 +378,7 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
             lambda *scoped: _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref,
                                     kpe_ref, o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, columns=tuple(columns),
                                     num_heads=num_heads, page_size=page_size, sm_scale=float(sm_scale),
-                                    causal=causal, slots=slots, overlap=overlap, interpret=interpret),
+                                    causal=causal, slots=slots, interpret=interpret),
             smem, loaded, freed, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((n, 2, half), q_nope.dtype),
