@@ -97,6 +97,16 @@ def check(out, want, tol):
     np.testing.assert_allclose(lse[fin], want[1][fin], rtol=tol, atol=tol)
 
 
+def _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size):
+    """NaN (in place) in unlisted pages, each last page's slots past kv_len and q's rows past the step."""
+    listed = np.zeros(ckv.shape[:2], bool)
+    for b in range(len(kv_lens)):
+        pages = table[2][table[1][b]:table[1][b + 1]]
+        listed.reshape(-1)[(pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:kv_lens[b]]] = True
+    ckv[~listed], kpe[~listed] = np.nan, np.nan
+    q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
+
+
 def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32", poison=False,
              cache_dtype=None, scales=None):
     """Runs one step on the cached runner; returns (output, float64 oracle on the clean cache,
@@ -108,13 +118,8 @@ def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32
     c_scale, k_scale = (1.0, 1.0) if scales is None else scales
     want = oracle(q_nope, q_pe, np.asarray(ckv, np.float64) * c_scale, np.asarray(kpe, np.float64) * k_scale,
                   *table, causal)
-    if poison:  # NaN in unlisted pages, in each last page's slots past kv_len and in q's padding rows
-        listed = np.zeros(ckv.shape[:2], bool)
-        for b in range(len(kv_lens)):
-            pages = table[2][table[1][b]:table[1][b + 1]]
-            listed.reshape(-1)[(pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:kv_lens[b]]] = True
-        ckv[~listed], kpe[~listed] = np.nan, np.nan
-        q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
+    if poison:
+        _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size)
     plan = mla.plan(*table, num_pages=ckv.shape[0])
     kw = {} if scales is None else dict(ckv_scale=jnp.float32(c_scale), kpe_scale=jnp.float32(k_scale))
     return run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan, **kw), want
@@ -316,16 +321,6 @@ def test_bad_plan_and_run_inputs(rng):
                 mla.run(*good, plan, **{name: bad})
     with pytest.raises(ValueError, match="causal"):
         runner(16, 64, False)[0].run(*good, plan)
-
-
-def _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size):
-    """NaN (in place) in unlisted pages, each last page's slots past kv_len and q's rows past the step."""
-    listed = np.zeros(ckv.shape[:2], bool)
-    for b in range(len(kv_lens)):
-        pages = table[2][table[1][b]:table[1][b + 1]]
-        listed.reshape(-1)[(pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:kv_lens[b]]] = True
-    ckv[~listed], kpe[~listed] = np.nan, np.nan
-    q_nope[table[0][-1]:], q_pe[table[0][-1]:] = np.nan, np.nan
 
 
 @functools.lru_cache(maxsize=None)
