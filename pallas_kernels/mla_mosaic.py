@@ -56,7 +56,8 @@ def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
             o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, *, columns, num_heads, page_size, sm_scale, causal,
             slots, interpret):
-    # items_ref int32[W * len(columns)] (flattened; columns: the names, planner.mla.COLUMNS); cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
+    # items_ref int32[W * len(columns)] (flattened; columns: planner.mla.COLUMNS' names)
+    # cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
     # q_nope_ref [N, 2, Dc/2], q_pe_ref [N, Dr]: q as rows token * H + head, ckv's columns in halves
     # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
     # o_ref [N, 2, Dc/2] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, 2, Dc/2], lse_part_ref f32[parts]
