@@ -138,14 +138,15 @@ class BatchMLAPagedAttention:
         implementation = dispatch.choose(self.problem, qo_lens, validate.as_int32("kv_len", kv_len), self.causal,
                                          rows=rows, fixed_shapes=fixed)
         block_rows = self._block_rows(implementation, qo_lens)
-        mosaic = implementation.name == "mla_mosaic"
+        if implementation.name == "mla_mosaic":  # one cell per SM (a cell's shared memory fills an SM)
+            num_cells, block_kv = self.config.num_cells or self.num_sms, mla_mosaic_kernels.BLOCK_KV
+        else:
+            num_cells, block_kv = self.config.cells(block_rows, self.num_sms), self.config.kv_block(block_rows)
         layout, buf, info = mla_planner.plan(
             qo_indptr, kv_indptr, kv_indices, kv_len, page_size=self.page_size, num_heads=self.num_heads,
-            num_cells=(self.config.num_cells or self.num_sms) if mosaic else self.config.cells(block_rows, self.num_sms), block_rows=block_rows,
-            causal=self.causal, num_pages=num_pages, max_batch_size=self.max_batch_size,
-            max_num_tokens=self.max_num_tokens, max_num_pages=self.max_num_pages,
-            block_kv=mla_mosaic_kernels.BLOCK_KV if mosaic else self.config.kv_block(block_rows),
-            min_chunk=self.config.min_chunk, tile_merge=mosaic)
+            num_cells=num_cells, block_rows=block_rows, causal=self.causal, num_pages=num_pages,
+            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_num_pages=self.max_num_pages,
+            block_kv=block_kv, min_chunk=self.config.min_chunk, tile_merge=implementation.name == "mla_mosaic")
         spec = self.facts.spec(num_pages, implementation.name)
         return MLAPlan(parts=transfer.plan_sections(buf, layout), layout=layout, spec=spec, causal=self.causal,
                        info=info)
