@@ -23,6 +23,8 @@ from jaxinfer.batch import BatchAttention
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
 from jaxinfer.formats import FUSED, AttentionState, PagedKVCache
+from jaxinfer.mla import BatchMLAPagedAttention
+from jaxinfer.mla_ragged import mla_ragged_paged_attention
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache
 from jaxinfer.ragged import ragged_paged_attention
 from planner import validate
@@ -128,7 +130,13 @@ def head_parallel(wrapper, mesh, *, tp_axis="tp", return_lse=False):
     wrapper: the per-device wrapper (split_heads' head counts): decode, prefill, BatchAttention or
     MultiLevelCascadeAttention; plan: its plan, replicated. q, o [T, Hq, D] split on heads
     (head_spec), the cache on KV heads (cache_spec). kv_lens (decode only, may be traced): as the
-    decode wrapper's run(). Returns o or AttentionState(o, lse [T, Hq])."""
+    decode wrapper's run(). Returns o or AttentionState(o, lse [T, Hq]).
+
+    A BatchMLAPagedAttention of num_heads / devices heads: run(q_nope, q_pe, ckv_cache, kpe_cache,
+    plan, ckv_scale=None, kpe_scale=None), q_nope [T, H, Dc] and q_pe [T, H, Dr] split on heads,
+    the latent caches and the scales replicated (every head reads every latent row)."""
+    if isinstance(wrapper, BatchMLAPagedAttention):
+        return _mla_head_parallel(wrapper, mesh, tp_axis, return_lse)
     _check_wrapper(wrapper, _TP_WRAPPERS)
     _check_axis(mesh, "tp_axis", tp_axis)
     decode = isinstance(wrapper, BatchDecodeWithPagedKVCache)
@@ -147,6 +155,48 @@ def head_parallel(wrapper, mesh, *, tp_axis="tp", return_lse=False):
         if kv_lens is not None and not decode:
             raise ValueError("kv_lens is a decode wrapper's argument")
         return sharded(q, kv_cache, plan, kv_lens)
+    return run
+
+
+def _mla_head_parallel(wrapper, mesh, tp_axis, return_lse):
+    _check_axis(mesh, "tp_axis", tp_axis)
+    spec_q = head_spec(tp_axis)
+    out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
+
+    def body(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale):  # q [T, H / tp, D]
+        return wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, plan, return_lse=return_lse, ckv_scale=ckv_scale,
+                           kpe_scale=kpe_scale)
+
+    sharded = shard_map(body, mesh, (spec_q, spec_q) + (P(),) * 5, out)
+
+    def run(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale=None, kpe_scale=None):
+        return sharded(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale)
+    return run
+
+
+def head_parallel_mla_ragged(mesh, *, tp_axis="tp", sm_scale, causal=True, num_cells=None, backend=None,
+                             config=None, impl="auto"):
+    """mla_ragged_paged_attention over heads split on tp_axis: run(ql_nope, q_pe, new_kv_c, new_k_pe,
+    ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens, distribution, ckv_scale=None,
+    kpe_scale=None) -> (o, ckv_cache, kpe_cache). ql_nope [T, H, Dc], q_pe [T, H, Dr] and o split
+    on heads; the new latent rows, the latent caches (each device writes the same rows into its
+    replica), the metadata and the scales replicated. sm_scale, causal, num_cells, backend,
+    config, impl: as mla_ragged_paged_attention's, on every device (H / devices heads each)."""
+    _check_axis(mesh, "tp_axis", tp_axis)
+    spec_q = head_spec(tp_axis)
+
+    def body(ql_nope, q_pe, *rest):
+        *args, ckv_scale, kpe_scale = rest
+        return mla_ragged_paged_attention(ql_nope, q_pe, *args, sm_scale=sm_scale, causal=causal, ckv_scale=ckv_scale,
+                                          kpe_scale=kpe_scale, num_cells=num_cells, backend=backend, config=config,
+                                          impl=impl)
+
+    sharded = shard_map(body, mesh, (spec_q, spec_q) + (P(),) * 10, (spec_q, P(), P()))
+
+    def run(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens, distribution,
+            ckv_scale=None, kpe_scale=None):
+        return sharded(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
+                       distribution, ckv_scale, kpe_scale)
     return run
 
 

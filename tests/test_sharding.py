@@ -80,12 +80,15 @@ def test_split_page_table_covers_every_page_once():
 
 
 def test_head_parallel_takes_every_paged_wrapper():
-    """head_parallel takes the cascade wrapper too (its levels are split on heads like any plan);
+    """head_parallel takes the cascade and MLA wrappers too (split on heads like any plan);
     context_parallel only the wrappers it splits by context; anything else is a ValueError."""
     import jax
     devices = np.asarray(jax.devices()[:1])
     cascade = ji.MultiLevelCascadeAttention(2, 4, 2, 32, 4)
     sharding.head_parallel(cascade, jax.sharding.Mesh(devices, ("tp",)))
+    sharding.head_parallel(ji.BatchMLAPagedAttention(4, 64, 16, 4, sm_scale=0.3), jax.sharding.Mesh(devices, ("tp",)))
+    with pytest.raises(ValueError, match="tp_axis"):
+        sharding.head_parallel_mla_ragged(jax.sharding.Mesh(devices, ("x",)), sm_scale=0.3)
     with pytest.raises(ValueError, match="got MultiLevelCascadeAttention"):
         sharding.context_parallel(cascade, jax.sharding.Mesh(devices, ("cp",)))
     with pytest.raises(ValueError, match="wrapper must be"):
@@ -119,7 +122,8 @@ def test_sharded_equals_one_device():
     """TP prefill at 4 (KV heads replicated), CP at 4 with short requests and empty shares (decode
     on a page-sharded cache, causal prefill on a replicated one), TP x CP BatchAttention on (2, 4),
     one prompt per step at 2 (the diag sub-batch on q itself, full rows scattered in), a CP
-    decode lax.scan loop, and TP ragged_paged_attention at 2. The psum and all-gather merges both
+    decode lax.scan loop, TP ragged_paged_attention and TP MLA (both entry points) at 2. The psum
+    and all-gather merges both
     run on 2 and 4 devices with empty shares (both on one run's states, context_partial_states)."""
     _check_script(["fast"])
 
@@ -400,6 +404,43 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2):
     print(f"TP{tp} ragged_paged_attention: o rel err {err:.1e}", flush=True)
 
 
+def _check_mla_tp(rng, tp, heads=8):
+    """TP MLA (heads split, latent caches replicated): BatchMLAPagedAttention (o and lse) and the
+    device-planned mla_ragged_paged_attention (o and both written caches) against one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    dc, dr, page, scale, pps = 64, 16, 4, 0.3, 4
+    qo, kv = np.array([1, 3, 2], np.int32), np.array([5, 14, 9], np.int32)
+    s, num_pages = qo.shape[0], 3 * pps + 2
+    page_indices = rng.permutation(num_pages)[: s * pps].astype(np.int32)  # sequence i: pps pages from i pps
+    kv_indptr = (np.arange(s + 1) * pps).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    t = int(cu[-1])
+    mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q_nope, q_pe, ckv, kpe = mk((t, heads, dc)), mk((t, heads, dr)), mk((num_pages, page, dc)), mk((num_pages, page, dr))
+    mesh = _mesh(tp, 1)
+    split = lambda x: sharding.put(x, NamedSharding(mesh, sharding.head_spec("tp")))  # noqa: E731
+    table = (cu, kv_indptr, page_indices, kv)
+    one = ji.BatchMLAPagedAttention(heads, dc, dr, page, causal=True, sm_scale=scale)
+    ref = one.run(q_nope, q_pe, ckv, kpe, one.plan(*table, num_pages=num_pages), return_lse=True)
+    per = ji.BatchMLAPagedAttention(heads // tp, dc, dr, page, causal=True, sm_scale=scale)
+    run = jax.jit(sharding.head_parallel(per, mesh, return_lse=True))
+    _compare(f"TP{tp} BatchMLAPagedAttention", run(split(q_nope), split(q_pe), ckv, kpe,
+                                                    per.plan(*table, num_pages=num_pages)), ref)
+    new_c, new_pe = mk((t, dc)), mk((t, dr))
+    meta = tuple(jnp.asarray(x) for x in (kv, page_indices, cu, np.array([1, 1, s], np.int32)))
+    ref_o, ref_ckv, ref_kpe = ji.mla_ragged_paged_attention(q_nope, q_pe, new_c, new_pe, ckv, kpe, *meta,
+                                                            sm_scale=scale)
+    step = jax.jit(sharding.head_parallel_mla_ragged(mesh, sm_scale=scale))
+    o, new_ckv, new_kpe = step(split(q_nope), split(q_pe), new_c, new_pe, ckv, kpe, *meta)
+    err = np.linalg.norm(np.asarray(o) - np.asarray(ref_o)) / np.linalg.norm(np.asarray(ref_o))
+    assert err <= 2e-5, f"TP{tp} mla_ragged_paged_attention: o relative error {err:.2e}"
+    np.testing.assert_array_equal(np.asarray(new_ckv), np.asarray(ref_ckv))
+    np.testing.assert_array_equal(np.asarray(new_kpe), np.asarray(ref_kpe))
+    print(f"TP{tp} mla_ragged_paged_attention: o rel err {err:.1e}", flush=True)
+
+
 def _check_tp_cascade(rng, tp, hq=8, hkv=4):
     """TP MultiLevelCascadeAttention (decode rows over a shared prefix, then their own pages)
     against one device."""
@@ -448,6 +489,7 @@ def _main_fast():
     _check_cp_merges(_Case(rng, "prefill", 4, 2, "NHD", 2, [45, 0], [45, 2]), 1, 2, base="diag")
     _check_cp_scan(rng, 4, steps=2)
     _check_ragged_tp(rng, 2)
+    _check_mla_tp(rng, 2)
 
 
 def _main_grid():
