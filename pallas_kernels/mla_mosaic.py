@@ -20,8 +20,9 @@ the first row's). Grid (num_cells,), three warpgroups per cell, the cell's items
 Keys outside [kv_start, kv_end) get score -inf, and a block's ckv rows there are zeroed in
 shared memory (each warpgroup its own column half) before P V: a freed page keeps its last
 owner's values, NaN included, and 0 * NaN is NaN. Items with part_base < 0 write the final rows
-of o (q's dtype) and lse; split items write float32 partial states, 64 consecutive rows from
-part_base (planner.mla.plan(tile_merge=True)), merged by whole tiles afterwards.
+of o (q's dtype) and lse; split items write partial states (o in q's dtype, as FlashInfer's
+split-KV buffers, lse in float32), 64 consecutive rows from part_base
+(planner.mla.plan(tile_merge=True)), merged by whole tiles afterwards.
 """
 import functools
 import inspect
@@ -61,10 +62,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
     # q_nope_ref [N, 2, Dc/2], q_pe_ref [N, Dr]: q as rows token * H + head, ckv's columns in halves
     # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
     # o_ref [N, 2, Dc/2] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, 2, Dc/2], lse_part_ref f32[parts]
-    (qn_smem, ckv_smem, kpe_smem, p_smem, vec_smem), (q_bar, kv_bar, p_ready), (q_free, kv_free, p_free) = scoped
+    (qn_smem, ckv_smem, kpe_smem, p_smem, vec_smem, lse_smem), (q_bar, kv_bar, p_ready), (q_free, kv_free, p_free) = scoped
     # qn_smem [2, 64, Dc/2]; ckv_smem [slots, 2, 64, Dc/2], kpe_smem [slots, 64, Dr]; p_smem [64, 64]:
     # an item's q_pe [64, Dr] until warpgroup 0 holds it in registers, then each block's p;
-    # vec_smem f32[64]: each block's alpha, then the item's l
+    # vec_smem f32[64]: each block's alpha, then the item's l; lse_smem f32[64]
     wg = lax.axis_index("wg")
     cell = lax.axis_index("cells")
     first_item, end_item = cell_indptr_ref[cell], cell_indptr_ref[cell + 1]
@@ -181,31 +182,34 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def finish(f, acc, m, l):
-        """Item f's normalized half of o (and, in warpgroup 0, lse) stored: final rows or partial ones."""
+        """Item f's normalized half of o (and, in warpgroup 0, lse) stored, final rows or partial
+        ones (q's dtype too), through shared memory: o staged in this warpgroup's half of
+        qn_smem, free once the item's score dots are done (TMA stores whole 32-byte sectors,
+        which stores from WGMMA-layout registers do not); then q is free for the next item."""
         nonempty = l > 0
         l_safe = jnp.where(nonempty, l, 1.0)
-        o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # [64, Dc/2] f32
+        o_smem = qn_smem.at[wg]  # [64, Dc/2]
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+        if m is not None:
+            lse_smem[...] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)  # natural log
+        plgpu.commit_smem()
         split = f["part_base"] >= 0
-        row = jnp.where(split, f["part_base"], f["q_row"])
-        for h in range(2):  # register stores need static column halves
-            @pl.when((wg == h) & ~split)
-            def _():
-                o_ref[pl.ds(row, WG_ROWS), h] = o.astype(o_ref.dtype)
+        rows = pl.ds(jnp.where(split, f["part_base"], f["q_row"]), WG_ROWS)
 
-            @pl.when((wg == h) & split)
-            def _():
-                o_part_ref[pl.ds(row, WG_ROWS), h] = o
+        @pl.when(~split)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, wg])
+            if m is not None:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rows])
 
-        if m is not None:  # lse [64], natural log, stored from registers
-            lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)
+        @pl.when(split)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, o_part_ref.at[rows, wg])
+            if m is not None:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_part_ref.at[rows])
 
-            @pl.when(~split)
-            def _():
-                lse_ref[pl.ds(row, WG_ROWS)] = lse
-
-            @pl.when(split)
-            def _():
-                lse_part_ref[pl.ds(row, WG_ROWS)] = lse
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_arrive(q_free.at[0])  # q_nope's and p's buffers are free for the next item
 
     def segments(f, block, carry):
         """block(j, carry, masked) over item f's blocks: a lead block that starts before kv_start,
@@ -266,7 +270,6 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             return acc, m, l, hs + 1
 
         acc, m, l, hs = segments(f, block, zeros_state() + (hs,))
-        plgpu.barrier_arrive(q_free.at[0])
         hand_over(l, hs)
         finish(f, acc, m, l)
         return g + f["steps"], hs + 1
@@ -289,7 +292,6 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             return acc
 
         acc = segments(f, block, zeros_state()[0])
-        plgpu.barrier_arrive(q_free.at[0])
         plgpu.barrier_wait(p_ready.at[0])
         l = load_vec()
         plgpu.barrier_arrive(p_free.at[0])
@@ -334,7 +336,7 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
     int32[W, len(columns)]; cell_indptr int32[num_cells + 1]. causal as the planner's (kv_end is
     each tile's last row's causal limit); config is unused (the MLAConfig of the Triton kernel);
     scales must be None. Returns (o [N, Dc] q's dtype, lse f32[N], o_part
-    f32[max(num_parts, 1), Dc], lse_part f32[max(num_parts, 1)]); rows of o written by no
+    [max(num_parts, 1), Dc] q's dtype, lse_part f32[max(num_parts, 1)]); rows of o written by no
     writethrough item are the merge's.
     """
     del config
@@ -368,7 +370,8 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
                 plgpu.SMEM((slots, 2, BLOCK_KV, half), q_nope.dtype, transforms=tiled),
                 plgpu.SMEM((slots, BLOCK_KV, dr), q_nope.dtype, transforms=tiled),
                 plgpu.SMEM((WG_ROWS, BLOCK_KV), q_nope.dtype, transforms=tiled),  # q_pe, then p
-                plgpu.SMEM((WG_ROWS,), jnp.float32))  # alpha or l
+                plgpu.SMEM((WG_ROWS,), jnp.float32),  # alpha or l
+                plgpu.SMEM((WG_ROWS,), jnp.float32))  # lse
         loaded = (plgpu.Barrier(num_arrivals=3, num_barriers=1),      # q: two halves of q_nope, q_pe
                   plgpu.Barrier(num_arrivals=3, num_barriers=slots),  # a block: two halves of ckv, kpe
                   plgpu.Barrier(num_arrivals=1, num_barriers=1))      # p and alpha (or l) handed over
@@ -384,7 +387,7 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
 
     out_type = (jax.ShapeDtypeStruct((n, 2, half), q_nope.dtype),
                 jax.ShapeDtypeStruct((n,), jnp.float32),
-                jax.ShapeDtypeStruct((num_parts, 2, half), jnp.float32),
+                jax.ShapeDtypeStruct((num_parts, 2, half), q_nope.dtype),
                 jax.ShapeDtypeStruct((num_parts,), jnp.float32))
     o, lse, o_part, lse_part = plgpu.kernel(
         entry, out_type=out_type, grid=(num_cells,), grid_names=("cells",), num_threads=3, thread_name="wg",
