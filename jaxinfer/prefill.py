@@ -239,7 +239,8 @@ _DOC_COMMON = """
     of one structure and shapes (one compilation): one kernel (Mosaic where it runs, else Triton),
     tile_rows (default 64) for every step; fixed_shapes=False keeps each step's own kernel. With max_num_tokens, q has that many rows and rows past the batch give 0.
     head_dim_vo (default head_dim): the head_dim of V and o, where it differs from q and K's
-    (DeepSeek's prefill: 192 / 128); such wrappers run on the Triton kernel.
+    (DeepSeek's prefill: 192 / 128); such wrappers run on the Mosaic kernel on Hopper (head dims
+    that are multiples of 64), else on Triton.
     variant: a jaxinfer.AttentionVariant (static); run(..., variant_params=) takes its
     parameters as data. K/V may be fp8 (float8_e4m3fn / e5m2) with run(..., k_scale=,
     v_scale=): scalars (per tensor) or [Hkv] arrays (per head).
