@@ -179,13 +179,13 @@ def test_triton_deprecation_is_hidden_for_jaxinfer_kernels_only(rng):
 
 def test_mosaic_prefill_configs_lower_for_cuda():
     """Every Mosaic prefill tuning lowers for CUDA without a GPU (layouts, TMA, register splits):
-    the dispatch defaults at head_dim 64 / 128 / 256 (three compute warpgroups at 64, the overlap
-    pipeline at 256), the other pipelines, and ragged_paged_attention's persistent Mosaic class
-    (row stores)."""
+    the dispatch defaults at head_dim 128 / 256 (the overlap pipeline at 256; head_dim 64's,
+    three compute warpgroups, lowers paged and ragged in test_gpu_kernels_lower_for_cuda_on_any_host),
+    the other pipelines, and ragged_paged_attention's persistent Mosaic class (row stores)."""
     from benchmarks.common import random_paged_cache
     b, s, hq, hkv, page = 2, 200, 4, 2, 16
     qo_indptr = (np.arange(b + 1) * 70).astype(np.int32)
-    for d, config in ((64, None), (128, None), (256, None),
+    for d, config in ((128, None), (256, None),
                       (128, ji.MosaicPrefillConfig(pipeline="free", compute_wgs=3, tree_max=True)),
                       (128, ji.MosaicPrefillConfig(pipeline="overlap"))):
         cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,

@@ -210,7 +210,10 @@ COMPOSITIONS = (([1] * 5, [33, 0, 17, 90, 8], (5, 5, 5)), ([20, 12, 30], [0, 15,
                 ([1, 1, 4, 0, 19, 12], [60, 3, 9, 5, 30, 0], (2, 2, 6)))
 
 
-@pytest.mark.parametrize("causal, window", [(True, 6), (False, None), pytest.param(True, None, marks=pytest.mark.slow)])
+# Default: sinks with a window, causal (one program, three compositions). The non-causal step runs in
+# test_mixed_step_matches_reference[16-False]; sinks non-causal and without a window here under slow.
+@pytest.mark.parametrize("causal, window", [(True, 6), pytest.param(False, None, marks=pytest.mark.slow),
+                                            pytest.param(True, None, marks=pytest.mark.slow)])
 def test_sinks_match_reference(rng, causal, window):
     """Attention sinks, traced: decode-only, prefill-only and mixed steps through one compilation,
     against the reference's sinks variant (sinks about the rows' lse, so that they matter)."""
