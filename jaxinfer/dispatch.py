@@ -402,6 +402,26 @@ _MAY_BE_INFINITE = (_short_cost, _mla_mosaic_cost)  # rows that may not take a s
 WHOLE_TILE_ROWS = tuple(i.name for i in IMPLEMENTATIONS if i.whole_tiles)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLATiling:
+    """The plan shape an MLA row's kernel needs (planner.mla.plan's and the device planner's)."""
+    block_rows: int    # (token, head) query rows per tile
+    block_kv: int      # keys per block: chunks are multiples of it
+    num_cells: int     # the kernel's grid
+    tile_merge: bool   # split tiles merged whole (partial rows chunk by chunk)
+
+
+def mla_tiling(implementation, config, num_sms, block_rows):
+    """MLATiling of `implementation` (an mla row) under config (an MLAConfig): the Mosaic kernel's
+    64-row tiles of 64-key blocks, one cell per SM (its shared memory fills one), merged whole;
+    else the Triton kernel's for block_rows (the wrapper's choice for the step's lengths)."""
+    if implementation.name == "mla_mosaic":
+        return MLATiling(block_rows=mla_mosaic_kernels.WG_ROWS, block_kv=mla_mosaic_kernels.BLOCK_KV,
+                         num_cells=config.num_cells or num_sms, tile_merge=True)
+    return MLATiling(block_rows=block_rows, block_kv=config.kv_block(block_rows),
+                     num_cells=config.cells(block_rows, num_sms), tile_merge=False)
+
+
 def sampling_row(filters):
     """The sampling kernel's row for filters (a pallas_kernels.sampling.Filters): the split race
     for an unfiltered draw, else the per-row threshold kernel (every vocabulary, dtype, backend)."""

@@ -19,7 +19,6 @@ from jaxinfer.formats import AttentionState, check_kv_dtype, check_power_of_two,
 from jaxinfer.plans import PlanSpec, WrapperFacts
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
-from pallas_kernels import mla_mosaic as mla_mosaic_kernels
 from planner import mla as mla_planner
 from planner import validate
 
@@ -106,12 +105,10 @@ class BatchMLAPagedAttention:
         self.facts = WrapperFacts(type(self).__name__, self.num_heads, 1, self.head_dim_ckv, self.page_size,
                                   "NHD", (self.max_batch_size, self.max_num_tokens, self.max_num_pages))
 
-    def _block_rows(self, implementation, qo_lens):
-        """Tile rows: the Mosaic kernel's 64; the config's, else (planner.mla.block_rows_for) for the
+    def _block_rows(self, qo_lens):
+        """The Triton kernel's tile rows: the config's, else (planner.mla.block_rows_for) for the
         longest request, or under max_num_tokens for max_num_tokens / max_batch_size tokens (one
         tile size for every plan)."""
-        if implementation.name == "mla_mosaic":
-            return mla_mosaic_kernels.WG_ROWS
         if self.config.block_rows is not None:
             return self.config.block_rows
         if self.max_num_tokens is not None:
@@ -137,16 +134,12 @@ class BatchMLAPagedAttention:
         fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
         implementation = dispatch.choose(self.problem, qo_lens, validate.as_int32("kv_len", kv_len), self.causal,
                                          rows=rows, fixed_shapes=fixed)
-        block_rows = self._block_rows(implementation, qo_lens)
-        if implementation.name == "mla_mosaic":  # one cell per SM (a cell's shared memory fills an SM)
-            num_cells, block_kv = self.config.num_cells or self.num_sms, mla_mosaic_kernels.BLOCK_KV
-        else:
-            num_cells, block_kv = self.config.cells(block_rows, self.num_sms), self.config.kv_block(block_rows)
+        tiling = dispatch.mla_tiling(implementation, self.config, self.num_sms, self._block_rows(qo_lens))
         layout, buf, info = mla_planner.plan(
             qo_indptr, kv_indptr, kv_indices, kv_len, page_size=self.page_size, num_heads=self.num_heads,
-            num_cells=num_cells, block_rows=block_rows, causal=self.causal, num_pages=num_pages,
+            num_cells=tiling.num_cells, block_rows=tiling.block_rows, causal=self.causal, num_pages=num_pages,
             max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_num_pages=self.max_num_pages,
-            block_kv=block_kv, min_chunk=self.config.min_chunk, tile_merge=implementation.name == "mla_mosaic")
+            block_kv=tiling.block_kv, min_chunk=self.config.min_chunk, tile_merge=tiling.tile_merge)
         spec = self.facts.spec(num_pages, implementation.name)
         return MLAPlan(parts=transfer.plan_sections(buf, layout), layout=layout, spec=spec, causal=self.causal,
                        info=info)

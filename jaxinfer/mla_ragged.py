@@ -25,7 +25,6 @@ from jaxinfer.formats import check_kv_dtype, check_power_of_two, check_q, check_
 from jaxinfer.ragged_plan import CHUNKS_PER_CELL, excl_cumsum, owner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
-from pallas_kernels import mla_mosaic as mla_mosaic_kernels
 from pallas_kernels.kv_write import write_rows
 from planner import mla as mla_planner
 from planner.work_items import MLA
@@ -48,29 +47,27 @@ class MLASizes:
     tile_merge: bool = False  # split tiles' partial rows chunk by chunk, merged whole (the Mosaic kernel)
 
 
-def sizes(num_tokens, num_heads, num_seqs, config, num_cells, mosaic=False):
-    """MLASizes: tile rows for T / S tokens per sequence (planner.mla.block_rows_for, as the host
-    wrapper's under capacities), unless config.block_rows; cells: num_cells, else the config's.
-    mosaic: the Mosaic kernel's 64-row tiles and 64-key blocks, one cell per SM, whole-tile merges.
+def sizes(num_tokens, num_heads, num_seqs, config, num_cells, implementation=None):
+    """MLASizes for implementation (an mla row; default the Triton kernel's), by
+    dispatch.mla_tiling: the Triton kernel's tile rows for T / S tokens per sequence
+    (planner.mla.block_rows_for, as the host wrapper's under capacities) unless config.block_rows;
+    cells: num_cells, else the row's.
 
     Bounds: a sequence's rows make ceil(rows / M) <= rows / M + 1 tiles, the padding rows one more
     run, so at most ceil(T H / M) + S + 1 tiles. The chunk L is at least the step's keys / (2 x
     cells) (plan), so sum(ceil(kv / L) - 1) <= keys / L <= 2 x cells extra items; a split tile has
     more than L keys, so fewer than 2 x cells tiles split, into ceil(kv / L) < 2 kv / L chunks:
     fewer than 4 x cells chunks of M partial rows in all."""
-    if mosaic:
-        block_rows, block_kv = mla_mosaic_kernels.WG_ROWS, mla_mosaic_kernels.BLOCK_KV
-        cells = int(num_cells or config.num_cells or _backend.num_sms())
-    else:
-        block_rows = config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
-        block_kv = config.kv_block(block_rows)
-        cells = int(num_cells or config.cells(block_rows, _backend.num_sms()))
+    implementation = implementation or dispatch.IMPLEMENTATIONS_BY_NAME["mla_triton"]
+    triton_rows = config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
+    tiling = dispatch.mla_tiling(implementation, config, _backend.num_sms(), triton_rows)
+    block_rows, block_kv, cells = tiling.block_rows, tiling.block_kv, int(num_cells or tiling.num_cells)
     tiles = -(-num_tokens * num_heads // block_rows) + num_seqs + 1
     c = CHUNKS_PER_CELL * cells
     min_chunk = max(-(-int(config.min_chunk) // block_kv), 1) * block_kv
     return MLASizes(block_rows=block_rows, block_kv=block_kv, min_chunk=min_chunk, cells=cells, tiles=tiles,
-                    items=tiles + c, parts=2 * c * block_rows, groups=c * (1 if mosaic else block_rows),
-                    tile_merge=mosaic)
+                    items=tiles + c, parts=2 * c * block_rows, groups=c * (1 if tiling.tile_merge else block_rows),
+                    tile_merge=tiling.tile_merge)
 
 
 def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_seq, causal, sz):
@@ -264,7 +261,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     if ckv_scale is not None or kpe_scale is not None:  # f32[2]; a missing one is 1
         scales = jnp.stack([jnp.float32(1.0) if x is None else x for x in (ckv_scale, kpe_scale)])
     t, h, _ = ql_nope.shape
-    sz = sizes(t, h, kv_lens.shape[0], config, num_cells, mosaic=implementation.name == "mla_mosaic")
+    sz = sizes(t, h, kv_lens.shape[0], config, num_cells, implementation)
     return _run(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
                 distribution, scales, sm_scale=float(sm_scale), causal=causal, sz=sz, interpret=interpret,
                 config=config, kernel=implementation.kernel)

@@ -286,7 +286,8 @@ def test_plan_tile_merge_for_the_mosaic_kernel():
     q_lens, kv_lens = np.array([1, 2, 1]), rng.integers(2000, 4000, s)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t = int(cu[-1]) + 2
-    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=64), cells, mosaic=True)
+    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=64), cells,
+                          jaxinfer.dispatch.IMPLEMENTATIONS_BY_NAME["mla_mosaic"])
     assert sz.tile_merge and sz.block_rows == 64 and sz.groups == 2 * cells
     sec = jax.jit(functools.partial(mla_ragged.plan, num_tokens=t, num_heads=heads, pages_per_seq=16, causal=True,
                                     sz=sz))(kv_lens.astype(np.int32), cu, np.asarray([0, 0, s], np.int32))
