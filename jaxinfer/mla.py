@@ -126,7 +126,12 @@ class BatchMLAPagedAttention:
         for them."""
         num_pages = validate.check_num_pages(num_pages)
         qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
-        dtypes = (np.dtype(q_dtype), np.dtype(q_dtype if kv_dtype is None else kv_dtype))
+        dtypes = []
+        for name, x in (("q_dtype", q_dtype), ("kv_dtype", q_dtype if kv_dtype is None else kv_dtype)):
+            try:
+                dtypes.append(np.dtype(x))
+            except TypeError:
+                raise ValueError(f"{name} must be a dtype, got {x!r}") from None
         rows = tuple(i for i in self.rows if i.dtypes_unsupported(*dtypes) is None)
         if not rows:
             raise ValueError(f"kv_dtype: no MLA kernel takes q / latent cache of dtypes {dtypes[0]} / {dtypes[1]} ("

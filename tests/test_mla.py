@@ -404,6 +404,8 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
     with pytest.raises(ValueError, match="kv_dtype"):
         BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic").plan(
             *table, num_pages=20, kv_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="q_dtype"):
+        BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE).plan(*table, num_pages=20, q_dtype="bf17")
 
 
 def test_mosaic_kernel_lowers_for_cuda():
