@@ -26,6 +26,7 @@ from pallas_kernels import prefill as prefill_kernels
 from pallas_kernels import sampling as sampling_kernels
 from pallas_kernels.prefill import MosaicPrefillConfig, PrefillConfig
 from planner import batch as batch_planner
+from planner import mla as mla_planner
 from planner import prefill as prefill_planner
 from planner import prefix as prefix_planner
 from planner import validate
@@ -339,10 +340,18 @@ def _mla_mosaic_unsupported(problem, explicit):
 
 
 def _mla_mosaic_cost(problem, qo_lens, kv_lens, causal):
-    """_mla_cost, or infinite where a request's rows are not whole 64-row tiles (num_heads < 64)."""
-    if np.any(np.asarray(qo_lens, np.int64) * problem.num_qo_heads % mla_mosaic_kernels.WG_ROWS):
+    """_mla_cost, or infinite where a request's rows are not whole tiles of mla_mosaic_tile_rows."""
+    qo_lens = np.asarray(qo_lens, np.int64)
+    rows = mla_mosaic_tile_rows(problem.num_qo_heads, int(qo_lens.max()) if qo_lens.shape[0] else 1)
+    if rows not in mla_mosaic_kernels.TILE_ROWS or np.any(qo_lens * problem.num_qo_heads % rows):
         return _INF
-    return _mla_cost(problem, np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64), causal, "mla_mosaic")
+    return _mla_cost(problem, qo_lens, np.asarray(kv_lens, np.int64), causal, "mla_mosaic")
+
+
+def mla_mosaic_tile_rows(num_heads, max_qo_len):
+    """The Mosaic MLA kernel's tile rows for a step whose longest request has max_qo_len tokens:
+    64, or one token's rows of fewer heads (planner.mla.block_rows_for, as the Triton kernel's)."""
+    return mla_planner.block_rows_for(num_heads, max_qo_len, cap=mla_mosaic_kernels.WG_ROWS)
 
 
 def _mla_mosaic_dtypes_unsupported(q_dtype, kv_dtype):
@@ -352,18 +361,26 @@ def _mla_mosaic_dtypes_unsupported(q_dtype, kv_dtype):
     return f"q and the latent cache must both be float16 or both bfloat16, got {q_dtype} / {kv_dtype}"
 
 
-# The MLA kernels' dots (one H100, 128 heads B64 kv4096): Triton 448.7 µs (163 TFLOP/s),
-# Mosaic 223.9 (326); the latent cache read (16 heads B64 kv4096, Triton): 2167 GB/s.
-MLA_FLOPS_PER_US = {"mla_triton": 1.6e8, "mla_mosaic": 3.2e8}
-MLA_BYTES_PER_US = 2.17e6
+# The MLA kernels on one H100 (bf16, page 64; µs): FLOP/µs of their dots by tile rows and the
+# latent cache's bytes/µs. Triton: 128 heads B64 kv4096 448.7 (64-row tiles, 163 TFLOP/s), 32
+# heads 252.8 (32 rows, 77), 16 heads 147.7 (16 rows; 2040 GB/s of latent cache, 65 TFLOP/s).
+# Mosaic: 128 heads 223.9 (326 TFLOP/s); its wgmma computes 64 rows whatever the tile's, so a
+# tile of one token of 16 or 32 heads costs a 64-row tile's dots: 16 and 32 heads B64 kv4096
+# 155.7 and 158.0 (1950 GB/s).
+MLA_FLOPS_PER_US = {"mla_triton": {16: 0.65e8, 32: 0.77e8, 64: 1.6e8}, "mla_mosaic": {64: 3.2e8}}
+MLA_BYTES_PER_US = {"mla_triton": 2.17e6, "mla_mosaic": 1.95e6}
 
 
 def _mla_cost(problem, qo_lens, kv_lens, causal, kernel="mla_triton"):
-    """The latent cache read once, or the dots of every head over its visible keys."""
-    latent = KV_ITEMSIZE * problem.head_dim * float(kv_lens.sum()) / MLA_BYTES_PER_US
+    """The latent cache read once, or the dots of every tile over its visible keys (tiles of the
+    wrapper's rows, planner.mla.block_rows_for; the Mosaic kernel's padded to 64)."""
+    latent = KV_ITEMSIZE * problem.head_dim * float(kv_lens.sum()) / MLA_BYTES_PER_US[kernel]
     keys = float(_visible_keys(qo_lens, kv_lens, 1, causal).sum())
-    flops = 2.0 * problem.num_qo_heads * (2 * problem.head_dim) * keys
-    return LAUNCH_US + max(latent, flops / MLA_FLOPS_PER_US[kernel])
+    rows = mla_planner.block_rows_for(problem.num_qo_heads, int(qo_lens.max()) if qo_lens.shape[0] else 1)
+    rates = MLA_FLOPS_PER_US[kernel]
+    computed = max(rows, min(rates))  # rows the kernel computes per tile
+    flops = 2.0 * problem.num_qo_heads * (2 * problem.head_dim) * keys * computed / rows
+    return LAUNCH_US + max(latent, flops / rates[computed])
 
 
 IMPLEMENTATIONS = (
@@ -412,11 +429,12 @@ class MLATiling:
 
 
 def mla_tiling(implementation, config, num_sms, block_rows):
-    """MLATiling of `implementation` (an mla row) under config (an MLAConfig): the Mosaic kernel's
-    64-row tiles of 64-key blocks, one cell per SM (its shared memory fills one), merged whole;
-    else the Triton kernel's for block_rows (the wrapper's choice for the step's lengths)."""
+    """MLATiling of `implementation` (an mla row) under config (an MLAConfig) for block_rows (the
+    wrapper's choice for the step's lengths): the Mosaic kernel's tiles of up to 64 rows and
+    64-key blocks, one cell per SM (its shared memory fills one), merged whole; else the Triton
+    kernel's."""
     if implementation.name == "mla_mosaic":
-        return MLATiling(block_rows=mla_mosaic_kernels.WG_ROWS, block_kv=mla_mosaic_kernels.BLOCK_KV,
+        return MLATiling(block_rows=min(block_rows, mla_mosaic_kernels.WG_ROWS), block_kv=mla_mosaic_kernels.BLOCK_KV,
                          num_cells=config.num_cells or num_sms, tile_merge=True)
     return MLATiling(block_rows=block_rows, block_kv=config.kv_block(block_rows),
                      num_cells=config.cells(block_rows, num_sms), tile_merge=False)

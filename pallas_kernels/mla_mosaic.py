@@ -1,27 +1,30 @@
 """Multi-head latent attention (MLA) on Mosaic GPU (Hopper): TMA loads, wgmma, warp specialization.
 
 The work list is planner/mla.py's (columns: work_items.MLA) with tiles of 64 query rows and
-64-key blocks: a tile is 64 heads of one query token (num_heads a multiple of 64), or 64 / H
+32-key blocks: a tile is 64 heads of one query token (num_heads a multiple of 64), or 64 / H
 tokens of H heads (causal: row r's keys end at its token's diagonal, masked in the blocks past
-the first row's). Grid (num_cells,), three warpgroups per cell, the cell's items run in order:
+the first row's). A decode step of 8-32 heads takes tiles of one token (tile_rows = H): the
+wgmma still computes 64 rows, the rest stale and never stored, and the latent cache is read
+once per request. Grid (num_cells,), three warpgroups per cell, the cell's items run in order:
 
-- the memory warpgroup loads each item's q (q_nope [64, Dc]; q_pe [64, Dr] into p's buffer)
-  once both compute warpgroups are done with the previous item, then streams the item's latent
-  blocks (ckv [64, Dc], kpe [64, Dr]: whole 64-key runs of one page, by TMA) through `slots`
-  shared-memory slots;
+- the memory warpgroup loads each item's q (q_nope [64, Dc], q_pe [64, Dr]) once both compute
+  warpgroups are done with the previous item, then streams the item's latent blocks (ckv
+  [32, Dc], kpe [32, Dr]: 32-key runs of one page, by TMA) through SLOTS shared-memory slots.
+  Blocks of 32 keys keep three in flight while one is computed; with 64-key blocks only two
+  fit, and the kernel ran 216.3 µs against 186.6 (H100, 128 heads B64 kv4096);
 - compute warpgroup 0 computes each block's scores s = q_nope ckv^T + q_pe kpe^T (q_pe held in
   registers), runs the online softmax (base 2) and hands p (bf16, shared memory) and the rescale
   alpha to warpgroup 1; each then accumulates its own half of the output columns,
   o[:, h Dc/2 : (h+1) Dc/2] += p ckv[:, that half] (a [64, Dc] f32 accumulator does not fit one
   warpgroup's registers). At an item's end warpgroup 0 hands over l. Letting both warpgroups
-  compute the scores (no handoff, 1.5x the tensor work) measured the same on an H100 (210.5
-  against 207.2 µs, 128 heads B64 kv4096).
+  compute the scores (no handoff, 1.5x the tensor work), or FlashMLA's seesaw (each scoring
+  alternate blocks), measured the same on an H100 (docs/design.md).
 
 Keys outside [kv_start, kv_end) get score -inf, and a block's ckv rows there are zeroed in
 shared memory (each warpgroup its own column half) before P V: a freed page keeps its last
 owner's values, NaN included, and 0 * NaN is NaN. Items with part_base < 0 write the final rows
 of o (q's dtype) and lse; split items write partial states (o in q's dtype, as FlashInfer's
-split-KV buffers, lse in float32), 64 consecutive rows from part_base
+split-KV buffers, lse in float32), tile_rows consecutive rows from part_base
 (planner.mla.plan(tile_merge=True)), merged by whole tiles afterwards.
 """
 import functools
@@ -34,14 +37,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-WG_ROWS = 64   # query rows per tile (one wgmma M)
-BLOCK_KV = 64  # keys per block
+WG_ROWS = 64   # query rows a warpgroup computes (one wgmma M): a tile's rows and padding
+BLOCK_KV = 32  # keys per block
+SLOTS = 4      # blocks in flight (shared memory: q 64 KiB + 4 x 36 KiB of latent rows + p and q_pe)
+SWIZZLE = 64   # bytes: 32 bf16 columns, so that a block's 32 keys are one wgmma K group of P V
+TILE_ROWS = (8, 16, 32, 64)  # a tile's rows: 64; fewer (one token of 8-32 heads, decode) pad the wgmma's M
 LOG2E = math.log2(math.e)
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread (2 x 232 + 40 warps of 128 fit 64K)
 _LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()  # (see prefill_mosaic)
 
 
-def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
+def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size):
     """Why the kernel cannot run these sizes (None when it can)."""
     if num_heads % WG_ROWS and WG_ROWS % num_heads:
         return f"num_heads must divide {WG_ROWS} or be a multiple of it (a tile's rows), got {num_heads}"
@@ -49,21 +55,21 @@ def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size, slots=2):
         return f"page_size must be a multiple of {BLOCK_KV} (a block is {BLOCK_KV} keys of one page), got {page_size}"
     if head_dim_ckv % 128 or head_dim_ckv > 512:
         return f"head_dim_ckv must be a multiple of 128 up to 512 (half a row per warpgroup), got {head_dim_ckv}"
-    if head_dim_kpe != BLOCK_KV:
-        return f"head_dim_kpe must be {BLOCK_KV} (q_pe is staged in p's [64, 64] buffer), got {head_dim_kpe}"
+    if head_dim_kpe != 64:
+        return f"head_dim_kpe must be 64 (one wgmma K group of q_pe kpe^T), got {head_dim_kpe}"
     return None
 
 
 def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
             o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, *, columns, num_heads, page_size, sm_scale, causal,
-            slots, interpret):
+            tile_rows, slots, interpret):
     # items_ref int32[W * len(columns)] (flattened; columns: planner.mla.COLUMNS' names)
     # cell_indptr_ref int32[cells + 1]; kv_indices_ref int32[I]
     # q_nope_ref [N, 2, Dc/2], q_pe_ref [N, Dr]: q as rows token * H + head, ckv's columns in halves
     # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
     # o_ref [N, 2, Dc/2] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, 2, Dc/2], lse_part_ref f32[parts]
-    (qn_smem, ckv_smem, kpe_smem, p_smem, vec_smem, lse_smem), (q_bar, kv_bar, p_ready), (q_free, kv_free, p_free) = scoped
-    # qn_smem [2, 64, Dc/2]; ckv_smem [slots, 2, 64, Dc/2], kpe_smem [slots, 64, Dr]; p_smem [64, 64]:
+    (qn_smem, ckv_smem, kpe_smem, p_smem, qpe_smem, vec_smem, lse_smem), (q_bar, kv_bar, p_ready), (q_free, kv_free, p_free) = scoped
+    # qn_smem [2, 64, Dc/2]; ckv_smem [slots, 2, 32, Dc/2], kpe_smem [slots, 32, Dr]; p_smem [64, 32]: each block's p; qpe_smem [64, Dr]
     # an item's q_pe [64, Dr] until warpgroup 0 holds it in registers, then each block's p;
     # vec_smem f32[64]: each block's alpha, then the item's l; lse_smem f32[64]
     wg = lax.axis_index("wg")
@@ -72,7 +78,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
     dtype = q_nope_ref.dtype
     half = qn_smem.shape[-1]
     c = sm_scale * LOG2E  # base 2, the scale folded into the exponent's multiply-add
-    per_row_limits = causal and num_heads < WG_ROWS  # a tile holds 64 / H tokens
+    per_row_limits = causal and num_heads < tile_rows  # a tile holds tile_rows / H tokens
 
     def fields(w):
         load = lambda name: items_ref[w * len(columns) + columns.index(name)]  # (flattened: 1-D loads)
@@ -99,10 +105,10 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         def _():  # the previous item's QK^T is done in both compute warpgroups
             plgpu.barrier_wait(q_free.at[0])
 
-        rows = pl.ds(f["q_row"], WG_ROWS)
+        rows, mine = pl.ds(f["q_row"], tile_rows), pl.ds(0, tile_rows)  # (rows past tile_rows: stale, unstored)
         for h in range(2):
-            plgpu.copy_gmem_to_smem(q_nope_ref.at[rows, h], qn_smem.at[h], q_bar.at[0])
-        plgpu.copy_gmem_to_smem(q_pe_ref.at[rows], p_smem, q_bar.at[0])  # (p_smem is free: q_free)
+            plgpu.copy_gmem_to_smem(q_nope_ref.at[rows, h], qn_smem.at[h, mine], q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_pe_ref.at[rows], qpe_smem.at[mine], q_bar.at[0])
 
         def fill(j, _):
             n = g + j
@@ -130,9 +136,14 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
 
         @pl.when((lo > 0) | (hi < BLOCK_KV))
         def _():
-            rows = ckv_smem.at[slot, wg]  # [64, Dc/2]
-            x = load_smem(rows)
-            r = iota(x.shape, 0)
+            rows = ckv_smem.at[slot, wg]  # [32, Dc/2]: fewer rows than the WGMMA layout's 64
+            if interpret:
+                x = rows[...]
+                r = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+            else:
+                layout = plgpu.Layout.SMEM_GMEM_COPY(rows.shape, rows.dtype, SWIZZLE)
+                x = plgpu.load(rows, *_LOAD_IDX, layout=layout, optimized=False)
+                r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=layout)
             rows[...] = jnp.where((r >= lo) & (r < hi), x, jnp.zeros((), x.dtype))
             plgpu.commit_smem()
 
@@ -194,19 +205,19 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             lse_smem[...] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * (1 / LOG2E), -jnp.inf)  # natural log
         plgpu.commit_smem()
         split = f["part_base"] >= 0
-        rows = pl.ds(jnp.where(split, f["part_base"], f["q_row"]), WG_ROWS)
+        rows, mine = pl.ds(jnp.where(split, f["part_base"], f["q_row"]), tile_rows), pl.ds(0, tile_rows)
 
         @pl.when(~split)
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, wg])
+            plgpu.copy_smem_to_gmem(o_smem.at[mine], o_ref.at[rows, wg])
             if m is not None:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rows])
+                plgpu.copy_smem_to_gmem(lse_smem.at[mine], lse_ref.at[rows])
 
         @pl.when(split)
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, o_part_ref.at[rows, wg])
+            plgpu.copy_smem_to_gmem(o_smem.at[mine], o_part_ref.at[rows, wg])
             if m is not None:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_part_ref.at[rows])
+                plgpu.copy_smem_to_gmem(lse_smem.at[mine], lse_part_ref.at[rows])
 
         plgpu.wait_smem_to_gmem(0)
         plgpu.barrier_arrive(q_free.at[0])  # q_nope's and p's buffers are free for the next item
@@ -253,7 +264,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         g, hs = carry
         f = fields(w)
         plgpu.barrier_wait(q_bar.at[0])
-        q_pe = load_smem(p_smem)  # [64, Dr]: p_smem is p's again
+        q_pe = load_smem(qpe_smem)  # [64, Dr]
 
         def block(j, carry, masked):
             acc, m, l, hs = carry
@@ -325,13 +336,13 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
 
 
 def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
-               num_heads, page_size, sm_scale, causal, block_rows, interpret, config=None, scales=None, slots=2):
-    """Runs the MLA work list (planner/mla.py, tiles of 64 rows, tile_merge: a split item's
-    partial rows are part_base .. part_base + 63).
+               num_heads, page_size, sm_scale, causal, block_rows, interpret, config=None, scales=None, slots=SLOTS):
+    """Runs the MLA work list (planner/mla.py, tiles of block_rows M rows (TILE_ROWS), tile_merge:
+    a split item's partial rows are part_base .. part_base + M - 1).
 
-    q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head, every tile 64 rows of one
-    request (num_heads a multiple of 64, or dividing 64 with each request's qo_len x num_heads a
-    multiple of 64: dispatch's mla_mosaic cost is infinite otherwise); ckv_rows [num_pages *
+    q_nope [N, Dc], q_pe [N, Dr]: q as rows token * num_heads + head, every tile M rows of one
+    request (num_heads a multiple of 64 and M = 64, or dividing M with each request's qo_len x
+    num_heads a multiple of M: dispatch's mla_mosaic cost is infinite otherwise); ckv_rows [num_pages *
     page_size, Dc], kpe_rows [.., Dr] in q's dtype (16-bit); kv_indices int32[I]; items
     int32[W, len(columns)]; cell_indptr int32[num_cells + 1]. causal as the planner's (kv_end is
     each tile's last row's causal limit); config is unused (the MLAConfig of the Triton kernel);
@@ -342,11 +353,11 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
     del config
     if scales is not None:
         raise ValueError("mla_mosaic: fp8 latent caches run on the Triton kernel")
-    if block_rows != WG_ROWS:
-        raise ValueError(f"mla_mosaic: plans need tiles of {WG_ROWS} rows, got {block_rows}")
+    if block_rows not in TILE_ROWS or (num_heads < block_rows and block_rows % num_heads):
+        raise ValueError(f"mla_mosaic: plans need tiles of whole tokens of 8, 16, 32 or 64 rows, got {block_rows}")
     n, dc = q_nope.shape
     dr = q_pe.shape[-1]
-    why = limits(num_heads=num_heads, head_dim_ckv=dc, head_dim_kpe=dr, page_size=page_size, slots=slots)
+    why = limits(num_heads=num_heads, head_dim_ckv=dc, head_dim_kpe=dr, page_size=page_size)
     if why is not None:
         raise ValueError(f"mla_mosaic: {why}")
     num_parts = max(int(num_parts), 1)
@@ -365,11 +376,14 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
 
     def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref, kpe_ref,
               o_ref, lse_ref, o_part_ref, lse_part_ref):
-        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2, WG_ROWS, half), q_nope.dtype, transforms=tiled),
-                plgpu.SMEM((slots, 2, BLOCK_KV, half), q_nope.dtype, transforms=tiled),
-                plgpu.SMEM((slots, BLOCK_KV, dr), q_nope.dtype, transforms=tiled),
-                plgpu.SMEM((WG_ROWS, BLOCK_KV), q_nope.dtype, transforms=tiled),  # q_pe, then p
+        # q_nope, ckv and p (operands of one wgmma each) share SWIZZLE; q_pe and kpe (K = Dr = 64) 128 bytes
+        narrow = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))  # (16-bit)
+        wide = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((2, WG_ROWS, half), q_nope.dtype, transforms=narrow),
+                plgpu.SMEM((slots, 2, BLOCK_KV, half), q_nope.dtype, transforms=narrow),
+                plgpu.SMEM((slots, BLOCK_KV, dr), q_nope.dtype, transforms=wide),
+                plgpu.SMEM((WG_ROWS, BLOCK_KV), q_nope.dtype, transforms=narrow),  # p
+                plgpu.SMEM((WG_ROWS, dr), q_nope.dtype, transforms=wide),  # q_pe
                 plgpu.SMEM((WG_ROWS,), jnp.float32),  # alpha or l
                 plgpu.SMEM((WG_ROWS,), jnp.float32))  # lse
         loaded = (plgpu.Barrier(num_arrivals=3, num_barriers=1),      # q: two halves of q_nope, q_pe
@@ -382,7 +396,7 @@ def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr,
             lambda *scoped: _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ckv_ref,
                                     kpe_ref, o_ref, lse_ref, o_part_ref, lse_part_ref, scoped, columns=tuple(columns),
                                     num_heads=num_heads, page_size=page_size, sm_scale=float(sm_scale),
-                                    causal=causal, slots=slots, interpret=interpret),
+                                    causal=causal, tile_rows=block_rows, slots=slots, interpret=interpret),
             smem, loaded, freed, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((n, 2, half), q_nope.dtype),

@@ -369,17 +369,37 @@ def test_mosaic_kernel_several_tokens_per_tile(rng):
     assert np.isneginf(want[1]).sum() == 6 * 16
 
 
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_mosaic_kernel_one_token_tiles(rng, num_heads):
+    """Decode of 16 and 32 heads: tiles of one token (H rows; the wgmma's other rows stale, never
+    stored), split tiles merged, a request without keys; the interpreter, bf16, NaN in unlisted
+    pages, stale slots and padding rows."""
+    mla = BatchMLAPagedAttention(num_heads, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic",
+                                 config=MLAConfig(num_cells=3, min_chunk=64))
+    qo_lens, kv_lens = [1, 1, 1, 1], [300, 0, 65, 130]
+    table = step(rng, qo_lens, kv_lens, 64)
+    plan = mla.plan(*table, num_pages=_num_pages(64))
+    assert plan.impl == "mla_mosaic" and plan.layout.block_rows == num_heads and plan.info["num_split"] > 0
+    q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+                              for x in inputs(rng, sum(qo_lens), num_heads, 64, np.float32))
+    want = oracle(q_nope, q_pe, ckv, kpe, *table, False)
+    _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, 64)
+    out = mla.run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan, return_lse=True)
+    check(out, want, 1e-2)
+    assert np.isneginf(want[1]).sum() == num_heads
+
+
 def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
-    """On Hopper, "auto" plans the Mosaic kernel for 16-bit caches at 64-multiple heads and pages,
-    the Triton kernel otherwise (fp8 or float32 caches, 16 heads, page 16); run() refuses dtypes
-    its plan's kernel does not take."""
+    """On Hopper, "auto" plans the Mosaic kernel for 16-bit caches at 64-multiple pages and 64-
+    multiple heads or 32-head decode (one-token tiles), the Triton kernel otherwise (fp8 or
+    float32 caches, 16-head decode, page 16); run() refuses dtypes its plan's kernel does not take."""
     from jaxinfer import _backend
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
     table = step(np.random.default_rng(0), [1, 1], [70, 130], 64, 20)
     for heads, page, kw, want in ((128, 64, {}, "mla_mosaic"), (64, 128, dict(q_dtype=jnp.float16), "mla_mosaic"),
                                   (128, 64, dict(kv_dtype=jnp.float8_e4m3fn), "mla_triton"),
                                   (128, 64, dict(q_dtype=jnp.float32), "mla_triton"),
-                                  (16, 64, {}, "mla_triton"), (128, 16, {}, "mla_triton")):
+                                  (16, 64, {}, "mla_triton"), (32, 64, {}, "mla_mosaic"), (128, 16, {}, "mla_triton")):
         mla = BatchMLAPagedAttention(heads, CKV, KPE, page, sm_scale=SCALE, backend="gpu")
         t = table if page == 64 else step(np.random.default_rng(0), [1, 1], [70, 130], page, 20)
         assert mla.plan(*t, num_pages=20, **kw).impl == want, (heads, page, kw)
@@ -396,8 +416,9 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
                 jnp.ones((20, 64, CKV), jnp.float8_e4m3fn), jnp.ones((20, 64, KPE), jnp.float8_e4m3fn), plan)
     with pytest.raises(ValueError, match="num_heads must divide 64"):
         BatchMLAPagedAttention(24, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic")
-    with pytest.raises(ValueError, match="lengths"):  # 16 heads of one token: a partial tile
-        BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic").plan(*table, num_pages=20)
+    with pytest.raises(ValueError, match="lengths"):  # 16 heads of one token in a tile of 4 tokens' rows
+        BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic").plan(
+            *step(np.random.default_rng(0), [1, 4], [70, 130], 64, 20), num_pages=20)
     with pytest.raises(ValueError, match="fixed shapes"):
         BatchMLAPagedAttention(16, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic", max_batch_size=4, max_num_tokens=16,
                                max_num_pages=20).plan(*table, num_pages=20)
@@ -412,7 +433,7 @@ def test_mosaic_kernel_lowers_for_cuda():
     """The Mosaic GPU kernel lowers for an H100 on any host (TMA, wgmma layouts, register stores):
     decode of 128 heads with split tiles, causal verify rows of 64 heads, 16 heads x 4 tokens a tile."""
     from test_backend import MOSAIC_CALL, lower_for_cuda
-    for heads, qo, causal in ((128, 1, False), (64, 3, True), (16, 4, True)):
+    for heads, qo, causal in ((128, 1, False), (64, 3, True), (16, 4, True), (16, 1, False)):
         b, kv, page = 4, 300, 64
         table = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 30)
         mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=causal, sm_scale=SCALE, backend="gpu",
