@@ -538,6 +538,7 @@ ROWS = [
     row("plan decode B64 kv4096", build_plan, segs=((64, 1, 4096),)),
     # Multi-head latent attention (DeepSeek-V3 shapes).
     row("MLA decode H16 B64 kv4096", build_mla, segs=((64, 1, 4096),), heads=16),
+    row("MLA decode H32 B64 kv4096", build_mla, segs=((64, 1, 4096),), heads=32),
     row("MLA decode H128 B64 kv4096", build_mla, segs=((64, 1, 4096),), heads=128),
     row("MLA decode H128 B16 kv8192", build_mla, segs=((16, 1, 8192),), heads=128),
     row("MLA prefill H16 B4 S4096 causal", build_mla, segs=((4, 4096, 4096),), heads=16, causal=True),

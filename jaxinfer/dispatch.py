@@ -363,12 +363,12 @@ def _mla_mosaic_dtypes_unsupported(q_dtype, kv_dtype):
 
 # The MLA kernels on one H100 (bf16, page 64; µs): FLOP/µs of their dots by tile rows and the
 # latent cache's bytes/µs. Triton: 128 heads B64 kv4096 448.7 (64-row tiles, 163 TFLOP/s), 32
-# heads 252.8 (32 rows, 77), 16 heads 147.7 (16 rows; 2040 GB/s of latent cache, 65 TFLOP/s).
-# Mosaic: 128 heads 223.9 (326 TFLOP/s); its wgmma computes 64 rows whatever the tile's, so a
+# heads 252.3 (32 rows, 77), 16 heads 146.2 (16 rows; 2070 GB/s of latent cache, 66 TFLOP/s).
+# Mosaic: 128 heads 205.5 (355 TFLOP/s); its wgmma computes 64 rows whatever the tile's, so a
 # tile of one token of 16 or 32 heads costs a 64-row tile's dots: 16 and 32 heads B64 kv4096
-# 155.7 and 158.0 (1950 GB/s).
-MLA_FLOPS_PER_US = {"mla_triton": {16: 0.65e8, 32: 0.77e8, 64: 1.6e8}, "mla_mosaic": {64: 3.2e8}}
-MLA_BYTES_PER_US = {"mla_triton": 2.17e6, "mla_mosaic": 1.95e6}
+# 133.3 and 138.0 (2270 and 2190 GB/s).
+MLA_FLOPS_PER_US = {"mla_triton": {16: 0.65e8, 32: 0.77e8, 64: 1.6e8}, "mla_mosaic": {64: 3.4e8}}
+MLA_BYTES_PER_US = {"mla_triton": 2.07e6, "mla_mosaic": 2.2e6}
 
 
 def _mla_cost(problem, qo_lens, kv_lens, causal, kernel="mla_triton"):
