@@ -401,7 +401,7 @@ IMPLEMENTATIONS = (
                    _batch_mosaic_cost, _mosaic_dtypes_unsupported, takes_scales=False),
     # Multi-head latent attention (BatchMLAPagedAttention): every head of a request over one
     # latent cache, decode and multi-token rows in one kernel, split-KV merged. On Hopper, tiles
-    # of 64 heads on wgmma (16-bit caches, page a multiple of 64) ...
+    # of up to 64 rows on wgmma (16-bit caches, page a multiple of 32) ...
     Implementation("mla_mosaic", "mla", "mosaic", mla_kernels.MLAConfig, _mla_mosaic_unsupported, _mla_mosaic_cost,
                    _mla_mosaic_dtypes_unsupported, kernel=mla_mosaic_kernels.mla_mosaic),
     # ... else the Triton kernel (any head count, page size and dtype, fp8 latents).

@@ -67,8 +67,10 @@ class BatchMLAPagedAttention:
     gives o = 0, lse = -inf. With max_batch_size, max_num_tokens and max_num_pages every plan has
     the same shapes (q then has max_num_tokens rows; rows past the step give o = 0), so a jitted
     run() compiles once. config: an MLAConfig tuning the Triton kernel. impl: "auto" (the
-    dispatch's choice per plan: on Hopper, "mosaic" for 16-bit caches where num_heads and
-    page_size are multiples of 64, else "triton"), "mosaic" or "triton".
+    dispatch's choice per plan: on Hopper, "mosaic" for 16-bit caches where page_size is a
+    multiple of 32 and num_heads a multiple of 64, or a divisor of 64 on steps of whole tiles
+    (decode at 16 and 32 heads; under capacities, 64-multiple heads only), else "triton"),
+    "mosaic" or "triton".
     """
 
     def __init__(self, num_heads, head_dim_ckv, head_dim_kpe, page_size, *, causal=False, sm_scale,

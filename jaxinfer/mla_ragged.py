@@ -219,7 +219,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     kernel's grid (default: two per SM for tiles of up to 16 rows, else one; MLAConfig.cells);
     config: an MLAConfig (block_rows, block_kv, min_chunk, ...); backend: as the wrappers'. impl:
     "auto" (jaxinfer.dispatch's mla row for these shapes and dtypes: on Hopper the Mosaic kernel
-    where H and page_size are multiples of 64 and the caches 16-bit, else Triton), "mosaic" or
+    where H is a multiple of 64, page_size of 32 and the caches 16-bit, else Triton), "mosaic" or
     "triton".
 
     Returns (o [T, H, Dc] in ql_nope's dtype, ckv_cache, kpe_cache (updated)). Metadata are checked

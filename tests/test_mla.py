@@ -369,21 +369,21 @@ def test_mosaic_kernel_several_tokens_per_tile(rng):
     assert np.isneginf(want[1]).sum() == 6 * 16
 
 
-@pytest.mark.parametrize("num_heads", [16, 32])
-def test_mosaic_kernel_one_token_tiles(rng, num_heads):
+@pytest.mark.parametrize("num_heads,page_size", [(16, 64), (32, 32)])
+def test_mosaic_kernel_one_token_tiles(rng, num_heads, page_size):
     """Decode of 16 and 32 heads: tiles of one token (H rows; the wgmma's other rows stale, never
-    stored), split tiles merged, a request without keys; the interpreter, bf16, NaN in unlisted
-    pages, stale slots and padding rows."""
-    mla = BatchMLAPagedAttention(num_heads, CKV, KPE, 64, sm_scale=SCALE, impl="mosaic",
+    stored), split tiles merged, a request without keys, pages of one block (32) and of two; the
+    interpreter, bf16, NaN in unlisted pages, stale slots and padding rows."""
+    mla = BatchMLAPagedAttention(num_heads, CKV, KPE, page_size, sm_scale=SCALE, impl="mosaic",
                                  config=MLAConfig(num_cells=3, min_chunk=64))
     qo_lens, kv_lens = [1, 1, 1, 1], [300, 0, 65, 130]
-    table = step(rng, qo_lens, kv_lens, 64)
-    plan = mla.plan(*table, num_pages=_num_pages(64))
+    table = step(rng, qo_lens, kv_lens, page_size)
+    plan = mla.plan(*table, num_pages=_num_pages(page_size))
     assert plan.impl == "mla_mosaic" and plan.layout.block_rows == num_heads and plan.info["num_split"] > 0
     q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
-                              for x in inputs(rng, sum(qo_lens), num_heads, 64, np.float32))
+                              for x in inputs(rng, sum(qo_lens), num_heads, page_size, np.float32))
     want = oracle(q_nope, q_pe, ckv, kpe, *table, False)
-    _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, 64)
+    _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size)
     out = mla.run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan, return_lse=True)
     check(out, want, 1e-2)
     assert np.isneginf(want[1]).sum() == num_heads
@@ -399,7 +399,7 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
     for heads, page, kw, want in ((128, 64, {}, "mla_mosaic"), (64, 128, dict(q_dtype=jnp.float16), "mla_mosaic"),
                                   (128, 64, dict(kv_dtype=jnp.float8_e4m3fn), "mla_triton"),
                                   (128, 64, dict(q_dtype=jnp.float32), "mla_triton"),
-                                  (16, 64, {}, "mla_mosaic"), (128, 16, {}, "mla_triton")):
+                                  (16, 64, {}, "mla_mosaic"), (128, 32, {}, "mla_mosaic"), (128, 16, {}, "mla_triton")):
         mla = BatchMLAPagedAttention(heads, CKV, KPE, page, sm_scale=SCALE, backend="gpu")
         t = table if page == 64 else step(np.random.default_rng(0), [1, 1], [70, 130], page, 20)
         assert mla.plan(*t, num_pages=20, **kw).impl == want, (heads, page, kw)
