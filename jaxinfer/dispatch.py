@@ -528,12 +528,13 @@ def plan_dtypes(q_data_type, kv_data_type):
 
 
 def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None, *, fixed_shapes=False,
-           often_empty=False, without=()):
+           often_empty=False, without=(), tile_rows=None):
     """The Implementation that runs one step (qo_lens, kv_lens: host int arrays; None for a
     static choice, as decode's: one kernel serves every length). rows: candidates(problem, impl),
     when the caller has it. fixed_shapes: the wrapper's plans keep one structure for every step
-    (capacities given): _fixed_choice. without: names of rows the caller cannot plan for (a
-    pinned tile height or cascade positions rule out the short path's own tiles).
+    (capacities given): _fixed_choice (tile_rows: an MLA wrapper's tile rows under its
+    capacities). without: names of rows the caller cannot plan for (a pinned tile height or
+    cascade positions rule out the short path's own tiles).
     Otherwise the cheapest by the cost model, ties to the first in table order; costs are
     computed only where there is a choice: those that may be infinite first (a length the
     kernel cannot take), the rest only while more than one candidate is left."""
@@ -543,7 +544,7 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None, *, fixed_s
         if not rows:
             raise ValueError(f"impl={impl!r}: no kernel left for this plan (not {', '.join(without)})")
     if fixed_shapes:
-        return _fixed_choice(problem, rows, often_empty)
+        return _fixed_choice(problem, rows, often_empty, tile_rows)
     if qo_lens is None:
         return min(rows, key=lambda i: i.name)
     costs = {}
@@ -564,22 +565,27 @@ def choose(problem, qo_lens, kv_lens, causal, impl="auto", rows=None, *, fixed_s
     return min(finite, key=lambda i: costs[i.name])
 
 
-def _fixed_choice(problem, rows, often_empty):
+def _fixed_choice(problem, rows, often_empty, tile_rows=None):
     """The one kernel of a wrapper whose plans keep their shapes for every step. A batch
     problem's: its first row. A prefill problem's: Mosaic where it runs, else Triton; never the
     short path (its program depends on the step's longest request). often_empty: the kernel
     launches on steps with no rows for it (BatchAttention's long requests): Triton first, whose
     empty grid costs a few µs, where the Mosaic kernel's (one CTA per SM, a CTA per tile slot
-    and head) cost ~170 µs a step (H200, decode B64 kv4096)."""
+    and head) cost ~170 µs a step (H200, decode B64 kv4096). An MLA problem's: Mosaic where
+    every composition is whole tiles of tile_rows (64 of 64-multiple heads, or one token of 16
+    or 32 heads: capacities of one token per request), else Triton."""
     if rows[0].family == "batch":
         return rows[0]
-    if rows[0].family == "mla":  # the Mosaic kernel where every composition is whole tiles
-        whole = problem.num_qo_heads % mla_mosaic_kernels.WG_ROWS == 0
+    if rows[0].family == "mla":
+        h = problem.num_qo_heads
+        whole = h % mla_mosaic_kernels.WG_ROWS == 0 or (
+            tile_rows is not None and min(tile_rows, mla_mosaic_kernels.WG_ROWS) == h
+            and h in mla_mosaic_kernels.TILE_ROWS)
         for i in rows:
             if i.name != "mla_mosaic" or whole:
                 return i
-        raise ValueError(f"impl='mosaic' cannot serve MLA plans of fixed shapes at num_heads "
-                         f"{problem.num_qo_heads} (steps whose rows are not whole 64-row tiles); use 'auto'")
+        raise ValueError(f"impl='mosaic' cannot serve MLA plans of fixed shapes at num_heads {h} with tiles of "
+                         f"{tile_rows} rows (steps whose rows are not whole tiles); use 'auto'")
     order = ("prefill_triton", "prefill_mosaic") if often_empty else ("prefill_mosaic", "prefill_triton")
     for name in order:
         if any(i.name == name for i in rows):

@@ -69,8 +69,8 @@ class BatchMLAPagedAttention:
     run() compiles once. config: an MLAConfig tuning the Triton kernel. impl: "auto" (the
     dispatch's choice per plan: on Hopper, "mosaic" for 16-bit caches where page_size is a
     multiple of 32 and num_heads a multiple of 64, or a divisor of 64 on steps of whole tiles
-    (decode at 16 and 32 heads; under capacities, 64-multiple heads only), else "triton"),
-    "mosaic" or "triton".
+    (decode at 16 and 32 heads; under capacities, where max_num_tokens = max_batch_size), else
+    "triton"), "mosaic" or "triton".
     """
 
     def __init__(self, num_heads, head_dim_ckv, head_dim_kpe, page_size, *, causal=False, sm_scale,
@@ -139,9 +139,10 @@ class BatchMLAPagedAttention:
             raise ValueError(f"kv_dtype: no MLA kernel takes q / latent cache of dtypes {dtypes[0]} / {dtypes[1]} ("
                              + "; ".join(f"{i.name}: {i.dtypes_unsupported(*dtypes)}" for i in self.rows) + ")")
         fixed = None not in (self.max_batch_size, self.max_num_tokens, self.max_num_pages)
+        block_rows = self._block_rows(qo_lens)
         implementation = dispatch.choose(self.problem, qo_lens, validate.as_int32("kv_len", kv_len), self.causal,
-                                         rows=rows, fixed_shapes=fixed)
-        tiling = dispatch.mla_tiling(implementation, self.config, self.num_sms, self._block_rows(qo_lens))
+                                         rows=rows, fixed_shapes=fixed, tile_rows=block_rows)
+        tiling = dispatch.mla_tiling(implementation, self.config, self.num_sms, block_rows)
         layout, buf, info = mla_planner.plan(
             qo_indptr, kv_indptr, kv_indices, kv_len, page_size=self.page_size, num_heads=self.num_heads,
             num_cells=tiling.num_cells, block_rows=tiling.block_rows, causal=self.causal, num_pages=num_pages,

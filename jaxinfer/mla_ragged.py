@@ -47,11 +47,15 @@ class MLASizes:
     tile_merge: bool = False  # split tiles' partial rows chunk by chunk, merged whole (the Mosaic kernel)
 
 
+def tile_rows(num_tokens, num_heads, num_seqs, config):
+    """The tiles' rows for T / S tokens per sequence (planner.mla.block_rows_for, as the host
+    wrapper's under capacities) unless config.block_rows."""
+    return config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
+
+
 def sizes(num_tokens, num_heads, num_seqs, config, num_cells, implementation=None):
     """MLASizes for implementation (an mla row; default the Triton kernel's), by
-    dispatch.mla_tiling: the Triton kernel's tile rows for T / S tokens per sequence
-    (planner.mla.block_rows_for, as the host wrapper's under capacities) unless config.block_rows;
-    cells: num_cells, else the row's.
+    dispatch.mla_tiling of tile_rows; cells: num_cells, else the row's.
 
     Bounds: a sequence's rows make ceil(rows / M) <= rows / M + 1 tiles, the padding rows one more
     run, so at most ceil(T H / M) + S + 1 tiles. The chunk L is at least the step's keys / (2 x
@@ -59,8 +63,8 @@ def sizes(num_tokens, num_heads, num_seqs, config, num_cells, implementation=Non
     more than L keys, so fewer than 2 x cells tiles split, into ceil(kv / L) < 2 kv / L chunks:
     fewer than 4 x cells chunks of M partial rows in all."""
     implementation = implementation or dispatch.IMPLEMENTATIONS_BY_NAME["mla_triton"]
-    triton_rows = config.block_rows or mla_planner.block_rows_for(num_heads, max(1, num_tokens // num_seqs))
-    tiling = dispatch.mla_tiling(implementation, config, _backend.num_sms(), triton_rows)
+    tiling = dispatch.mla_tiling(implementation, config, _backend.num_sms(),
+                                 tile_rows(num_tokens, num_heads, num_seqs, config))
     block_rows, block_kv, cells = tiling.block_rows, tiling.block_kv, int(num_cells or tiling.num_cells)
     tiles = -(-num_tokens * num_heads // block_rows) + num_seqs + 1
     c = CHUNKS_PER_CELL * cells
@@ -219,7 +223,8 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     kernel's grid (default: two per SM for tiles of up to 16 rows, else one; MLAConfig.cells);
     config: an MLAConfig (block_rows, block_kv, min_chunk, ...); backend: as the wrappers'. impl:
     "auto" (jaxinfer.dispatch's mla row for these shapes and dtypes: on Hopper the Mosaic kernel
-    where H is a multiple of 64, page_size of 32 and the caches 16-bit, else Triton), "mosaic" or
+    where page_size is a multiple of 32, the caches 16-bit and H a multiple of 64, or 16 or 32
+    with T = S: tiles of one token, else Triton), "mosaic" or
     "triton".
 
     Returns (o [T, H, Dc] in ql_nope's dtype, ckv_cache, kpe_cache (updated)). Metadata are checked
@@ -253,7 +258,10 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     rows = dispatch.candidates(problem, impl)
     taking = tuple(i for i in rows if None in dtypes or i.dtypes_unsupported(*dtypes) is None)
     # (no row takes the dtypes: the last one's check below names them)
-    implementation = dispatch.choose(problem, None, None, causal, rows=taking or rows[-1:], fixed_shapes=True)
+    num_tokens = ql_nope.shape[0] if getattr(ql_nope, "ndim", 0) == 3 else 1  # (_check below names bad shapes)
+    num_seqs = max(kv_lens.shape[0], 1) if getattr(kv_lens, "ndim", 0) == 1 else 1
+    implementation = dispatch.choose(problem, None, None, causal, rows=taking or rows[-1:], fixed_shapes=True,
+                                     tile_rows=tile_rows(num_tokens, num_heads, num_seqs, config))
     _check(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe_cache, kv_lens, page_indices, cu_q_lens,
            distribution, implementation)
     ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)

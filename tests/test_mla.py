@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxinfer.reference as ref
+from jaxinfer import dispatch, mla_ragged
 from jaxinfer.mla import BatchMLAPagedAttention, MLAPlan
 from pallas_kernels.mla import MLAConfig
 from planner import mla as mla_planner
@@ -389,6 +390,26 @@ def test_mosaic_kernel_one_token_tiles(rng, num_heads, page_size):
     assert np.isneginf(want[1]).sum() == num_heads
 
 
+def test_mosaic_kernel_one_token_tiles_under_capacities(rng):
+    """16 heads with max_num_tokens = max_batch_size: one program of one-token tiles for a decode
+    step and a step with a 3-token causal request (rows masked on their own tokens' diagonals by
+    tile), NaN in unlisted pages, stale slots and padding rows; the interpreter, bf16."""
+    caps = dict(max_batch_size=4, max_num_tokens=4, max_num_pages=_num_pages(64))
+    mla = BatchMLAPagedAttention(16, CKV, KPE, 64, causal=True, sm_scale=SCALE, impl="mosaic",
+                                 config=MLAConfig(num_cells=3, min_chunk=64), **caps)
+    run = jax.jit(lambda *args: mla.run(*args, return_lse=True))
+    for qo_lens, kv_lens in (([1, 1, 1], [300, 1, 65]), ([3, 1], [130, 0])):
+        table = step(rng, qo_lens, kv_lens, 64)
+        plan = mla.plan(*table, num_pages=_num_pages(64))
+        assert plan.impl == "mla_mosaic" and plan.layout.block_rows == 16
+        q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+                                  for x in inputs(rng, 4, 16, 64, np.float32))
+        want = oracle(q_nope, q_pe, ckv, kpe, *table, True)
+        _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, 64)
+        check(run(*(jnp.asarray(x, jnp.bfloat16) for x in (q_nope, q_pe, ckv, kpe)), plan), want, 1e-2)
+    assert run._cache_size() == 1
+
+
 def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
     """On Hopper, "auto" plans the Mosaic kernel for 16-bit caches at 64-multiple pages and 64-
     multiple heads or decode of fewer (one-token tiles), the Triton kernel otherwise (fp8 or
@@ -406,9 +427,16 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
     # 16 heads: Mosaic for steps of whole tiles (4 tokens a request: verify rows, prefill chunks)
     # without capacities; under capacities every step's plan is Triton's (one program)
     whole = step(np.random.default_rng(0), [4, 8], [70, 130], 64, 20)
-    for caps, want in (({}, "mla_mosaic"), (dict(max_batch_size=4, max_num_tokens=16, max_num_pages=20), "mla_triton")):
+    # (one token per request, max_num_tokens = max_batch_size: tiles of one token, whole in every step)
+    for caps, want in (({}, "mla_mosaic"), (dict(max_batch_size=4, max_num_tokens=16, max_num_pages=20), "mla_triton"),
+                       (dict(max_batch_size=16, max_num_tokens=16, max_num_pages=20), "mla_mosaic")):
         mla = BatchMLAPagedAttention(16, CKV, KPE, 64, causal=True, sm_scale=SCALE, backend="gpu", **caps)
         assert mla.plan(*whole, num_pages=20).impl == want, caps
+    # The device-planned call's choice at its shapes: T == S tokens, one-token tiles; T = 4 S, Triton
+    problem = dispatch.Problem("mla", 16, 1, CKV + KPE, "paged", 64, interpret=False, head_dim_vo=CKV)
+    for t, want in ((8, "mla_mosaic"), (32, "mla_triton")):
+        rows = mla_ragged.tile_rows(t, 16, 8, MLAConfig())
+        assert dispatch.choose(problem, None, None, True, fixed_shapes=True, tile_rows=rows).name == want, t
     mla = BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE, backend="gpu")
     plan = mla.plan(*table, num_pages=20)
     with pytest.raises(ValueError, match="ckv_cache.*mla_mosaic"):
