@@ -69,9 +69,9 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
     # ckv_ref [P, S, 2, Dc/2], kpe_ref [P, S, Dr]: the latent cache's pages
     # o_ref [N, 2, Dc/2] (q's dtype), lse_ref f32[N]; o_part_ref f32[parts, 2, Dc/2], lse_part_ref f32[parts]
     (qn_smem, ckv_smem, kpe_smem, p_smem, qpe_smem, vec_smem, lse_smem), (q_bar, kv_bar, p_ready), (q_free, kv_free, p_free) = scoped
-    # qn_smem [2, 64, Dc/2]; ckv_smem [slots, 2, 32, Dc/2], kpe_smem [slots, 32, Dr]; p_smem [64, 32]: each block's p; qpe_smem [64, Dr]
-    # an item's q_pe [64, Dr] until warpgroup 0 holds it in registers, then each block's p;
-    # vec_smem f32[64]: each block's alpha, then the item's l; lse_smem f32[64]
+    # qn_smem [2, 64, Dc/2]; ckv_smem [slots, 2, 32, Dc/2], kpe_smem [slots, 32, Dr];
+    # p_smem [64, 32]: each block's p; qpe_smem [64, Dr]: an item's q_pe until warpgroup 0
+    # holds it in registers; vec_smem f32[64]: each block's alpha, then the item's l; lse_smem f32[64]
     wg = lax.axis_index("wg")
     cell = lax.axis_index("cells")
     first_item, end_item = cell_indptr_ref[cell], cell_indptr_ref[cell + 1]
@@ -148,7 +148,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             plgpu.commit_smem()
 
     def mask(f, j, s):
-        """s [64, 64] with -inf outside [kv_start, kv_end) (and, several tokens a tile, past each row's diagonal)."""
+        """s [64, 32] with -inf outside [kv_start, kv_end) (and, several tokens a tile, past each row's diagonal)."""
         key = iota(s.shape, 1) + (f["kv_begin"] + j * BLOCK_KV)
         visible = (key >= f["kv_start"]) & (key < f["kv_end"])
         if per_row_limits:  # key <= limit + r // H  <=>  (key - limit) H <= r
@@ -156,7 +156,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         return jnp.where(visible, s, -jnp.inf)
 
     def scores(f, j, slot, masked, q_pe):
-        """Block j's scores s [64, 64] f32 = q_nope ckv^T + q_pe kpe^T, masked if `masked`."""
+        """Block j's scores s [64, 32] f32 = q_nope ckv^T + q_pe kpe^T, masked if `masked`."""
         if interpret:  # the interpreter's wgmma takes no transposed operand: plain dots
             nt = (((1,), (1,)), ((), ()))
             s = lax.dot_general(q_pe, kpe_smem[slot], nt, preferred_element_type=jnp.float32)
@@ -172,7 +172,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         return mask(f, j, s) if masked else s
 
     def online_softmax(s, m, l):
-        """(p [64, 64] f32 relative to m_new, m_new, l_new, alpha [64]): base 2, the scale folded in."""
+        """(p [64, 32] f32 relative to m_new, m_new, l_new, alpha [64]): base 2, the scale folded in."""
         m_new = jnp.maximum(m, s.max(axis=1) * c)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
@@ -180,7 +180,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         return p, m_new, l * alpha + p.sum(axis=1), alpha
 
     def pv(acc, p16, slot):
-        """acc [64, Dc/2] += p16 [64, 64] (registers, or a shared-memory ref) x this warpgroup's half of ckv."""
+        """acc [64, Dc/2] += p16 [64, 32] (registers, or a shared-memory ref) x this warpgroup's half of ckv."""
         if interpret:
             return acc + jnp.dot(p16 if isinstance(p16, jax.Array) else p16[...], ckv_smem[slot, wg],
                                  preferred_element_type=jnp.float32)
@@ -247,7 +247,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
                                                           optimized=False)
 
     def hand_over(vec, hs, p16=None):
-        """Warpgroup 0 to 1 through shared memory: p16 [64, 64] and alpha, or (p16 None) l."""
+        """Warpgroup 0 to 1 through shared memory: p16 [64, 32] and alpha, or (p16 None) l."""
         handoff(hs)
         if p16 is not None:
             p_smem[...] = p16
@@ -259,7 +259,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
         """Warpgroup 0: scores, softmax, p and alpha handed to warpgroup 1, then its own half of
         P V; at the item's end, l handed over. (FA3's intra-warpgroup overlap here, block j's
         score dots issued with block j - 1's P V, measured slower on an H100: 277.2 against
-        about 207 µs, 128 heads B64 kv4000; it keeps the accumulator, two score tiles and q_pe
+        about 207 µs with 64-key blocks, 128 heads B64 kv4000; it keeps the accumulator, two score tiles and q_pe
         live in 232 registers a thread, likely spilling.)"""
         g, hs = carry
         f = fields(w)
