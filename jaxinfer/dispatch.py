@@ -340,18 +340,17 @@ def _mla_mosaic_unsupported(problem, explicit):
 
 
 def _mla_mosaic_cost(problem, qo_lens, kv_lens, causal):
-    """_mla_cost, or infinite where a request's rows are not whole tiles of mla_mosaic_tile_rows."""
+    """_mla_cost, or infinite where a request's rows are not whole tiles (_mla_tile_rows)."""
     qo_lens = np.asarray(qo_lens, np.int64)
-    rows = mla_mosaic_tile_rows(problem.num_qo_heads, int(qo_lens.max()) if qo_lens.shape[0] else 1)
-    if rows not in mla_mosaic_kernels.TILE_ROWS or np.any(qo_lens * problem.num_qo_heads % rows):
+    if np.any(qo_lens * problem.num_qo_heads % _mla_tile_rows(problem, qo_lens)):
         return _INF
     return _mla_cost(problem, qo_lens, np.asarray(kv_lens, np.int64), causal, "mla_mosaic")
 
 
-def mla_mosaic_tile_rows(num_heads, max_qo_len):
-    """The Mosaic MLA kernel's tile rows for a step whose longest request has max_qo_len tokens:
-    64, or one token's rows of fewer heads (planner.mla.block_rows_for, as the Triton kernel's)."""
-    return mla_planner.block_rows_for(num_heads, max_qo_len, cap=mla_mosaic_kernels.WG_ROWS)
+def _mla_tile_rows(problem, qo_lens):
+    """The wrappers' tile rows for a step (planner.mla.block_rows_for of its longest request:
+    16 to 64, one token's rows where they fit)."""
+    return mla_planner.block_rows_for(problem.num_qo_heads, int(qo_lens.max()) if qo_lens.shape[0] else 1)
 
 
 def _mla_mosaic_dtypes_unsupported(q_dtype, kv_dtype):
@@ -376,7 +375,7 @@ def _mla_cost(problem, qo_lens, kv_lens, causal, kernel="mla_triton"):
     wrapper's rows, planner.mla.block_rows_for; the Mosaic kernel's padded to 64)."""
     latent = KV_ITEMSIZE * problem.head_dim * float(kv_lens.sum()) / MLA_BYTES_PER_US[kernel]
     keys = float(_visible_keys(qo_lens, kv_lens, 1, causal).sum())
-    rows = mla_planner.block_rows_for(problem.num_qo_heads, int(qo_lens.max()) if qo_lens.shape[0] else 1)
+    rows = _mla_tile_rows(problem, qo_lens)
     rates = MLA_FLOPS_PER_US[kernel]
     computed = max(rows, min(rates))  # rows the kernel computes per tile
     flops = 2.0 * problem.num_qo_heads * (2 * problem.head_dim) * keys * computed / rows
@@ -431,8 +430,8 @@ class MLATiling:
 def mla_tiling(implementation, config, num_sms, block_rows):
     """MLATiling of `implementation` (an mla row) under config (an MLAConfig) for block_rows (the
     wrapper's choice for the step's lengths): the Mosaic kernel's tiles of up to 64 rows and
-    64-key blocks, one cell per SM (its shared memory fills one), merged whole; else the Triton
-    kernel's."""
+    blocks of its BLOCK_KV keys, one cell per SM (its shared memory fills one), merged whole;
+    else the Triton kernel's."""
     if implementation.name == "mla_mosaic":
         return MLATiling(block_rows=min(block_rows, mla_mosaic_kernels.WG_ROWS), block_kv=mla_mosaic_kernels.BLOCK_KV,
                          num_cells=config.num_cells or num_sms, tile_merge=True)

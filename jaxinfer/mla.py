@@ -108,9 +108,9 @@ class BatchMLAPagedAttention:
                                   "NHD", (self.max_batch_size, self.max_num_tokens, self.max_num_pages))
 
     def _block_rows(self, qo_lens):
-        """The Triton kernel's tile rows: the config's, else (planner.mla.block_rows_for) for the
-        longest request, or under max_num_tokens for max_num_tokens / max_batch_size tokens (one
-        tile size for every plan)."""
+        """The tiles' rows (dispatch.mla_tiling caps the Mosaic kernel's at 64): the config's, else
+        (planner.mla.block_rows_for) for the longest request, or under max_num_tokens for
+        max_num_tokens / max_batch_size tokens (one tile size for every plan)."""
         if self.config.block_rows is not None:
             return self.config.block_rows
         if self.max_num_tokens is not None:

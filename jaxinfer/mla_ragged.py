@@ -224,8 +224,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, ckv_cache, kpe
     config: an MLAConfig (block_rows, block_kv, min_chunk, ...); backend: as the wrappers'. impl:
     "auto" (jaxinfer.dispatch's mla row for these shapes and dtypes: on Hopper the Mosaic kernel
     where page_size is a multiple of 32, the caches 16-bit and H a multiple of 64, or 16 or 32
-    with T = S: tiles of one token, else Triton), "mosaic" or
-    "triton".
+    with T = S: tiles of one token, else Triton), "mosaic" or "triton".
 
     Returns (o [T, H, Dc] in ql_nope's dtype, ckv_cache, kpe_cache (updated)). Metadata are checked
     when concrete; under jax.jit (one compilation for every composition of the same shapes; donate
