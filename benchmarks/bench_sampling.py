@@ -16,6 +16,7 @@ medians over repeats (benchmarks.common.bench) of programs of CALLS draws each (
 a markdown table. FlashInfer's calls are timed one by one with CUDA events (eager torch).
 """
 import argparse
+import re
 import time
 
 import jax
@@ -97,10 +98,10 @@ CALLS = 10  # draws per jitted program: the GPU's time per draw, not the host's 
 
 
 def chained(call):
-    """CALLS draws in one program, draw i from copy i of the input (xs [CALLS, B, V]: distinct
-    arrays, so XLA cannot share a baseline's key-independent sort or search among the draws) with
-    its own key."""
-    return lambda xs, key: [call(xs[i], k) for i, k in enumerate(jax.random.split(key, CALLS))]
+    """CALLS draws in one program, draw i from copy i of the input (xs: CALLS distinct arrays
+    [B, V], each its own buffer, so XLA cannot share a baseline's key-independent sort or search
+    among the draws, and no draw pays a copy) with its own key."""
+    return lambda xs, key: [call(x, k) for x, k in zip(xs, jax.random.split(key, CALLS))]
 
 
 def check_distribution(name, x, draws):
@@ -156,6 +157,7 @@ def main():
     ap.add_argument("--num-warps", type=int, default=CONFIG.num_warps)
     ap.add_argument("--num-stages", type=int, default=CONFIG.num_stages, help="pipeline stages of the block loads")
     ap.add_argument("--track", type=int, default=CONFIG.track, help="values tracked per lane in pass 1")
+    ap.add_argument("--ops", help="regular expression: run only the ops it matches")
     ap.add_argument("--shapes", help="B x V pairs to run, e.g. 1x128256,64x128256 (default: all)")
     ap.add_argument("--jaxinfer-only", action="store_true",
                     help="time jaxinfer alone (no distribution checks, FlashInfer or JAX baselines): config sweeps")
@@ -174,9 +176,11 @@ def main():
         logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32) * 3
         probs = jax.nn.softmax(logits, axis=-1)
         data = {"logits": logits, "probs": probs}
-        copies = {name: jnp.stack([x] * CALLS) for name, x in data.items()}  # [CALLS, B, V]
+        copies = {name: [jnp.array(x, copy=True) for _ in range(CALLS)] for name, x in data.items()}
         key = jax.random.key(1)
         for name, (kind, call, _, fi_call) in OPS.items():
+            if args.ops and not re.search(args.ops, name):
+                continue
             t0 = time.perf_counter()
             ok = None if args.jaxinfer_only else check_distribution(name, data[kind], 256 if args.smoke else 8192)
             us = bench(jax.jit(chained(call)), copies[kind], key, iters=iters, reps=reps) / CALLS * 1e6
@@ -207,6 +211,8 @@ def main():
         print(f"| {batch} x {vocab} | " + " | ".join(f"{row[c]:.1f}" if c in row else "" for c in cols) + " |")
     sort_col = "JAX sort + top-k + top-p"
     if args.jaxinfer_only:
+        return
+    if "jaxinfer top-k 50 + top-p 0.9 from logits" not in next(iter(table.values()), {}):
         return
     print("\nspeedup of jaxinfer top-k + top-p from logits over the JAX sort baseline: " + ", ".join(
         f"{b}x{v}: {row[sort_col] / row['jaxinfer top-k 50 + top-p 0.9 from logits']:.1f}x"

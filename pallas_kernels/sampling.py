@@ -152,6 +152,17 @@ def _select(keys, weights, target):
     return v, _mass_at(keys, weights, v)
 
 
+def _select_above(keys, weights, target, s):
+    """_select where its answer can lie above s: when the tracked weight above s reaches target.
+    Else (INT_MIN, 0) for one block reduction: the caller's threshold is then <= s, uncertified
+    either way (a select takes 32 block reductions, ~11 µs on an H100)."""
+    ks = _to_key(jnp.where(s == 0, 0.0, s)) ^ INT_MIN  # signed, -0 as +0, as the tracked keys
+    reach = _mass_at(keys, weights, ks + 1) >= target
+    # the "none" branch derives its constants from operands: Triton yields values, not constants
+    return lax.cond(reach, lambda ks, tg: _select(keys, weights, tg),
+                    lambda ks, tg: ((ks ^ ks) | INT_MIN, tg * 0.0), ks, jnp.float32(target))
+
+
 def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref, thr_ref, *,
             filters, vocab, block_v, track, max_rounds, fast):
     # rows_ref [B] int32: the input row of each output row; x_ref [R, V] probs or logits;
@@ -243,7 +254,7 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
     p_on = p < 1.0
     t_k = ninf
     if filters.top_k:
-        kv, kg = _select(tkeys, [r.astype(jnp.float32) for r in real], k.astype(jnp.float32))
+        kv, kg = _select_above(tkeys, [r.astype(jnp.float32) for r in real], k.astype(jnp.float32), s)
         t_k = _from_key(kv ^ INT_MIN)
         k_cert = k_on & (kg >= k.astype(jnp.float32)) & (t_k > s)
         k_unknown = k_on & ~k_cert
@@ -253,7 +264,7 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
         base = total
         if filters.top_k_first:
             base = jnp.where(k_on, _mass_at(tkeys, tmass, kv), total)
-        pv, pg = _select(tkeys, tmass, p * base)
+        pv, pg = _select_above(tkeys, tmass, p * base, s)
         t_p = _from_key(pv ^ INT_MIN)
         p_cert = p_on & (pg >= p * base) & (t_p > s)
         if filters.top_k_first:
@@ -337,47 +348,59 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
     done = greedy | in_regs | (accept1 & ~search_only)
     tok = jnp.where(in_regs & ~greedy, tok_regs, c1)
 
-    def rejection_pass(state, t_lo, check):
-        """A pass checking the pending candidate (when check) and racing among y >= max(lo,
-        just above the candidate) in round rnd: the state after it."""
-        rnd, done, tok, cand, y_c, lo = state
+    # Rejection passes. state: (pass, done, token, pending candidate, its value, lo, rejected):
+    # the pending candidate is either unchecked (a check pass measures the kept set above it)
+    # or rejected (a race pass draws the next one). Checks read the row without racing: most
+    # candidates are kept (top-p 0.9: ~90%), so most rows end after one cheap pass.
+    def check_pass(state):
+        """Count and mass above the pending candidate: kept, or rejected."""
+        rnd, done, tok, cand, y_c, lo, _ = state
+
+        def block(j, carry):
+            cnt, mass = carry
+            y, _, _ = load(j)
+            if filters.top_k:
+                cnt = cnt + jnp.where(y > y_c, 1.0, 0.0)
+            if filters.top_p:
+                mass = mass + jnp.where(y > y_c, weight(y), 0.0)
+            return cnt, mass
+
+        zeros = jnp.zeros((block_v,), jnp.float32)
+        cnt, mass = lax.fori_loop(0, num_blocks, block, (zeros, zeros))
+        ok = y_c >= t_hi
+        ok &= ~k_unknown | (jnp.sum(cnt) < k.astype(jnp.float32))
+        ok &= ~p_unknown | (jnp.sum(mass) < p * total)
+        return rnd + 1, ok, jnp.where(ok, cand, tok), cand, y_c, lo, ~ok
+
+    def race_pass(state, certain):
+        """A race among y >= max(lo, just above the rejected candidate) in a fresh stream: the next
+        candidate, kept at once when certain, when no threshold is unknown or when it lies at or
+        above s (an unknown threshold is <= s); unchecked otherwise."""
+        rnd, done, tok, cand, y_c, lo, _ = state
         lo = jnp.maximum(lo, lax.nextafter(y_c, inf))
         stream = _stream(s0, s1, rnd)
 
         def block(j, carry):
-            cnt, mass, best, idx = carry
             y, cols, _ = load(j)
-            if check and filters.top_k:
-                cnt = cnt + jnp.where(y > y_c, 1.0, 0.0)
-            if check and filters.top_p:
-                mass = mass + jnp.where(y > y_c, weight(y), 0.0)
-            best, idx = race((best, idx), jnp.where(y >= lo, keys(y, cols, stream), -jnp.inf), cols)
-            return cnt, mass, best, idx
+            return race(carry, jnp.where(y >= lo, keys(y, cols, stream), -jnp.inf), cols)
 
-        zeros = jnp.zeros((block_v,), jnp.float32)
-        cnt, mass, best, idx = lax.fori_loop(0, num_blocks, block, (zeros, zeros, ninf_v, none_v))
-        ok = false
-        if check:
-            ok = y_c >= t_lo
-            ok &= (~k_unknown | (jnp.sum(cnt) < k.astype(jnp.float32)))
-            ok &= (~p_unknown | (jnp.sum(mass) < p * total))
-        spec = winner(best, idx)
+        spec = winner(*lax.fori_loop(0, num_blocks, block, (ninf_v, none_v)))
         y_s = value(spec)
-        done_s = ~unknown | (y_s >= s) if check else ~false
-        return (rnd + 1, ok | done_s, jnp.where(ok, cand, spec), jnp.where(ok, cand, spec),
-                jnp.where(ok, y_c, y_s), lo)
+        ok = ~false if certain else ~unknown | (y_s >= s)
+        return rnd + 1, ok, jnp.where(ok, spec, tok), spec, y_s, lo, false
 
-    state = (jnp.int32(2), done, tok, c1, y1, t_hi)
+    state = (jnp.int32(2), done, tok, c1, y1, t_hi, y1 < t_hi)
     state = lax.while_loop(
         lambda st: ~st[1] & ~search_only & (st[0] < max_rounds + 2),
-        lambda st: rejection_pass(st, t_hi, True), state)
-    # Rows still undecided: exact thresholds; the pending candidate is kept when it lies in the
+        (lambda st: lax.cond(st[6], lambda: race_pass(st, False), lambda: check_pass(st)))
+        if filters.top_k or filters.top_p else (lambda st: race_pass(st, False)), state)  # min-p: exact
+    # Rows still undecided: exact thresholds; an unchecked candidate is kept when it lies in the
     # kept set (an exact rejection test), else one race among the kept tokens.
-    rnd, done, tok, cand, y_c, _ = state
+    rnd, done, tok, cand, y_c, _, rejected = state
     t = exact_threshold(~done)
-    keep = ~done & (y_c >= t)
-    state = (rnd, done | keep, jnp.where(keep, cand, tok), cand, ninf, t)
-    state = lax.while_loop(lambda st: ~st[1], lambda st: rejection_pass(st, t, False), state)
+    keep = ~done & ~rejected & (y_c >= t)
+    state = (rnd, done | keep, jnp.where(keep, cand, tok), cand, ninf, t, false)
+    state = lax.while_loop(lambda st: ~st[1], lambda st: race_pass(st, True), state)
     tok = state[2]
     thr_ref[b] = jnp.where(greedy, -jnp.inf, t_hi)
     tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
