@@ -7,9 +7,9 @@ Pass 1 keeps, per lane, its `track` largest values with their columns and the la
 dropped (s: every value above s is tracked), draws a candidate from the whole row (an
 exponential race) and sums the mass. A threshold above s is exact from the tracked values; when
 the kept set lies above s the token is drawn from them in registers. Otherwise rejection with
-pivots: a candidate is kept when it lies in the kept set, and each further pass checks the
-pending candidate (count and mass above it) while drawing the next one from above it. Rows that
-need more than max_rounds rounds (or top-k first with a large k) find their thresholds with an
+pivots: a candidate is kept when it lies in the kept set; a check pass measures count and mass
+above it, and only a rejected one takes a race pass drawing the next one from above it. Rows that
+need more than max_rounds passes (or top-k first with a large k) find their thresholds with an
 exact multi-pivot search. docs/sampling.md has the details and the pass counts.
 """
 import dataclasses
@@ -34,7 +34,7 @@ LOG2E = _common.LOG2E
 class SamplingConfig:
     """Tuning of the sampling kernel (one program per row): lanes per block, warps, pipeline
     stages of the block loads (H100, min-p from probs at B1 x 128256: 71.7 µs with 1 stage,
-    41.6 with 3; block_v 8192 spills), values tracked per lane in pass 1, and rejection rounds
+    41.6 with 3; block_v 8192 spills), values tracked per lane in pass 1, and rejection passes
     before the exact search. splits: programs per row of an unfiltered draw (None: jaxinfer.sampling
     gives every SM two programs; the race is exact however a row is split)."""
     block_v: int = 4096
