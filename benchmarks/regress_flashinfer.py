@@ -100,6 +100,11 @@ class FlashInfer:
                q_data_type=q.dtype, kv_data_type=k.dtype)
         return lambda: [w.run(q, k, v)]
 
+    def sampling(self, name, xs, args):
+        """flashinfer.sampling.<name>(x, *args) once per input x of xs (jax arrays [B, V])."""
+        fn, ts = getattr(self.fi.sampling, name), [self.tensor(x) for x in xs]
+        return lambda: [fn(t, *args) for t in ts]
+
     def mla(self, qn, qp, ckv, kpe, qo_indptr, indptr, indices, kv_lens, heads, page, causal, sm_scale):
         """BatchMLAPagedAttentionWrapper (fa3): qn [calls, T, H, 512], qp [calls, T, H, 64]."""
         qn, qp, ckv, kpe = (self.tensor(x) for x in (qn, qp, ckv, kpe))
