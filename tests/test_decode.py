@@ -47,9 +47,14 @@ SAMPLE = [  # (batch, page, (Hq, Hkv), head_dim, dtype, layout): every value of 
     (7, 8, (8, 1), 128, jnp.bfloat16, "HND"),
     (1, 16, (4, 4), 256, jnp.float32, "HND"),
 ]
+# The first four hold every value once (batch 1 / 7 / 33, pages 1 / 8 / 16, each head pair, head
+# dim and dtype, both layouts; the batches of 7 and 33 every kv_len of KV_LENS, split requests
+# and an empty one); the last two (more pairs of values) run under slow, as does the full grid.
+SAMPLE_DEFAULT = 4
 
 
-@pytest.mark.parametrize("i, case", list(enumerate(SAMPLE)))
+@pytest.mark.parametrize("i, case", [(i, c) if i < SAMPLE_DEFAULT else pytest.param(i, c, marks=pytest.mark.slow)
+                                     for i, c in enumerate(SAMPLE)])
 def test_decode_sample(rng, i, case):
     batch, page, (hq, hkv), d, dtype, layout = case
     _check_decode(rng, _lens(batch, i), page, hq, hkv, d, dtype, layout)
@@ -66,7 +71,9 @@ def test_decode_full_grid(rng, i, case):
     _check_decode(rng, _lens(batch, i), page, hq, hkv, d, dtype, layout)
 
 
-@pytest.mark.parametrize("split", [1, 3])
+# Chunks of one page (Algorithm 1); chunks of 3 pages under slow (chunks of several pages: every
+# auto-split plan, e.g. test_decode_sample's 512- and 2048-key requests).
+@pytest.mark.parametrize("split", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_split_kv_and_odd_page_size(rng, split):
     plan = _check_decode(rng, np.array([97, 0, 40, 5, 200]), 5, 8, 2, 64, jnp.float32, "NHD",
                          fixed_split_pages=split)
@@ -151,15 +158,19 @@ def test_horizon_plan_in_lax_scan_equals_separate_steps(rng):
         return jax.lax.scan(body, 0, (jnp.arange(steps), qs))[1]
 
     outs = loop(qs, cache, plan)
+    # The separate steps: each planned alone, under capacities (one program for the four plans).
+    one = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4, max_batch_size=3, max_num_pages=num_pages)
+    separate = jax.jit(one.run)
     for s in range(steps):
         lens = final - (steps - 1 - s)
         npages = -(-lens // page)
         ip = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
         idx = np.concatenate([indices[indptr[b]:indptr[b] + npages[b]] for b in range(3)]).astype(np.int32)
         lp = (lens - (npages - 1) * page).astype(np.int32)
-        step_plan = dec.plan(ip, idx, lp, num_pages=num_pages)
-        np.testing.assert_allclose(outs[s], dec.run(qs[s], cache, step_plan), rtol=1e-5, atol=1e-6)
+        step_plan = one.plan(ip, idx, lp, num_pages=num_pages)
+        np.testing.assert_allclose(outs[s], separate(qs[s], cache, step_plan), rtol=1e-5, atol=1e-6)
         assert rel_err(outs[s], ref.decode(qs[s], cache, ip, idx, lp).o) < 2e-5
+    assert separate._cache_size() == 1
 
 
 def test_deterministic_and_batch_invariant(rng):
@@ -170,9 +181,10 @@ def test_deterministic_and_batch_invariant(rng):
     q = randn(rng, (3, hq, d), jnp.bfloat16)
     dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=4, fixed_split_pages=8)
     plan = dec.plan(indptr, indices, last, num_pages=num_pages)
-    a, b = dec.run(q, cache, plan), dec.run(q, cache, plan)
+    run = jax.jit(dec.run)  # one program, run twice
+    a, b = run(q, cache, plan), run(q, cache, plan)
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    alone = dec.run(q[:1], cache, dec.plan(indptr[:2], indices[: indptr[1]], last[:1], num_pages=num_pages))
+    alone = run(q[:1], cache, dec.plan(indptr[:2], indices[: indptr[1]], last[:1], num_pages=num_pages))
     np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(a[0], np.float32))
 
 

@@ -44,6 +44,16 @@ def _tokens(*extra):
     return _runs(*extra)[0]
 
 
+SERVE_SEED = 5
+
+
+@functools.lru_cache(maxsize=None)
+def _engine(chunk=None):
+    """serve.Engine(TINY) of the serving tests (seed SERVE_SEED, 96 pages of 8, batches of 6), one
+    per chunk value: its steps compile once for the tests that share it (run() starts afresh)."""
+    return serve.Engine(TINY, seed=SERVE_SEED, page_size=8, num_pages=96, max_batch=6, chunk=chunk)
+
+
 def test_llama_logits_paged_equal_dense(rng):
     """Prefill then 3 decode steps, 3 requests on random non-contiguous pages: logits with jaxinfer
     (PagedAttention) equal those with plain jnp attention over a dense padded cache within
@@ -102,7 +112,7 @@ def test_llama_logits_paged_equal_dense(rng):
 def test_serve_batched_equals_alone(rng):
     """Continuous batching with shared system prompts, n > 1 samples and cascade decode gives
     every (greedy) request the tokens it gets when served alone."""
-    engine = serve.Engine(TINY, seed=int(rng.integers(1 << 16)), page_size=8, num_pages=96, max_batch=6)
+    engine = _engine()
     requests = serve.make_requests(TINY.vocab_size, rng, 5, max_new_tokens=(3, 6), arrivals=4)
     outputs = engine.run(requests)
     st = engine.stats
@@ -118,10 +128,9 @@ def test_serve_batched_equals_alone(rng):
 def test_serve_chunked_prefill_equals_unchunked(rng):
     """--chunk: one forward pass (ragged_paged_attention) per step, prompts in chunks mixed into
     decode steps, gives the tokens of the prefill-then-decode engine, and of each request alone."""
-    seed = int(rng.integers(1 << 16))
     requests = serve.make_requests(TINY.vocab_size, rng, 4, max_new_tokens=(3, 6), arrivals=3)
-    want = serve.Engine(TINY, seed=seed, page_size=8, num_pages=96, max_batch=6).run(requests)
-    engine = serve.Engine(TINY, seed=seed, page_size=8, num_pages=96, max_batch=6, chunk=16)
+    want = _engine().run(requests)  # (the engine of test_serve_batched_equals_alone: compiled once)
+    engine = _engine(chunk=16)
     assert engine.run(requests) == want
     assert engine.stats["steps"] > 0 and engine.stats["cascade_steps"] == 0
     assert serve.mismatches_against_alone(engine, requests, want) == []

@@ -156,7 +156,8 @@ def _run_compositions(heads, page_size, causal=True, seed=0):
     return traces[0]
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64])
+# Pages of 16 under slow: test_not_causal runs three compositions on them.
+@pytest.mark.parametrize("page_size", [1, pytest.param(16, marks=pytest.mark.slow), 64])
 def test_compositions_one_compilation(page_size):
     assert _run_compositions(16, page_size) == 1  # three compositions, one trace
 

@@ -1,5 +1,6 @@
 """Prefill with head_dim_qk != head_dim_vo (q, K of 192, V, o of 128: DeepSeek's non-absorbed
 prefill) on the real Triton kernel in interpret mode, against jaxinfer.reference and float64."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +47,7 @@ def test_paged_192_128_bf16_fixed_shapes_matches_reference(rng, layout):
     hq, hkv, page = 8, 2, 16
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, QK, page, head_dim_vo=VO, causal=True, layout=layout,
                                           max_batch_size=4, max_num_tokens=96, max_num_pages=40, num_ctas=8)
+    run = jax.jit(lambda q, cache, plan: pre.run(q, cache, plan, return_lse=True))
     for qo, kv in ((np.array([40, 3, 1]), np.array([200, 3, 64])), (np.array([1, 1]), np.array([17, 90]))):
         indptr, indices, last, num_pages = page_table(rng, kv, page, extra_pages=40 - int(np.sum(-(-kv // page))))
         shape = (num_pages, page, hkv) if layout == "NHD" else (num_pages, hkv, page)
@@ -55,20 +57,28 @@ def test_paged_192_128_bf16_fixed_shapes_matches_reference(rng, layout):
         q = randn(rng, (96, hq, QK), jnp.bfloat16)
         plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
         assert plan.impl == "prefill_triton"
-        o, lse = pre.run(q, cache, plan, return_lse=True)
+        o, lse = run(q, cache, plan)
         n = qo_indptr[-1]
         want = ref.paged_attention(q[:n], cache, qo_indptr, indptr, indices, last, causal=True)
         assert o.shape == (96, hq, VO) and o.dtype == jnp.bfloat16
         assert rel_err(o[:n], want.o) < TOL[jnp.bfloat16]
         assert_lse_close(lse[:n], want.lse, 1e-2)
         np.testing.assert_array_equal(np.asarray(o[n:], np.float32), 0.0)
+    assert run._cache_size() == 1  # both steps: one program
 
 
+MOSAIC_QO, MOSAIC_KV = np.array([70, 1, 50]), np.array([130, 1, 20])
+
+
+# The Mosaic GPU interpreter takes seconds a call: the default suite runs the kernel at 192 / 128 on
+# ragged K/V, the paged form under slow (its page-table reads at 192 / 128 are those of equal head
+# dims: paged Mosaic prefill runs by default in test_poison.test_paged_prefill[prefill_mosaic] and
+# test_fused_layout.test_mosaic_prefill_matches_reference).
 def test_mosaic_192_128_matches_reference(rng):
-    """The Mosaic GPU kernel (its interpreter) with V / o of 128 beside q / K of 192: ragged and
-    paged, causal rows that see no key, a request of one token; bf16."""
-    hq, hkv, page = 2, 1, 64
-    qo, kv = np.array([70, 1, 50]), np.array([130, 1, 20])
+    """The Mosaic GPU kernel (its interpreter) with V / o of 128 beside q / K of 192, ragged K/V:
+    causal rows that see no key, a request of one token; bf16."""
+    hq, hkv = 2, 1
+    qo, kv = MOSAIC_QO, MOSAIC_KV
     qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
     q = randn(rng, (qo_indptr[-1], hq, QK), jnp.bfloat16)
     k, v = randn(rng, (kv_indptr[-1], hkv, QK), jnp.bfloat16), randn(rng, (kv_indptr[-1], hkv, VO), jnp.bfloat16)
@@ -79,6 +89,15 @@ def test_mosaic_192_128_matches_reference(rng):
     want = ref.ragged_attention(q, k, v, qo_indptr, kv_indptr, causal=True)
     assert o.shape == (qo_indptr[-1], hq, VO) and rel_err(o, want.o) < TOL[jnp.bfloat16]
     assert_lse_close(lse, want.lse, 1e-2)
+
+
+@pytest.mark.slow
+def test_mosaic_192_128_paged_matches_reference(rng):
+    """The same on pages of 64 (the kernel's paged K and V of 192 and 128)."""
+    hq, hkv, page = 2, 1, 64
+    qo, kv = MOSAIC_QO, MOSAIC_KV
+    qo_indptr = _indptr(qo)
+    q = randn(rng, (qo_indptr[-1], hq, QK), jnp.bfloat16)
     indptr, indices, last, num_pages = page_table(rng, kv, page, extra_pages=2)
     cache = ji.PagedKVCache(randn(rng, (num_pages, page, hkv, QK), jnp.bfloat16),
                             randn(rng, (num_pages, page, hkv, VO), jnp.bfloat16))

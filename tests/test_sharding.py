@@ -366,8 +366,9 @@ def _check_cp_scan(rng, cp, steps=3):
     states = loop(case.q, cache, plan)
     one = case.wrapper(4, 2)
     one_plan = one.plan(*case.table, num_pages=case.num_pages, horizon=steps)
+    one_step = jax.jit(lambda q, c, p, n: one.run(q, c, p, kv_lens=n, return_lse=True))  # one program, every step
     for s in range(steps):
-        ref = one.run(case.q * (1.0 + s), case.cache(), one_plan, kv_lens=one_plan.kv_lens_at(s), return_lse=True)
+        ref = one_step(case.q * (1.0 + s), case.cache(), one_plan, one_plan.kv_lens_at(s))
         _compare(f"CP{cp} decode lax.scan step {s}", jax.tree.map(lambda x: x[s], states), ref)
 
 
@@ -377,7 +378,7 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     d, page, pages_per_seq = 32, 4, 4
-    q_lens = np.array([1, 1, 5, 9], np.int32)
+    q_lens = np.array([1, 1, 4, 8], np.int32)  # 16 tokens: the two decode classes (16- and 64-row tiles)
     kv_lens = np.array([3, 16, 5, 14], np.int32)
     s = q_lens.shape[0]
     num_pages = s * pages_per_seq + 2
