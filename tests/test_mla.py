@@ -332,14 +332,27 @@ def _mosaic_runner():
     return mla, jax.jit(lambda *args: mla.run(*args, return_lse=True))
 
 
-def test_mosaic_kernel_matches_float64_reference_once_compiled(rng):
-    """The Hopper row in the interpreter: decode with a split request and one without keys, then
-    a mixed causal step (rows that see no key, a request without rows), NaN in unlisted pages,
+def _same_program(*plans):
+    """Plans of one pytree structure (static data included) and leaf shapes: one jitted program."""
+    keys = {(jax.tree_util.tree_structure(p), tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(p)))
+            for p in plans}
+    return len(keys) == 1
+
+
+# The Mosaic GPU interpreter compiles its warpgroups' programs again at every call (seconds each),
+# jitted or not: by default the tests below run one step and check that the other step's plan is
+# the same program (pytree structure and shapes, what jit's cache keys on); under slow they run both.
+@pytest.mark.parametrize("run_both", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_mosaic_kernel_matches_float64_reference_once_compiled(rng, run_both):
+    """The Hopper row in the interpreter: decode with a split request and one without keys (run
+    under slow; by default its plan only, the mixed step's program), then a mixed causal step
+    (rows that see no key, a request without rows, a split decode row), NaN in unlisted pages,
     stale slots and padding rows; one compilation serves both steps."""
     mla, run = _mosaic_runner()
-    for qo_lens, kv_lens in (DECODE, MIXED):
-        table = step(rng, qo_lens, kv_lens, 64)
-        plan = mla.plan(*table, num_pages=_num_pages(64))
+    tables = [step(rng, qo_lens, kv_lens, 64) for qo_lens, kv_lens in (DECODE, MIXED)]
+    plans = [mla.plan(*table, num_pages=_num_pages(64)) for table in tables]
+    assert _same_program(*plans)
+    for (qo_lens, kv_lens), table, plan in list(zip((DECODE, MIXED), tables, plans))[0 if run_both else 1:]:
         assert plan.impl == "mla_mosaic" and plan.layout.tile_merge
         assert plan.info["num_split"] > 0  # merged whole tiles
         q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
@@ -389,17 +402,22 @@ def test_mosaic_kernel_one_token_tiles(rng, num_heads=32, page_size=32):
     assert np.isneginf(want[1]).sum() == num_heads
 
 
-def test_mosaic_kernel_one_token_tiles_under_capacities(rng):
+@pytest.mark.parametrize("run_both", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_mosaic_kernel_one_token_tiles_under_capacities(rng, run_both):
     """16 heads with max_num_tokens = max_batch_size: one program of one-token tiles for a decode
-    step and a step with a 3-token causal request (rows masked on their own tokens' diagonals by
-    tile), NaN in unlisted pages, stale slots and padding rows; the interpreter, bf16."""
+    step (run under slow; by default its plan only, the other step's program: split one-token
+    tiles run in test_mosaic_kernel_one_token_tiles) and a step with a 3-token causal request
+    (rows masked on their own tokens' diagonals by tile), NaN in unlisted pages, stale slots and
+    padding rows; the interpreter, bf16."""
     caps = dict(max_batch_size=4, max_num_tokens=4, max_num_pages=_num_pages(64))
     mla = BatchMLAPagedAttention(16, CKV, KPE, 64, causal=True, sm_scale=SCALE, impl="mosaic",
                                  config=MLAConfig(num_cells=3, min_chunk=64), **caps)
     run = jax.jit(lambda *args: mla.run(*args, return_lse=True))
-    for qo_lens, kv_lens in (([1, 1, 1], [300, 1, 65]), ([3, 1], [130, 0])):
-        table = step(rng, qo_lens, kv_lens, 64)
-        plan = mla.plan(*table, num_pages=_num_pages(64))
+    steps = (([1, 1, 1], [300, 1, 65]), ([3, 1], [130, 0]))
+    tables = [step(rng, qo_lens, kv_lens, 64) for qo_lens, kv_lens in steps]
+    plans = [mla.plan(*table, num_pages=_num_pages(64)) for table in tables]
+    assert _same_program(*plans)
+    for (qo_lens, kv_lens), table, plan in list(zip(steps, tables, plans))[0 if run_both else 1:]:
         assert plan.impl == "mla_mosaic" and plan.layout.block_rows == 16
         q_nope, q_pe, ckv, kpe = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
                                   for x in inputs(rng, 4, 16, 64, np.float32))

@@ -172,11 +172,14 @@ def test_compositions_128_heads(page_size):
     assert _run_compositions(128, page_size, seed=2) == 1
 
 
-def test_mosaic_kernel_compositions_one_compilation(monkeypatch):
-    """impl="mosaic" (the Mosaic GPU interpreter): 64 heads, Dc 128 + Dr 64, page 64, bf16; two
-    compositions (decode with a split tile and padding rows; decode first with verify and prompt
-    rows) through one trace, the writes bit for bit, NaN-poisoned pages and slots, split
-    tiles merged whole, padding rows 0."""
+# The Mosaic GPU interpreter compiles its warpgroups' programs again at every call (seconds each,
+# jitted or not): by default one composition, the second (the same shapes: the same trace) under slow.
+@pytest.mark.parametrize("compositions", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_mosaic_kernel_compositions_one_compilation(monkeypatch, compositions):
+    """impl="mosaic" (the Mosaic GPU interpreter): 64 heads, Dc 128 + Dr 64, page 64, bf16;
+    compositions (decode with a split tile, multi-token rows, an empty sequence and padding rows;
+    under slow then decode first with verify and prompt rows) through one trace, the writes bit
+    for bit, NaN-poisoned pages and slots, split tiles merged whole, padding rows 0."""
     import sys
     monkeypatch.setattr(sys.modules[__name__], "DC", 128)
     monkeypatch.setattr(sys.modules[__name__], "DR", 64)
@@ -189,7 +192,7 @@ def test_mosaic_kernel_compositions_one_compilation(monkeypatch):
 
     call, rng, bf16 = jax.jit(fn), np.random.default_rng(6), jnp.bfloat16
     as_bf16 = lambda x: np.asarray(jnp.asarray(x, bf16))  # noqa: E731
-    for q_lens, kv_lens, dist in COMPOSITIONS[:2]:  # (the third adds no path: the first two cover it)
+    for q_lens, kv_lens, dist in COMPOSITIONS[:compositions]:  # (the third adds no path: the first two cover it)
         kv, pi, cu, dist = metadata(rng, q_lens, kv_lens, dist, page_size)
         ckv, kpe = (as_bf16(x) for x in poison(*caches(rng, page_size), kv, pi, cu, dist, page_size))
         qn, qp, nc, npe = (as_bf16(x) for x in new_rows(rng, heads))
