@@ -73,7 +73,9 @@ def test_split_kv_with_an_empty_chunk_and_fully_masked_rows(rng):
     _check_paged(rng, np.array([50, 9]), np.array([20, 200]), 4, 4, 1, 64, True, fixed_split_tokens=16)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+# Non-causal under slow: test_boundary.test_ragged_kv_prefill_boundaries (its group-8 row) runs the
+# ragged wrapper non-causal by default, at every tile edge.
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_ragged_prefill(rng, causal):
     qo, kv = np.array([17, 1, 37, 127]), np.array([54, 97, 1, 512])
     qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
