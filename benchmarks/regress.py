@@ -411,32 +411,19 @@ def build_mla(env, segs, heads, page=64, causal=False):
 # ----------------------------------------------------------------------------- sampling rows
 
 
-SAMPLING_OPS = {  # op: (input kind, jaxinfer.sampling call, reference filters, FlashInfer name and args)
-    "top-p 0.9 from probs": ("probs", lambda S, x, key: S.top_p_sampling_from_probs(x, 0.9, key=key),
-                             dict(from_logits=False, top_p=0.9), ("top_p_sampling_from_probs", (0.9,))),
-    "min-p 0.1 from probs": ("probs", lambda S, x, key: S.min_p_sampling_from_probs(x, 0.1, key=key),
-                             dict(from_logits=False, min_p=0.1), ("min_p_sampling_from_probs", (0.1,))),
-    "top-k 50 + top-p 0.9 from logits": (
-        "logits", lambda S, x, key: S.top_k_top_p_sampling_from_logits(x, 50, 0.9, key=key),
-        dict(from_logits=True, top_k=50, top_p=0.9, filter_apply_order="top_k_first"),
-        ("top_k_top_p_sampling_from_logits", (50, 0.9))),
-    "from logits": ("logits", lambda S, x, key: S.sampling_from_logits(x, key=key), dict(from_logits=True),
-                    ("sampling_from_logits", ())),
-}
-
-
 def build_sampling(env, op, batch, vocab):
     """One draw per row from float32 logits ~ 3 N(0, 1) (or their softmax), `calls` draws per
     program, each from its own input buffer (L2 cold). The check is the fraction of drawn tokens
     the reference's filters drop (0 passes)."""
+    from benchmarks import bench_sampling
     from jaxinfer import sampling as S
-    kind, call, filters, fi_call = SAMPLING_OPS[op]
+    kind, call, filters, fi_call = bench_sampling.OPS[op]
     batch, vocab = (2, 1000) if env.smoke else (batch, vocab)
     logits = _random(env, 12, (batch, vocab), jnp.float32) * 3
     x = logits if kind == "logits" else jax.nn.softmax(logits, axis=-1)
     xs = [jnp.array(x, copy=True) for _ in range(env.calls)]
     keys = jax.random.split(jax.random.key(3), env.calls)
-    fn = jax.jit(lambda xs, keys: [call(S, xi, k) for xi, k in zip(xs, keys)])
+    fn = jax.jit(lambda xs, keys: [call(xi, k) for xi, k in zip(xs, keys)])
     kept = np.asarray(S._reference_probs(x, **filters)) > 0  # [B, V]
 
     def check(i, o):
@@ -584,10 +571,11 @@ ROWS = [
     row("MLA decode H128 B16 kv8192", build_mla, segs=((16, 1, 8192),), heads=128),
     row("MLA prefill H16 B4 S4096 causal", build_mla, segs=((4, 4096, 4096),), heads=16, causal=True),
     # Sampling (jaxinfer.sampling against flashinfer.sampling): tol 1e-9, no token outside the kept set.
-    *[row(f"sampling {op} B{b} V{v}", build_sampling, tol=1e-9, op=op, batch=b, vocab=v)
+    *[row(f"{'' if op.startswith('sampling') else 'sampling '}{op} B{b} V{v}", build_sampling, tol=1e-9, op=op,
+          batch=b, vocab=v)
       for op, b, v in (("top-p 0.9 from probs", 64, 128256), ("top-p 0.9 from probs", 1, 128256),
                        ("min-p 0.1 from probs", 64, 128256), ("top-k 50 + top-p 0.9 from logits", 64, 128256),
-                       ("from logits", 64, 128256))],
+                       ("sampling from logits", 64, 128256))],
     # RPA v3's fused cache read in place (against the NHD rows of the same names).
     *[row(f"{name} NHD_FUSED", build_paged, segs=segs, wrapper=wrapper, layout="NHD_FUSED", **kw)
       for name, segs, wrapper, kw in (
