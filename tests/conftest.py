@@ -52,7 +52,7 @@ def rng(request):
 # hands out contiguous shares), so the generate.py sampling and TP tests run on one worker and
 # share their one-device runs (test_examples' _runs cache: the TP test's reference).
 LONG_TESTS = {
-    "test_sharded_equals_one_device": 50, "test_quickstart_runs_the_readme_api_tour": 30, "test_fuzz_400": 25,
+    "test_sharded_equals_one_device": 50, "test_fuzz_400": 25,
     "test_rpa_v3_grid": 8, "test_mixed_kernel_matches_reference": 17, "test_unpadded_cache_runs_in_place": 15,
     "test_generate_sampling_deterministic_and_in_range": 13, "test_generate_tensor_parallel_on_host_devices": 17,
     "test_mosaic_prefill_variants_match_reference": 12,

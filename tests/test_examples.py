@@ -177,20 +177,35 @@ def test_bench_e2e_mixed_row_smoke(tmp_path, monkeypatch, capsys):
     assert "jaxinfer-mixed     2" in capsys.readouterr().out
 
 
+TOUR_CALLS = ("BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchPrefillWithRaggedKVCache",
+              "BatchAttention", "PrefillConfig",
+              "BlockSparseMatrix", "BlockSparseAttention", "two_level_cascade", "MultiLevelCascadeAttention",
+              "variants.compose", "float8_e4m3fn", "with_page_offset", "get_batch_indices_positions",
+              "append_paged_kv_cache", "append_kv", "single_prefill_with_kv_cache", "merge_state",
+              "reference.attention", "ragged_paged_attention")
+
+
+def test_quickstart_follows_the_readme_api_tour():
+    """quickstart.py holds every call of the README's API tour (its run against jaxinfer.reference
+    is the slow test below; each of those calls also runs in the default suite in its own module's
+    tests: test_decode, test_prefill, test_batch_attention, test_ragged_paged_attention, test_cascade,
+    test_variants, test_append, test_single, test_merge, test_mla, test_mla_ragged, test_sampling,
+    test_sharding and the generate.py tensor-parallel test)."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    tour = readme.split("## API tour")[1].split("```")[1]
+    source = open(quickstart.__file__).read()
+    for call in TOUR_CALLS:
+        assert call in tour and call in source, call
+    args = quickstart.parse_args(["--quiet"])
+    assert args.quiet and args.hq % args.hkv == 0
+
+
+@pytest.mark.slow  # 72 s; every API it runs is run by a default test of its module
 def test_quickstart_runs_the_readme_api_tour():
     """quickstart.py runs every paragraph of the README's API tour and checks each output against
     jaxinfer.reference (it exits if one is off by more than 2e-2, bf16)."""
     errors = quickstart.main(["--quiet"])
     assert max(errors.values()) < 2e-2, errors
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    tour = readme.split("## API tour")[1].split("```")[1]
-    for call in ("BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchPrefillWithRaggedKVCache",
-                 "BatchAttention", "PrefillConfig",
-                 "BlockSparseMatrix", "BlockSparseAttention", "two_level_cascade", "MultiLevelCascadeAttention",
-                 "variants.compose", "float8_e4m3fn", "with_page_offset", "get_batch_indices_positions",
-                 "append_paged_kv_cache", "append_kv", "single_prefill_with_kv_cache", "merge_state", "reference.attention",
-                 "ragged_paged_attention"):
-        assert call in tour and call in open(quickstart.__file__).read(), call
 
 
 def test_mla_example_absorbed_decode_and_192_128_prefill_match_dense():
