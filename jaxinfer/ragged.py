@@ -113,7 +113,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     p - W < k <= p. soft_cap c > 0 (float, may be traced; a traced c <= 0 turns it off): logits
     s -> c * tanh(s / c) after sm_scale. sinks f32[Hq] (may be traced): attention sinks (gpt-oss),
     one logit per query head added to every row's softmax denominator: o = sum_j e^(s_j) v_j /
-    (e^sink + sum_j e^(s_j)). With sinks the long sequences run on the Triton kernel (dispatch).
+    (e^sink + sum_j e^(s_j)). With sinks the long sequences run on the Triton kernel, or with
+    impl="mosaic" on the Mosaic prefill kernel, the sinks in its softmax state (dispatch).
     k_scale / v_scale: fp8 caches' dequantization scales (scalars or [Hkv]).
     impl: the kernel of the long sequences (past the decode tiles): "auto" (jaxinfer.dispatch
     decides: the mixed launch, else the Mosaic GPU prefill kernel where they can run, compiled on
@@ -206,7 +207,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     # Every class's work list first (device plans: no launch depends on another's plan) ...
     kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
     classes = ragged_plan.classes(t, s, num_cells, hq // hkv, mosaic_cells, mixed is not None)
-    mixed_plan = mosaic_plan = taken = None
+    mixed_plan = mosaic_plan = taken = final_rows = None
     if mixed is not None:  # the base: the long sequences and the packed short ones in one launch
         mixed_plan = ragged_plan.plan_mixed(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq,
                                             page_size=page_size, causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mixed, num_rows=t)
@@ -243,12 +244,15 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     if mosaic_plan is not None:
         from pallas_kernels import prefill_mosaic
         items, cell_indptr, src, pos = mosaic_plan
+        # (sinks in the kernel: its rows' (o, lse) come out final)
+        in_kernel = _variant(window is not None, cap is not None, False)
         o_sub, _, _ = prefill_mosaic.prefill_mosaic(
             queries[src], k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, causal=causal,
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
-            q_pos=q_pos[src] if variant is not None else None, row_stores=True, persistent=True, columns=PREFILL,
-            **kw)
+            q_pos=q_pos[src] if in_kernel is not None else None, row_stores=True, persistent=True, columns=PREFILL,
+            sinks=sink, **dict(kw, variant=in_kernel, params={n: x for n, x in params.items() if n != "sinks"} or None))
         mine = pos >= 0
+        final_rows = mine if sink is not None else None
         o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
         out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
     kw.update(scales=scales)
@@ -280,4 +284,6 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     # whole K cache before the next call's write (H100, q4 B64 kv4096, 10 chained calls: 852 ->
     # 416 us per call).
     o = variants.finish(variant, params, out[0], out[1], False)
+    if final_rows is not None:  # the Mosaic class applied the sinks itself
+        o = jnp.where(final_rows[:, None, None], out[0], o)
     return jax.lax.optimization_barrier((o, new_cache))

@@ -265,6 +265,12 @@ def sinks():
 _MOSAIC_HOOKS = frozenset([_soft_cap, _window_mask, _window_bounds, _alibi, _sigmoid])
 
 
+def sinks_only_output(variant):
+    """Whether the variant's one output transform is the built-in sinks (which a kernel that never
+    splits KV can hold in its softmax state instead)."""
+    return variant.output_transforms == (_sinks,)
+
+
 def mosaic_ready(variant):
     """Whether impl="auto" may run `variant` on the Mosaic GPU prefill kernel: no variant, or
     built-in logits transforms and masks (other hooks run there with impl="mosaic" only)."""

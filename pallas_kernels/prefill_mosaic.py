@@ -108,8 +108,8 @@ def _compute_registers(compute_wgs):
     return min((pool - MEMORY_REGISTERS[compute_wgs]) // compute_wgs // 8 * 8, 232)
 
 
-def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, q_pos_ref, params,
-            o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, fused, page_size, num_kv_heads, block_kv,
+def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, sink_ref, q_pos_ref,
+            params, o_ref, lse_ref, o_tail_ref, scoped, *, causal, contiguous, fused, page_size, num_kv_heads, block_kv,
             max_steps, sm_scale, variant, interpret, row_stores, pipeline, tree_max, compute_wgs,
             persistent, packed_tokens, columns):
     # fused: k_ref and v_ref are one NHD_FUSED cache [P, S, Hkv, 2, D] (K at [..., 0, :], V at 1)
@@ -364,8 +364,12 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
         load_q(f, first_tok)
         # (The interpreter has no register layouts: plain arrays there.)
         cast = (lambda x, _: x) if interpret else plgpu.layout_cast
-        m_i = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        if sink_ref is None:
+            m_i = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        else:  # the head's sink: a key of logit sink and value 0, in the state from the start
+            m_i = cast(jnp.full((WG_ROWS,), sink_ref[head] * LOG2E, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = cast(jnp.full((WG_ROWS,), 1, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = cast(jnp.full((WG_ROWS, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
         if variant is not None:  # the rows' query positions [64]
             q_pos = (pos_smem2[wg] if interpret else plgpu.load(
@@ -649,7 +653,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
                    pipeline="pingpong", tree_max=False, compute_wgs=2,
                    variant=None, params=None, q_pos=None, interpret=False, row_stores=False,
-                   persistent=False, packed_tokens=0, num_lse_slots=None, last_pages=None, columns):
+                   persistent=False, packed_tokens=0, num_lse_slots=None, last_pages=None, sinks=None, columns):
     """q [nnz, Hq, D]; k_rows/v_rows: the cache as [num_pages * page_size * Hkv, D] (layout NHD), one
     array [num_pages * page_size * Hkv * 2, D] as both (NHD_FUSED: K and V interleaved), or
     contiguous [tokens * Hkv, D] with kv_indices None; variant / params / q_pos int32[nnz]: an
@@ -672,7 +676,11 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
     last_pages (a mixed launch on a paged cache): the requests' partly filled last pages; an item
     whose last_row column is r >= 0 reads its last page's V from row r of a copy with the slots
     past kv_len zeroed (a freed slot keeps its last owner's values, NaN included, and 0 * NaN in
-    P @ V is NaN). Other launches zero those rows in shared memory."""
+    P @ V is NaN). Other launches zero those rows in shared memory.
+
+    sinks f32[Hq] (not mixed, softmax only): attention sinks (gpt-oss), one logit per query head
+    in each row's softmax denominator, as a key of value 0 in the state from its start: o and
+    lse are final (a row with no visible key gives o = 0 and lse = its sink)."""
     nnz, num_qo_heads, d = q.shape
     dv = v_rows.shape[-1]  # V and o's head_dim (DeepSeek's prefill: 128 beside q / K's 192)
     mixed = packed_tokens > 0
@@ -712,6 +720,9 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         num_cells, persistent = 2, True
     if variant is not None and (variant.has_query_transform or variant.has_key_transform):
         raise ValueError(f"prefill impl='mosaic': variant {variant.name!r} has query / key transforms")
+    if sinks is not None and (mixed or not (variant is None or variant.use_softmax)):
+        raise ValueError("prefill_mosaic: sinks need a softmax and a launch that is not mixed")
+    sink_in = [] if sinks is None else [sinks.astype(jnp.float32)]
     leaves, treedef, scalar = _common.flatten_params(params)
     extra = []
     if variant is not None:  # rows are loaded 64 at a time from 8-aligned starts: padded
@@ -724,6 +735,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
 
     def entry(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, *refs):
         v_last_ref, refs = (refs[0], refs[1:]) if last else (None, refs)
+        sink_ref, refs = (refs[0], refs[1:]) if sinks is not None else (None, refs)
         q_pos_ref, param_refs = (refs[0], refs[1:-3]) if variant is not None else (None, ())
         o_ref, lse_ref, o_tail_ref = refs[-3:]
         tiling = plgpu.TilingTransform((8, 64))
@@ -747,7 +759,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
         freed = (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
-                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, q_pos_ref,
+                items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_last_ref, sink_ref, q_pos_ref,
                 None if variant is None else _common.unflatten_params(param_refs, treedef, scalar),
                 o_ref, lse_ref, o_tail_ref, scoped, causal=causal, contiguous=contiguous, fused=fused,
                 page_size=page_size, num_kv_heads=num_kv_heads, block_kv=block_kv, max_steps=max_concurrent_steps,
@@ -766,7 +778,7 @@ def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_r
                         grid_names=("heads", "cells"), num_threads=compute_wgs + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(
                             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), **kw)(
-        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v, *last, *extra)
+        items.reshape(-1), cell_indptr, kv_indices, q_in, k, v, *last, *sink_in, *extra)
     return o[:nnz], lse_items, o_tail
 
 

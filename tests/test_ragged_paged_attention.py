@@ -352,6 +352,19 @@ def test_mosaic_class_matches_reference(rng):
     _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16])
 
 
+def test_mosaic_class_holds_the_sinks(rng):
+    """Sinks with a window on the Mosaic class (the sinks in its softmax state, one per head: two
+    heads) beside a decode row on the Triton class (sinks applied by its lse): both against the
+    reference (test_long_impl_dispatch: which impl takes sinks)."""
+    args, want_cache, table = _mosaic_step(rng, [1, 20, 21], [40, 30, 5], (1, 1, 3), heads=(2, 2, 64),
+                                           tok_cap=48, seq_cap=4, num_pages=None)
+    sinks = jnp.asarray([1.5, 4.0], jnp.float32)  # about the rows' lse: they matter
+    out, new_cache = ji.ragged_paged_attention(*args, num_ctas=1, impl="mosaic", sinks=sinks, sliding_window=24)
+    _check(args, want_cache, table, out, new_cache, tol=TOL[jnp.bfloat16],
+           variant=variants.compose(variants.sliding_window(), variants.sinks()),
+           params={"sinks": sinks, "window_left": jnp.int32(23)})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page, causal, window", [(16, True, 40), (8, False, None), (8, True, None)])
 def test_mosaic_class_compositions_one_compilation(rng, page, causal, window):
@@ -472,8 +485,9 @@ def test_mosaic_plan_matches_numpy(rng):
 
 def test_long_impl_dispatch(monkeypatch):
     """dispatch.ragged_long_impl: the mixed launch where it can run (compiled on a Hopper GPU: faked
-    here), else the Mosaic prefill kernel (variants: a sliding window), else Triton (sinks: they
-    need each row's lse); impl="mixed" / "mosaic" name what they lack."""
+    here), else the Mosaic prefill kernel (variants: a sliding window), else Triton (sinks, and
+    other output transforms: they need each row's lse; the Mosaic prefill kernel holds sinks in
+    its softmax state with impl="mosaic"); impl="mixed" / "mosaic" name what they lack."""
     from jaxinfer import _backend, dispatch
 
     def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD",
@@ -489,8 +503,11 @@ def test_long_impl_dispatch(monkeypatch):
     assert pick(variant=window) == "prefill_mosaic" and pick("mosaic", variant=window) == "prefill_mosaic"
     for sinks in (ragged._variant(False, False, True), ragged._variant(True, True, True)):
         assert pick(variant=sinks) == "prefill_triton" and pick("triton", variant=sinks) == "prefill_triton"
-        with pytest.raises(ValueError, match="impl='mosaic': variant .*sinks"):
-            pick("mosaic", variant=sinks)
+        assert pick("mosaic", variant=sinks) == "prefill_mosaic"
+    mine = variants.AttentionVariant(output_transform=lambda params, o, lse: (o, lse), name="mine")
+    assert pick(variant=mine) == "prefill_triton"
+    with pytest.raises(ValueError, match="impl='mosaic': variant 'mine' transforms the output"):
+        pick("mosaic", variant=mine)
     with pytest.raises(ValueError, match="impl='mixed': variants"):
         pick("mixed", variant=window)
     assert pick(heads=(128, 2)) == "batch_mosaic" and pick(heads=(128, 1)) == "prefill_mosaic"  # group <= 64
