@@ -677,13 +677,18 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     """The kernel of ragged_paged_attention's long sequences (q_len past the decode tiles): its
     lengths live on the device, so no cost model. "auto": the mixed launch (batch_mosaic: the long
     sequences' query tiles and the short ones' packed tiles in one persistent Mosaic launch,
-    planned on the device) wherever it can run, else the Mosaic GPU prefill kernel, else Triton.
-    The Mosaic kernels need (with "auto") a Hopper GPU, compiled; the problem's limits as
-    _mosaic_unsupported (the mixed launch: no variant either), 16-bit q and K/V of one dtype, no
-    fp8 scales, sm_scale > 0, and no output transform (they need each row's lse, which
-    ragged_paged_attention's Mosaic launches do not return). Sinks run on the prefill kernel with
-    impl "mosaic" (it holds them in its softmax state), not with "auto": on an H200 it was 1.03-1.6x
-    slower than Triton on prefill-only steps (most with a sliding window), 0.97-0.89x on mixed ones.
+    planned on the device) wherever it can run, else the Mosaic prefill kernel for steps with no
+    variant, else Triton. The Mosaic kernels need (with "auto") a Hopper GPU, compiled; the
+    problem's limits as _mosaic_unsupported (the mixed launch: no variant either), 16-bit q and
+    K/V of one dtype, no fp8 scales, sm_scale > 0, and no output transform (they need each row's
+    lse, which ragged_paged_attention's Mosaic launches do not return), except sinks on the
+    prefill kernel (it holds them in its softmax state). Steps with a variant (sliding window,
+    soft cap, sinks) run on Triton with "auto": on an H200 the Mosaic prefill kernel was 1.08-1.88x
+    slower on 13 of 14 such steps (B4 S2048 with a 128-token window 489.0 against 262.5 µs, with
+    soft cap 30 746.4 against 652.7; 60 decode rows + 4 chunks of 512 with a 128-token window
+    166.0 against 105.2) and 5% faster on the fourteenth (that mixed step with soft cap 30: 462.3
+    against 484.9); without a variant it was 0.94-1.15x Triton's time (B4 S2048 d128 527.6
+    against 550.1, d64 621.8 against 539.0).
     impl "mixed" or "mosaic" forces that kernel (ValueError naming what it lacks), "triton" the
     Triton kernel."""
     if impl not in ("auto", "mixed", "mosaic", "triton"):
@@ -703,8 +708,8 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
             why = prefill_kernels.mosaic_limits(sm_scale=sm_scale)
         return why
 
-    for name in {"auto": ("batch_mosaic", "prefill_mosaic"), "mixed": ("batch_mosaic",),
-                 "mosaic": ("prefill_mosaic",)}[impl]:
+    auto = ("batch_mosaic",) + (("prefill_mosaic",) if problem.variant is None else ())
+    for name in {"auto": auto, "mixed": ("batch_mosaic",), "mosaic": ("prefill_mosaic",)}[impl]:
         why = why_not(name)
         if why is None:
             return IMPLEMENTATIONS_BY_NAME[name]

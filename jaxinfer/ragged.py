@@ -117,9 +117,10 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     impl="mosaic" on the Mosaic prefill kernel, the sinks in its softmax state (dispatch).
     k_scale / v_scale: fp8 caches' dequantization scales (scalars or [Hkv]).
     impl: the kernel of the long sequences (past the decode tiles): "auto" (jaxinfer.dispatch
-    decides: the mixed launch, else the Mosaic GPU prefill kernel where they can run, compiled on
-    a Hopper GPU with 16-bit q and K/V, else the Triton kernel), "mixed" or "mosaic" (forced;
-    interpret mode too) or "triton".
+    decides: the mixed launch where it can run, compiled on a Hopper GPU with 16-bit q and K/V
+    and no window, soft cap or sinks; else the Mosaic GPU prefill kernel for steps without them;
+    else the Triton kernel, faster with them), "mixed" or "mosaic" (forced; interpret mode too) or
+    "triton".
     num_ctas: grid size (default 2 x SMs for the decode and Triton launches, MOSAIC_CTAS_PER_SM
     x SMs for the Mosaic one); backend, config (a DecodeConfig, PrefillConfig and/or
     MosaicPrefillConfig, or a tuple of them): as the wrappers.

@@ -485,9 +485,10 @@ def test_mosaic_plan_matches_numpy(rng):
 
 def test_long_impl_dispatch(monkeypatch):
     """dispatch.ragged_long_impl: the mixed launch where it can run (compiled on a Hopper GPU: faked
-    here), else the Mosaic prefill kernel (variants: a sliding window), else Triton (sinks, and
-    other output transforms: they need each row's lse; the Mosaic prefill kernel holds sinks in
-    its softmax state with impl="mosaic"); impl="mixed" / "mosaic" name what they lack."""
+    here), else the Mosaic prefill kernel without a variant (a head group past the packed tiles'),
+    else Triton (variants: a sliding window with "auto"; sinks and other output transforms, which
+    need each row's lse; the Mosaic prefill kernel runs a window and holds sinks in its softmax
+    state with impl="mosaic"); impl="mixed" / "mosaic" name what they lack."""
     from jaxinfer import _backend, dispatch
 
     def pick(impl="auto", dtype=jnp.bfloat16, kv=jnp.bfloat16, scaled=False, d=64, page=16, layout="NHD",
@@ -500,7 +501,9 @@ def test_long_impl_dispatch(monkeypatch):
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)
     assert pick() == "batch_mosaic" and pick(page=8) == "batch_mosaic" and pick("triton") == "prefill_triton"
     window = ragged._variant(True, False, False)
-    assert pick(variant=window) == "prefill_mosaic" and pick("mosaic", variant=window) == "prefill_mosaic"
+    assert pick(variant=window) == "prefill_triton" and pick("mosaic", variant=window) == "prefill_mosaic"
+    assert pick(variant=ragged._variant(False, True, False)) == "prefill_triton"  # soft cap
+    assert pick(heads=(128, 1), variant=window) == "prefill_triton"
     for sinks in (ragged._variant(False, False, True), ragged._variant(True, True, True)):
         assert pick(variant=sinks) == "prefill_triton" and pick("triton", variant=sinks) == "prefill_triton"
         assert pick("mosaic", variant=sinks) == "prefill_mosaic"
