@@ -527,7 +527,8 @@ def merge_over(state, axis, *, merge="auto"):
     """The exact ⊕ of the states (o [..., H, D], lse [..., H]) of every device along mesh axis
     `axis` (inside shard_map), in float32; every device gets the result. merge="psum": pmax of
     lse, psum of exp(lse - max), psum of the weighted o (float32); "all_gather": o (in its
-    dtype) and lse gathered from every device, then the same arithmetic on each; "auto":
+    dtype) and lse gathered from every device (on 2 devices one swap, lax.ppermute: the same
+    bytes without the gather's local copy), then the same arithmetic on each; "auto":
     merge_choice's. Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
     _check_merge(merge)
     o, lse = state
@@ -536,7 +537,15 @@ def merge_over(state, axis, *, merge="auto"):
     if merge == "psum":
         out = _lse_merge(o, lse, lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis))
         return AttentionState(*out)
-    o_all, lse_all = lax.all_gather(o, axis), lax.all_gather(lse, axis)  # [n, ...]
+    if _axis_size(axis) == 2:  # one swap moves what the all-gather moves, without its local copy
+        swap = lambda x: lax.ppermute(x, axis, [(0, 1), (1, 0)])
+        # Both devices stack the states in device order: fused multiply-adds are not symmetric,
+        # and the replicas must hold the same bits.
+        first = lax.axis_index(axis) == 0
+        in_order = lambda x, y: jnp.stack([jnp.where(first, x, y), jnp.where(first, y, x)])
+        o_all, lse_all = in_order(o, swap(o)), in_order(lse, swap(lse))  # [2, ...]
+    else:
+        o_all, lse_all = lax.all_gather(o, axis), lax.all_gather(lse, axis)  # [n, ...]
     o_m, lse_m = _lse_merge(o_all, lse_all, lambda x: jnp.max(x, 0, keepdims=True),
                             lambda x: jnp.sum(x, 0, keepdims=True))
     return AttentionState(o_m[0], lse_m[0])

@@ -336,6 +336,9 @@ def _check_cp_merges(case, tp, cp, base="any", merges=("psum", "all_gather")):
         body = lambda s, merge=merge: sharding.merge_over(jax.tree.map(lambda x: x[0], s), "cp", merge=merge)
         merged = jax.jit(sharding.shard_map(body, mesh, (spec,), out))(states)
         _compare(_cp_name(case, tp, cp, split, plan, merge) + " on context_partial_states", merged, ref)
+        for x in merged:  # every replica holds the same bits (on 2 devices, a swap then the merge)
+            copies = [np.asarray(sh.data) for sh in x.addressable_shards if sh.index == x.addressable_shards[0].index]
+            assert len(copies) == cp and all(np.array_equal(c, copies[0], equal_nan=True) for c in copies[1:])
 
 
 def _check_cp_scan(rng, cp, steps=3):
