@@ -157,13 +157,17 @@ def main():
     ap.add_argument("--num-warps", type=int, default=CONFIG.num_warps)
     ap.add_argument("--num-stages", type=int, default=CONFIG.num_stages, help="pipeline stages of the block loads")
     ap.add_argument("--track", type=int, default=CONFIG.track, help="values tracked per lane in pass 1")
+    ap.add_argument("--splits", type=int, default=CONFIG.splits,
+                    help="programs per row (default: two per SM in all; 1: pass 1 in the row's program)")
+    ap.add_argument("--split-stages", type=int, default=CONFIG.split_stages,
+                    help="pipeline stages of a split pass 1")
     ap.add_argument("--ops", help="regular expression: run only the ops it matches")
     ap.add_argument("--shapes", help="B x V pairs to run, e.g. 1x128256,64x128256 (default: all)")
     ap.add_argument("--jaxinfer-only", action="store_true",
                     help="time jaxinfer alone (no distribution checks, FlashInfer or JAX baselines): config sweeps")
     args = ap.parse_args()
     CONFIG = S.SamplingConfig(block_v=args.block_v, num_warps=args.num_warps, num_stages=args.num_stages,
-                              track=args.track)
+                              track=args.track, splits=args.splits, split_stages=args.split_stages)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
         shapes = [tuple(int(n) for n in pair.split("x")) for pair in args.shapes.split(",")]

@@ -406,7 +406,8 @@ IMPLEMENTATIONS = (
     # ... else the Triton kernel (any head count, page size and dtype, fp8 latents).
     Implementation("mla_triton", "mla", "triton", mla_kernels.MLAConfig, _mla_unsupported, _mla_cost,
                    _mla_dtypes_unsupported, kernel=mla_kernels.mla_paged),
-    # Token sampling (jaxinfer.sampling): one program per row, threshold search without sorting ...
+    # Token sampling (jaxinfer.sampling): one program per row (pass 1 split among several for small
+    # batches: sampling_config), threshold search without sorting ...
     Implementation("sampling_pallas", "sampling", "pallas", sampling_kernels.SamplingConfig, _always,
                    lambda problem, qo_lens, kv_lens, causal: 0.0, kernel=sampling_kernels.filtered_sample),
     # ... or, for an unfiltered draw, one exponential race with each row split among programs.
@@ -437,6 +438,24 @@ def mla_tiling(implementation, config, num_sms, block_rows):
                          num_cells=config.num_cells or num_sms, tile_merge=True)
     return MLATiling(block_rows=block_rows, block_kv=config.kv_block(block_rows),
                      num_cells=config.cells(block_rows, num_sms), tile_merge=False)
+
+
+# A filtered draw splits its pass 1 only when each row gets at least this many programs (H200,
+# rows of 128256: one row split 32 ways 1.5-2x faster than one program; 64 rows split 4 ways
+# 1.0-1.45x slower, the programs' state written and read back).
+MIN_LANE_SPLITS = 8
+
+
+def sampling_config(filters, config, batch, num_sms):
+    """config (a SamplingConfig) with its programs per row set where it leaves them None: two
+    programs per SM in all for an unfiltered draw's race, and for a filtered draw's pass 1 when
+    that gives every row MIN_LANE_SPLITS or more (else pass 1 stays in the row's program)."""
+    if config.splits is not None:
+        return config
+    splits = -(-2 * num_sms // max(batch, 1))
+    if sampling_row(filters).name == "sampling_pallas" and splits < MIN_LANE_SPLITS:
+        splits = 1
+    return dataclasses.replace(config, splits=splits)
 
 
 def sampling_row(filters):

@@ -7,7 +7,6 @@ tokens at or above a per-row threshold, ties at the boundary all kept: top_k <= 
 = 1 and min_p = 0 filter nothing. Eager calls reject NaN, +inf and rows with nothing to draw
 (ValueError); under jit such a row gives an unspecified token. docs/sampling.md has the details.
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -109,9 +108,7 @@ def _run(name, x, *, filters, key=None, indices=None, top_k=None, top_p=None, mi
     seeds = _seeds(key, batch) if filters.sample else jnp.zeros((batch, 2), jnp.int32)
     if batch == 0:
         return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
-    config = config or SamplingConfig()
-    if config.splits is None:  # an unfiltered draw's programs per row: two per SM in all
-        config = dataclasses.replace(config, splits=-(-2 * _backend.num_sms() // batch))
+    config = dispatch.sampling_config(filters, config or SamplingConfig(), batch, _backend.num_sms())
     return dispatch.sampling_row(filters).kernel(x, rows, k, p, mp, inv_t, seeds, filters=filters,
                                           interpret=_backend.use_interpret(backend), config=config)
 

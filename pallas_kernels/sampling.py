@@ -1,5 +1,6 @@
 """Sorting-free sampling kernels: one program per output row, usually one pass over its vocabulary
-(filtered_sample; an unfiltered draw: race_sample, several programs per row).
+(filtered_sample, its pass 1 split among several programs per row when the batch is small; an
+unfiltered draw: race_sample, several programs per row).
 
 Values y: probabilities, or logits times 1 / temperature. A filter keeps the tokens with y >= t
 for a per-row threshold t, every token tied at the boundary included (top-k, top-p, min-p).
@@ -27,6 +28,8 @@ from pallas_kernels import _common
 
 NUM_PIVOTS = 8     # the exact search evaluates its count or mass at 8 values per pass
 MAX_PASSES = 12    # 8 ** 11 > 2 ** 32: the search reaches one distinct value within 11 passes
+SPLIT_LANES = 128  # the fewest lanes a program of a lane-split pass 1 takes
+WARP_LANES = 128   # a split pass 1 gives each warp this many lanes (4 a thread)
 LOG2E = _common.LOG2E
 
 
@@ -35,12 +38,16 @@ class SamplingConfig:
     """Tuning of the sampling kernel (one program per row): lanes per block, warps, pipeline
     stages of the block loads (H100, min-p from probs at B1 x 128256: 71.7 µs with 1 stage,
     41.6 with 3; block_v 8192 spills), values tracked per lane in pass 1, and rejection passes
-    before the exact search. splits: programs per row of an unfiltered draw (None: jaxinfer.sampling
-    gives every SM two programs; the race is exact however a row is split)."""
+    before the exact search. splits: programs per row, for an unfiltered draw's race (its columns
+    split) and a filtered draw's pass 1 (its lanes split, rounded down to a power of two, at
+    least SPLIT_LANES lanes each; 1: pass 1 in the row's program). None: jaxinfer.sampling gives
+    every SM two programs. The draw is the same however a row is split. split_stages: pipeline
+    stages of a lane-split pass 1 (its programs load a few hundred lanes at a time)."""
     block_v: int = 4096
     num_warps: int = 16
     num_stages: int = 3
     splits: Optional[int] = None
+    split_stages: int = 6
     track: int = 3
     max_rounds: int = 16
 
@@ -143,7 +150,8 @@ def _mass_at(keys, weights, v):
 
 def _select(keys, weights, target):
     """The largest signed key v among the tracked values with _mass_at(v) >= target, and that
-    mass (v = INT_MIN when none reaches target): a 32-step bisection on the key bits."""
+    mass (v = INT_MIN when none reaches target): a 32-step bisection on the key bits (H100: about
+    11 µs; two bits a step, the masses at four candidates in one [4, N] reduction, took longer)."""
     def bit(i, u):  # u: the answer's bits so far, as an unsigned key
         cand = u | lax.shift_left(jnp.int32(1), 31 - i)
         return jnp.where(_mass_at(keys, weights, cand ^ INT_MIN) >= target, cand, u)
@@ -155,7 +163,7 @@ def _select(keys, weights, target):
 def _select_above(keys, weights, target, s):
     """_select where its answer can lie above s: when the tracked weight above s reaches target.
     Else (INT_MIN, 0) for one block reduction: the caller's threshold is then <= s, uncertified
-    either way (a select takes 32 block reductions, ~11 µs on an H100)."""
+    either way."""
     ks = _to_key(jnp.where(s == 0, 0.0, s)) ^ INT_MIN  # signed, -0 as +0, as the tracked keys
     reach = _mass_at(keys, weights, ks + 1) >= target
     # the "none" branch derives its constants from operands: Triton yields values, not constants
@@ -163,57 +171,44 @@ def _select_above(keys, weights, target, s):
                     lambda ks, tg: ((ks ^ ks) | INT_MIN, tg * 0.0), ks, jnp.float32(target))
 
 
-def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref, thr_ref, *,
-            filters, vocab, block_v, track, max_rounds, fast):
-    # rows_ref [B] int32: the input row of each output row; x_ref [R, V] probs or logits;
-    # k_ref [B] int32; p_ref, minp_ref, invt_ref [B] f32; seed_ref [B, 2] int32;
-    # tok_ref [B] int32 (the draw); thr_ref [B] f32 (tokens with y >= it are kept; a lower
-    # bound when sampling)
-    b = pl.program_id(0)
-    row = rows_ref[b]
-    num_blocks = pl.cdiv(vocab, block_v)
-    lanes = jnp.arange(block_v, dtype=jnp.int32)
-    logits, sample = filters.from_logits, filters.sample
-    inv_t = invt_ref[b]
-    greedy = inv_t == 0
-    scale = jnp.where(greedy, 1.0, inv_t)
-    s0, s1 = seed_ref[b, 0], seed_ref[b, 1]
-    false = b < 0  # traced: constant booleans do not lower
-    stream0 = _stream(s0, s1, 0)
-    inf, ninf = jnp.float32(jnp.inf), jnp.float32(-jnp.inf)
-    floor = ninf if logits else jnp.float32(0.0)  # below every value (probs are >= 0)
-    keys = functools.partial(race_keys, logits=logits, fast=fast)
+def _load_block(x_ref, row, lanes, j, *, block_v, vocab, scale, logits):
+    """Block j of row `row` at lanes [N] (columns j * block_v + lanes): (y [N] f32, x times scale
+    for logits, pads -inf; columns [N] int32; in range [N] bool)."""
+    cols = j * block_v + lanes
+    valid = cols < vocab
+    x = plgpu.load(x_ref.at[row, cols], mask=valid, other=-jnp.inf).astype(jnp.float32)
+    return (x * scale if logits else x), cols, valid
 
-    def load(j):
-        """Block j of the row: (y [block_v] f32, pads -inf; columns [block_v]; in range)."""
-        cols = j * block_v + lanes
-        valid = cols < vocab
-        x = plgpu.load(x_ref.at[row, cols], mask=valid, other=-jnp.inf).astype(jnp.float32)
-        return (x * scale if logits else x), cols, valid
 
-    def value(tok):
-        x = x_ref[row, jnp.minimum(tok, vocab - 1)].astype(jnp.float32)
-        return x * scale if logits else x
+def _race(carry, r, cols):
+    """One block of a race with keys r [N]: (best key, its column) [N]."""
+    upd = r > carry[0]  # ties keep the earlier block: the lowest column wins
+    return jnp.where(upd, r, carry[0]), jnp.where(upd, cols, carry[1])
 
-    def race(carry, r, cols):
-        """One block of a race with keys r [block_v]: (best key, its column) [block_v]."""
-        upd = r > carry[0]  # ties keep the earlier block: the lowest column wins
-        return jnp.where(upd, r, carry[0]), jnp.where(upd, cols, carry[1])
 
-    def winner(best, idx):
-        top = jnp.max(best)
-        return jnp.min(jnp.where(best == top, idx, vocab))
+def _winner(best, idx, vocab):
+    """The race's token from its lanes' (best key, column) [N]: the lowest column among the
+    largest keys (vocab: none)."""
+    top = jnp.max(best)
+    return jnp.min(jnp.where(best == top, idx, vocab))
 
-    ninf_v = jnp.full((block_v,), -jnp.inf, jnp.float32)
-    none_v = jnp.full((block_v,), vocab, jnp.int32)
 
-    # Pass 1: the tracked values (a: descending, c: their columns), the largest dropped value,
-    # the lane mass (logits: relative to the lane max a[0]) and the race over the whole row.
-    def weight(y):
-        """Each token's mass: its probability, or exp(y - max y) for logits (pads: 0)."""
-        return _exp(y - ymax, fast) if logits else jnp.maximum(y, 0.0)
+def _store_winner(key_ref, col_ref, b, split, best, idx, vocab):
+    """A split's race result at [b, split]: its largest key and that key's lowest column."""
+    top = jnp.max(best)
+    key_ref[b, split] = top
+    col_ref[b, split] = jnp.min(jnp.where(best == top, idx, vocab))
 
-    def pass1(j, carry):
+
+def _pass1(load, num_blocks, num_lanes, *, filters, vocab, track, greedy, stream0, fast):
+    """Pass 1 over blocks 0 .. num_blocks - 1 (load(j): y [num_lanes], columns), per lane: its
+    `track` largest values (a: descending) with their columns (c), the largest value it dropped,
+    its mass (probabilities summed; logits: relative to the lane maximum a[0], only for top-p)
+    and a race over its columns in stream0 (best key, its column). Returns (a, c, dropped, mass,
+    best, idx), each [num_lanes] (a, c: tuples of track)."""
+    logits = filters.from_logits
+
+    def step(j, carry):
         a, c, dropped, mass, best, idx = carry
         y, cols, _ = load(j)
         if filters.top_p:
@@ -228,15 +223,100 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
                   jnp.where(up[0], y, a[0]) for i in range(track))
         c = tuple(jnp.where(up[i - 1], c[i - 1], jnp.where(up[i], cols, c[i])) if i else
                   jnp.where(up[0], cols, c[0]) for i in range(track))
-        if sample:
-            best, idx = race((best, idx), jnp.where(greedy, y, keys(y, cols, stream0)), cols)
+        if filters.sample:
+            r = race_keys(y, cols, stream0, logits=logits, fast=fast)
+            best, idx = _race((best, idx), jnp.where(greedy, y, r), cols)
         return a, c, dropped, mass, best, idx
 
-    init = ((ninf_v,) * track, (none_v,) * track, ninf_v, jnp.zeros((block_v,), jnp.float32),
+    ninf_v = jnp.full((num_lanes,), -jnp.inf, jnp.float32)
+    none_v = jnp.full((num_lanes,), vocab, jnp.int32)
+    init = ((ninf_v,) * track, (none_v,) * track, ninf_v, jnp.zeros((num_lanes,), jnp.float32),
             ninf_v, none_v)
-    a, c, dropped, lane_mass, best, idx = lax.fori_loop(0, num_blocks, pass1, init)
+    return lax.fori_loop(0, num_blocks, step, init)
+
+
+def _row_scale(invt_ref, b):
+    """(greedy, scale) of output row b: temperature 0 races on the values themselves."""
+    inv_t = invt_ref[b]
+    greedy = inv_t == 0
+    return greedy, jnp.where(greedy, 1.0, inv_t)
+
+
+def _pass1_kernel(rows_ref, x_ref, invt_ref, seed_ref, ta_ref, tc_ref, mass_ref, drop_ref, key_ref,
+                  col_ref, *, filters, vocab, block_v, lanes, track, fast):
+    # Program (b, s): pass 1 of output row b on lanes s * lanes .. (s + 1) * lanes - 1.
+    # rows_ref [B] int32; x_ref [R, V] probs or logits; invt_ref [B] f32; seed_ref [B, 2] int32;
+    # ta_ref [B, track, block_v] f32 / tc_ref [B, track, block_v] int32: the tracked values and
+    # their columns; mass_ref [B, block_v] f32: the lane masses; drop_ref [B, S] f32: the largest
+    # value dropped in the split; key_ref [B, S] f32 / col_ref [B, S] int32: its race's winner
+    b, split = pl.program_id(0), pl.program_id(1)
+    greedy, scale = _row_scale(invt_ref, b)
+    first = split * lanes
+    load = functools.partial(_load_block, x_ref, rows_ref[b], first + jnp.arange(lanes, dtype=jnp.int32),
+                             block_v=block_v, vocab=vocab, scale=scale, logits=filters.from_logits)
+    a, c, dropped, mass, best, idx = _pass1(
+        load, pl.cdiv(vocab, block_v), lanes, filters=filters, vocab=vocab, track=track, greedy=greedy,
+        stream0=_stream(seed_ref[b, 0], seed_ref[b, 1], 0), fast=fast)
+    for i in range(track):
+        ta_ref[b, i, pl.ds(first, lanes)] = a[i]
+        tc_ref[b, i, pl.ds(first, lanes)] = c[i]
+    mass_ref[b, pl.ds(first, lanes)] = mass
+    drop_ref[b, split] = jnp.max(dropped)
+    _store_winner(key_ref, col_ref, b, split, best, idx, vocab)
+
+
+def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, *refs, filters, vocab,
+            block_v, track, max_rounds, fast, split):
+    # rows_ref [B] int32: the input row of each output row; x_ref [R, V] probs or logits;
+    # k_ref [B] int32; p_ref, minp_ref, invt_ref [B] f32; seed_ref [B, 2] int32;
+    # refs: when split, pass 1's outputs (_pass1_kernel: ta, tc, mass, drop, key, col), then
+    # tok_ref [B] int32 (the draw); thr_ref [B] f32 (tokens with y >= it are kept; a lower
+    # bound when sampling)
+    *state_refs, tok_ref, thr_ref = refs
+    b = pl.program_id(0)
+    row = rows_ref[b]
+    num_blocks = pl.cdiv(vocab, block_v)
+    lanes = jnp.arange(block_v, dtype=jnp.int32)
+    logits, sample = filters.from_logits, filters.sample
+    greedy, scale = _row_scale(invt_ref, b)
+    s0, s1 = seed_ref[b, 0], seed_ref[b, 1]
+    false = b < 0  # traced: constant booleans do not lower
+    stream0 = _stream(s0, s1, 0)
+    inf, ninf = jnp.float32(jnp.inf), jnp.float32(-jnp.inf)
+    floor = ninf if logits else jnp.float32(0.0)  # below every value (probs are >= 0)
+    keys = functools.partial(race_keys, logits=logits, fast=fast)
+    load = functools.partial(_load_block, x_ref, row, lanes, block_v=block_v, vocab=vocab, scale=scale,
+                             logits=logits)
+
+    def value(tok):
+        x = x_ref[row, jnp.minimum(tok, vocab - 1)].astype(jnp.float32)
+        return x * scale if logits else x
+
+    ninf_v = jnp.full((block_v,), -jnp.inf, jnp.float32)
+    none_v = jnp.full((block_v,), vocab, jnp.int32)
+
+    # Pass 1 (here, or split among programs by _pass1_kernel): the tracked values (a:
+    # descending, c: their columns), s (every value above it is tracked), the lane masses and
+    # the race's first candidate c1.
+    if split:
+        ta_ref, tc_ref, mass_ref, drop_ref, key_ref, col_ref = state_refs
+        a = tuple(ta_ref[b, i, :] for i in range(track))
+        c = tuple(tc_ref[b, i, :] for i in range(track))
+        lane_mass = mass_ref[b, :]
+        s = jnp.max(drop_ref[b, :])
+        c1 = _winner(key_ref[b, :], col_ref[b, :], vocab)
+    else:
+        a, c, dropped, lane_mass, best, idx = _pass1(
+            load, num_blocks, block_v, filters=filters, vocab=vocab, track=track, greedy=greedy,
+            stream0=stream0, fast=fast)
+        s = jnp.max(dropped)
+        c1 = _winner(best, idx, vocab)
     ymax = jnp.max(a[0])
-    s = jnp.max(dropped)  # every value above s is tracked
+
+    def weight(y):
+        """Each token's mass: its probability, or exp(y - max y) for logits (pads: 0)."""
+        return _exp(y - ymax, fast) if logits else jnp.maximum(y, 0.0)
+
     real = [ci < vocab for ci in c]
     tkeys = [_to_key(jnp.where(ai == 0, 0.0, ai)) ^ INT_MIN for ai in a]  # signed, -0 as +0
     tmass = [jnp.where(r, weight(ai), 0.0) for r, ai in zip(real, a)]
@@ -342,7 +422,6 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
     top = functools.reduce(jnp.maximum, [jnp.max(r) for r in rk])
     tok_regs = functools.reduce(jnp.minimum, [jnp.min(jnp.where(r == top, ci, vocab)) for r, ci in zip(rk, c)])
 
-    c1 = winner(best, idx)
     y1 = value(c1)
     accept1 = (y1 >= t_hi) & (~unknown | (y1 >= s))  # an unknown threshold is <= s
     done = greedy | in_regs | (accept1 & ~search_only)
@@ -382,9 +461,9 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, tok_ref
 
         def block(j, carry):
             y, cols, _ = load(j)
-            return race(carry, jnp.where(y >= lo, keys(y, cols, stream), -jnp.inf), cols)
+            return _race(carry, jnp.where(y >= lo, keys(y, cols, stream), -jnp.inf), cols)
 
-        spec = winner(*lax.fori_loop(0, num_blocks, block, (ninf_v, none_v)))
+        spec = _winner(*lax.fori_loop(0, num_blocks, block, (ninf_v, none_v)), vocab)
         y_s = value(spec)
         ok = ~false if certain else ~unknown | (y_s >= s)
         return rnd + 1, ok, jnp.where(ok, spec, tok), spec, y_s, lo, false
@@ -432,9 +511,7 @@ def _race_kernel(rows_ref, x_ref, invt_ref, seed_ref, key_ref, col_ref, *, from_
     end = jnp.minimum(first + blocks_per_split, pl.cdiv(vocab, block_v))
     best, idx = lax.fori_loop(first, end, block, (jnp.full((block_v,), -jnp.inf, jnp.float32),
                                                   jnp.full((block_v,), vocab, jnp.int32)))
-    top = jnp.max(best)
-    key_ref[b, split] = top
-    col_ref[b, split] = jnp.min(jnp.where(best == top, idx, vocab))
+    _store_winner(key_ref, col_ref, b, split, best, idx, vocab)
 
 
 def race_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret, config=SamplingConfig()):
@@ -468,6 +545,14 @@ def race_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, inter
     return jnp.where(tok < vocab, tok, 0), jnp.full((batch,), -jnp.inf, jnp.float32)
 
 
+def lane_splits(config, vocab):
+    """Programs per row of a filtered draw's pass 1: config.splits rounded down to a power of two,
+    each program at least SPLIT_LANES of the block_v lanes (1: pass 1 in the row's program)."""
+    block_v = min(config.block_v, _common.next_pow2(vocab))
+    most = max(1, block_v // SPLIT_LANES)
+    return min(1 << (max(1, config.splits or 1).bit_length() - 1), most)
+
+
 def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret,
                     config=SamplingConfig()):
     """Per output row b, one draw from row rows[b] of x (filters.sample) or its threshold.
@@ -475,12 +560,34 @@ def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, i
     x [R, V] f32/bf16 (probabilities, or logits when filters.from_logits); rows [B] int32;
     top_k [B] int32; top_p, min_p, inv_temp [B] f32 (inv_temp 0: greedy); seeds [B, 2] int32.
     Returns (tokens [B] int32, thresholds [B] f32: the row keeps tokens with y >= threshold,
-    y = x * inv_temp for logits; -inf when nothing is filtered; when sampling, a lower bound)."""
+    y = x * inv_temp for logits; -inf when nothing is filtered; when sampling, a lower bound).
+    With lane_splits(config, V) > 1, pass 1 runs first, split among that many programs per row
+    (the same values, so the same draws)."""
     batch = rows.shape[0]
     vocab = x.shape[1]
     block_v = min(config.block_v, _common.next_pow2(vocab))
-    kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v,
-                               track=config.track, max_rounds=config.max_rounds, fast=not interpret)
+    splits = lane_splits(config, vocab)
+    state = ()
+    if splits > 1:
+        lanes = block_v // splits
+        track = config.track
+        state = pl.pallas_call(
+            functools.partial(_pass1_kernel, filters=filters, vocab=vocab, block_v=block_v, lanes=lanes,
+                              track=track, fast=not interpret),
+            grid=(batch, splits),
+            out_shape=(jax.ShapeDtypeStruct((batch, track, block_v), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, track, block_v), jnp.int32),
+                       jax.ShapeDtypeStruct((batch, block_v), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, splits), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, splits), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, splits), jnp.int32)),
+            compiler_params=_common.compiler_params(max(1, min(config.num_warps, lanes // WARP_LANES)),
+                                                    config.split_stages),
+            interpret=interpret,
+            name="jaxinfer_sampling_pass1",
+        )(rows, x, inv_temp, seeds)
+    kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v, track=config.track,
+                               max_rounds=config.max_rounds, fast=not interpret, split=splits > 1)
     return pl.pallas_call(
         kernel,
         grid=(batch,),
@@ -488,4 +595,4 @@ def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, i
         compiler_params=_common.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="jaxinfer_sampling",
-    )(rows, x, top_k, top_p, min_p, inv_temp, seeds)
+    )(rows, x, top_k, top_p, min_p, inv_temp, seeds, *state)

@@ -15,6 +15,7 @@ from scipy import stats
 
 from jaxinfer import dispatch
 from jaxinfer import sampling as S
+from pallas_kernels import sampling as sampling_kernels
 
 ALPHA = 1e-4
 V = 37                      # not a multiple of the block: the tail block is masked
@@ -210,6 +211,44 @@ def test_unfiltered_draws_do_not_depend_on_the_split():
     np.testing.assert_array_equal(S.sampling_from_logits(big, key=jax.random.key(6)),
                                   S.sampling_from_logits(big, key=jax.random.key(6),
                                                          config=S.SamplingConfig(splits=1)))
+
+
+def test_split_pass_one_draws_the_same_tokens():
+    """A filtered draw's pass 1 split among programs (lanes of 128 each; config.splits 3 rounds
+    down to 2) gives the fused pass 1's values, so the same tokens and thresholds for every filter,
+    both orders, greedy and tempered rows; one value tracked per lane over 12 blocks (the last
+    partial) sends rows through rejection and the exact search."""
+    x = jax.random.normal(jax.random.key(0), (5, 2_900), jnp.float32) * 3
+    probs = jax.nn.softmax(x, axis=1)
+    ks, ps = jnp.asarray([5, 50, 0, 3, 400]), jnp.asarray([0.9, 0.5, 0.99, 1.0, 0.8])
+    mps, temps = jnp.asarray([0.1, 0.0, 0.5, 0.2, 0.05]), jnp.asarray([1.0, 0.7, 0.0, 1.3, 1.0])
+    key = jax.random.key(3)
+    calls = (
+        lambda c: S.top_k_sampling_from_probs(probs, ks, key=key, config=c),
+        lambda c: S.top_p_sampling_from_probs(probs, ps, key=key, config=c),
+        lambda c: S.min_p_sampling_from_probs(probs, mps, key=key, config=c),
+        lambda c: S.top_k_top_p_sampling_from_logits(x, ks, ps, key=key, temperature=temps, config=c),
+        lambda c: S.top_k_top_p_sampling_from_probs(probs, ks, ps, filter_apply_order="joint", key=key, config=c),
+        lambda c: S.top_p_renorm_probs(probs, ps, config=c),
+        lambda c: S.top_k_mask_logits(x, ks, config=c))
+    fused = S.SamplingConfig(block_v=256, track=1, splits=1)
+    split = dataclasses.replace(fused, splits=3)
+    assert sampling_kernels.lane_splits(split, x.shape[1]) == 2 and sampling_kernels.lane_splits(fused, x.shape[1]) == 1
+    for call in calls:
+        np.testing.assert_array_equal(call(split), call(fused))
+
+
+def test_dispatch_splits_pass_one_for_small_batches_only():
+    """Programs per row by default: an unfiltered draw gives every SM two; a filtered draw splits
+    its pass 1 only when each row gets dispatch.MIN_LANE_SPLITS or more; a given count is kept."""
+    race, topk = S.Filters(from_logits=True), S.Filters(from_logits=False, top_k=True)
+    cfg = S.SamplingConfig()
+    assert dispatch.sampling_config(race, cfg, 64, 132).splits == 5
+    assert dispatch.sampling_config(topk, cfg, 1, 132).splits == 264
+    assert sampling_kernels.lane_splits(dispatch.sampling_config(topk, cfg, 1, 132), 128_256) == 32
+    assert sampling_kernels.lane_splits(dispatch.sampling_config(topk, cfg, 32, 132), 128_256) == dispatch.MIN_LANE_SPLITS
+    assert dispatch.sampling_config(topk, cfg, 64, 132).splits == 1
+    assert dispatch.sampling_config(topk, dataclasses.replace(cfg, splits=4), 64, 132).splits == 4
 
 
 def test_deterministic_per_key_and_compiled_once():
