@@ -4,8 +4,9 @@ TP: q, o and the paged cache are split on heads along a mesh axis; every device 
 built for its heads (split_heads) with one replicated plan. CP: split_page_table gives each device
 a contiguous range of every request's pages; context_plan makes one plan per device (stacked on
 the mesh axis); each device computes its partial AttentionState and the states are merged exactly
-in float32: by a psum-based log-sum-exp merge (pmax of lse, psum of the weighted o) or by an
-all-gather of the states and the same merge on every device, whichever moves fewer bytes
+in float32: by a psum-based log-sum-exp merge (pmax of lse, psum of the weighted o), by an
+all-gather of the states and the same merge on every device, or by an all-to-all (each device
+merges a slice of the rows) and an all-gather of the merged slices, whichever moves fewer bytes
 (merge_choice). Both together on a 2-D mesh ("tp", "cp"). The runners are shard_map'd functions:
 they work under jax.jit, lax.scan and jax.distributed alike. Usage and the choice of merge:
 docs/sharding.md.
@@ -480,7 +481,7 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
 # ---------------------------------------------------------------------------------------------
 # Merging the devices' states
 
-MERGES = ("auto", "psum", "all_gather")
+MERGES = ("auto", "psum", "all_gather", "all_to_all")
 
 
 SMALL_STATE_BYTES = 4 << 20  # o of at most this many bytes a device: the merge is latency-bound
@@ -490,13 +491,12 @@ def merge_choice(num_devices, dtype, state_bytes=None):
     """The merge that merge="auto" runs over num_devices devices for o of `dtype` (state_bytes:
     o's bytes on one device, if known): "all_gather" where the state is small (<= 4 MiB: one
     collective instead of the psum's three; CP decode B8 kv131072 on 4 H100: 0.018 ms against
-    0.048) or where num_devices x itemsize < 8, else "psum". Per element of o and device, an
-    all-gather of o in its dtype receives (n - 1) x itemsize bytes, the float32 psum 8 (n - 1) / n:
-    bfloat16 o gathers on 2 or 3 devices (2 against 4 bytes on 2), ties at 4 (the psum then: it
-    holds one state, not n); large float32 states never gather."""
-    if state_bytes is not None and state_bytes <= SMALL_STATE_BYTES:
+    0.048) or on 2 devices (one swap), else "all_to_all". Per element of o and device, with s its
+    itemsize: the all-gather receives (n - 1) s bytes, the psum (float32) 8 (n - 1) / n, the
+    all-to-all 2 (n - 1) / n s: the fewest from 3 devices on, and the psum's for float32 o."""
+    if (state_bytes is not None and state_bytes <= SMALL_STATE_BYTES) or num_devices <= 2:
         return "all_gather"
-    return "all_gather" if num_devices * np.dtype(dtype).itemsize < 8 else "psum"
+    return "all_to_all"
 
 
 def _check_merge(merge):
@@ -528,8 +528,8 @@ def merge_over(state, axis, *, merge="auto"):
     `axis` (inside shard_map), in float32; every device gets the result. merge="psum": pmax of
     lse, psum of exp(lse - max), psum of the weighted o (float32); "all_gather": o (in its
     dtype) and lse gathered from every device (on 2 devices one swap, lax.ppermute: the same
-    bytes without the gather's local copy), then the same arithmetic on each; "auto":
-    merge_choice's. Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
+    bytes without the gather's local copy), then the same arithmetic on each; "all_to_all": each
+    device merges a slice of the rows, then gathers the merged slices; "auto": merge_choice's. Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
     _check_merge(merge)
     o, lse = state
     if merge == "auto":
@@ -537,6 +537,8 @@ def merge_over(state, axis, *, merge="auto"):
     if merge == "psum":
         out = _lse_merge(o, lse, lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis))
         return AttentionState(*out)
+    if merge == "all_to_all":
+        return _all_to_all_merge(o, lse, axis)
     if _axis_size(axis) == 2:  # one swap moves what the all-gather moves, without its local copy
         swap = lambda x: lax.ppermute(x, axis, [(0, 1), (1, 0)])
         # Both devices stack the states in device order: fused multiply-adds are not symmetric,
@@ -549,6 +551,23 @@ def merge_over(state, axis, *, merge="auto"):
     o_m, lse_m = _lse_merge(o_all, lse_all, lambda x: jnp.max(x, 0, keepdims=True),
                             lambda x: jnp.sum(x, 0, keepdims=True))
     return AttentionState(o_m[0], lse_m[0])
+
+
+def _all_to_all_merge(o, lse, axis):
+    """merge="all_to_all": the rows cut into n slices (padded to a multiple of n), device k
+    receives every device's state of slice k (one all-to-all, in o's dtype), merges them in
+    device order, and an all-gather of the merged slices gives every device all rows. Each row
+    is merged once, so the replicas hold the same bits."""
+    n, t = _axis_size(axis), o.shape[0]
+    pad = -t % n
+    if pad:
+        o = jnp.pad(o, [(0, pad)] + [(0, 0)] * (o.ndim - 1))
+        lse = jnp.pad(lse, [(0, pad)] + [(0, 0)] * (lse.ndim - 1), constant_values=-jnp.inf)
+    rows = (t + pad) // n
+    gather_slice = lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(n, rows, *x.shape[1:])
+    o_m, lse_m = _lse_merge(gather_slice(o), gather_slice(lse), lambda x: jnp.max(x, 0, keepdims=True),
+                            lambda x: jnp.sum(x, 0, keepdims=True))  # [1, rows, ...]
+    return AttentionState(lax.all_gather(o_m[0], axis, tiled=True)[:t], lax.all_gather(lse_m[0], axis, tiled=True)[:t])
 
 
 def _local_state(wrapper, q, kv_cache, plan, kv_lens):
@@ -619,8 +638,8 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
     cp_axis (shard_pages=True; split_page_table(pages_per_shard=)) or replicated. kv_lens
     (decode only, global int32[B], may be traced, e.g. plan horizons in lax.scan): each
     device reads clip(kv_lens - its key offset, 0, its share). merge: how the devices' states
-    are merged (merge_over): "psum", "all_gather" or "auto" (merge_choice for the cp axis's
-    size, o's dtype and its size). Returns o or AttentionState."""
+    are merged (merge_over): "psum", "all_gather", "all_to_all" or "auto" (merge_choice for the
+    cp axis's size, o's dtype and its size). Returns o or AttentionState."""
     _check_merge(merge)
     _check_axis(mesh, "cp_axis", cp_axis)
     spec_q = head_spec(tp_axis)

@@ -96,19 +96,19 @@ def test_head_parallel_takes_every_paged_wrapper():
 
 
 def test_context_parallel_merge_option():
-    """merge_choice gathers states of at most 4 MiB, and larger bf16 ones on 2 or 3 devices only
-    (n x itemsize < 8); a merge other
-    than auto / psum / all_gather is a ValueError naming merge."""
+    """merge_choice gathers states of at most 4 MiB and any state on 2 devices, else merges by
+    all-to-all; a merge other than auto / psum / all_gather / all_to_all is a ValueError naming
+    merge."""
     import jax
     import jax.numpy as jnp
     assert [sharding.merge_choice(n, jnp.bfloat16) for n in (1, 2, 3, 4, 8)] == [
-        "all_gather", "all_gather", "all_gather", "psum", "psum"]
-    assert [sharding.merge_choice(n, jnp.float32) for n in (1, 2, 4)] == ["all_gather", "psum", "psum"]
+        "all_gather", "all_gather", "all_to_all", "all_to_all", "all_to_all"]
+    assert [sharding.merge_choice(n, jnp.float32) for n in (1, 2, 4)] == ["all_gather", "all_gather", "all_to_all"]
     small, large = sharding.SMALL_STATE_BYTES, sharding.SMALL_STATE_BYTES + 1  # small states: latency-bound
-    assert [sharding.merge_choice(8, jnp.float32, b) for b in (small, large)] == ["all_gather", "psum"]
+    assert [sharding.merge_choice(8, jnp.float32, b) for b in (small, large)] == ["all_gather", "all_to_all"]
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
     dec = ji.BatchDecodeWithPagedKVCache(4, 2, 32, 4, max_batch_size=2, max_num_pages=4)
-    for merge in ("auto", "psum", "all_gather"):
+    for merge in sharding.MERGES:
         sharding.context_parallel(dec, mesh, merge=merge)
     with pytest.raises(ValueError, match="merge"):
         sharding.context_parallel(dec, mesh, merge="allgather")
@@ -122,16 +122,16 @@ def test_sharded_equals_one_device():
     """TP prefill at 4 (KV heads replicated), CP at 4 with short requests and empty shares (decode
     on a page-sharded cache, causal prefill on a replicated one), TP x CP BatchAttention on (2, 4),
     one prompt per step at 2 (the diag sub-batch on q itself, full rows scattered in), a CP
-    decode lax.scan loop, TP ragged_paged_attention and TP MLA (both entry points) at 2. The psum
-    and all-gather merges both
-    run on 2 and 4 devices with empty shares (both on one run's states, context_partial_states)."""
+    decode lax.scan loop, TP ragged_paged_attention and TP MLA (both entry points) at 2. The psum,
+    all-gather and all-to-all merges run on 2 and 4 devices with empty shares (all on one run's
+    states, context_partial_states)."""
     _check_script(["fast"])
 
 
 @pytest.mark.slow
 def test_sharded_grid_equals_one_device():
     """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND (TP cascade too),
-    both merges, one prompt per step (the diag or full sub-batch on q itself)."""
+    the three merges, one prompt per step (the diag or full sub-batch on q itself)."""
     _check_script(["grid"], timeout=3600)
 
 
@@ -318,7 +318,7 @@ def _check_cp(case, tp, cp, ref=None, merge="auto", base="any"):
              case.reference() if ref is None else ref)
 
 
-def _check_cp_merges(case, tp, cp, base="any", merges=("psum", "all_gather")):
+def _check_cp_merges(case, tp, cp, base="any", merges=("psum", "all_gather", "all_to_all")):
     """The devices' partial states (context_partial_states: the kernels run once), then each merge
     of merge_over on them, against one device."""
     import jax
@@ -336,7 +336,7 @@ def _check_cp_merges(case, tp, cp, base="any", merges=("psum", "all_gather")):
         body = lambda s, merge=merge: sharding.merge_over(jax.tree.map(lambda x: x[0], s), "cp", merge=merge)
         merged = jax.jit(sharding.shard_map(body, mesh, (spec,), out))(states)
         _compare(_cp_name(case, tp, cp, split, plan, merge) + " on context_partial_states", merged, ref)
-        for x in merged:  # every replica holds the same bits (on 2 devices, a swap then the merge)
+        for x in merged:  # every replica holds the same bits (each merge in device order)
             copies = [np.asarray(sh.data) for sh in x.addressable_shards if sh.index == x.addressable_shards[0].index]
             assert len(copies) == cp and all(np.array_equal(c, copies[0], equal_nan=True) for c in copies[1:])
 
@@ -506,7 +506,7 @@ def _main_grid():
                 for causal in ((True, False) if kind != "decode" else (True,)):
                     for sharded in (False, True):
                         _check_cp(_Case(rng, kind, 4, 2, layout, n, kv, qo, causal, sharded), 1, n,
-                                  merge="all_gather" if sharded else "psum")
+                                  merge=("all_to_all" if n > 2 else "all_gather") if sharded else "psum")
                     if kind != "decode" and layout == "NHD":  # one prompt: that sub-batch on q itself
                         _check_cp(_Case(rng, kind, 4, 2, layout, n, [37], [37], causal), 1, n,
                                   base="diag" if causal else "full")
