@@ -53,13 +53,13 @@ def rng(request):
 # share their one-device runs (test_examples' _runs cache: the TP test's reference).
 LONG_TESTS = {
     "test_sharded_equals_one_device": 50, "test_fuzz_400": 25,
-    "test_rpa_v3_grid": 8, "test_mixed_kernel_matches_reference": 17, "test_unpadded_cache_runs_in_place": 15,
+    "test_mixed_kernel_matches_reference": 17, "test_unpadded_cache_runs_in_place": 15,
     "test_generate_sampling_deterministic_and_in_range": 13, "test_generate_tensor_parallel_on_host_devices": 17,
     "test_mosaic_prefill_variants_match_reference": 12,
     "test_serve_tensor_parallel_on_host_devices": 12, "test_mosaic_prefill_configs_lower_for_cuda": 12,
     "test_paged_prefill": 11, "test_serve_chunked_prefill_equals_unchunked": 10,
     "test_serve_batched_equals_alone": 9.5, "test_batch_attention": 9,
-    "test_two_processes_jax_distributed": 9, "test_mosaic_class_matches_reference": 8,
+    "test_two_processes_jax_distributed": 9,
     "test_cascade_variant_positions": 8, "test_paged_prefill_boundaries": 6}
 
 

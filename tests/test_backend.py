@@ -177,23 +177,38 @@ def test_triton_deprecation_is_hidden_for_jaxinfer_kernels_only(rng):
     assert len(triton) == (1 if jax_warns else 0), (jax.__version__, user_warnings)
 
 
-def test_mosaic_prefill_configs_lower_for_cuda():
-    """Every Mosaic prefill tuning lowers for CUDA without a GPU (layouts, TMA, register splits):
-    the dispatch defaults at head_dim 128 / 256 (the overlap pipeline at 256; head_dim 64's,
-    three compute warpgroups, lowers paged and ragged in test_gpu_kernels_lower_for_cuda_on_any_host),
-    the other pipelines, and ragged_paged_attention's persistent Mosaic class (row stores)."""
+MOSAIC_TUNINGS = [  # (head_dim, config): the dispatch defaults at 128 / 256, the other pipelines
+    (128, None), (256, None), (128, dict(pipeline="free", compute_wgs=3, tree_max=True)), (128, dict(pipeline="overlap"))]
+
+
+@pytest.mark.slow  # their branches lower by default too (the test below, test_gpu_kernels_lower_for_cuda_on_any_host)
+@pytest.mark.parametrize("i", range(1, len(MOSAIC_TUNINGS)))
+def test_mosaic_prefill_tunings_lower_for_cuda(i):
+    _lower_mosaic_prefill(*MOSAIC_TUNINGS[i])
+
+
+def _lower_mosaic_prefill(d, config):
     from benchmarks.common import random_paged_cache
     b, s, hq, hkv, page = 2, 200, 4, 2, 16
     qo_indptr = (np.arange(b + 1) * 70).astype(np.int32)
-    for d, config in ((128, None), (256, None),
-                      (128, ji.MosaicPrefillConfig(pipeline="free", compute_wgs=3, tree_max=True)),
-                      (128, ji.MosaicPrefillConfig(pipeline="overlap"))):
-        cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
-                                                          jnp.bfloat16)
-        pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", config=config)
-        plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages)
-        q = jnp.ones((int(qo_indptr[-1]), hq, d), jnp.bfloat16)
-        assert MOSAIC_CALL in lower_for_cuda(pre.run, q, cache, plan), (d, config)
+    config = None if config is None else ji.MosaicPrefillConfig(**config)
+    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
+                                                      jnp.bfloat16)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", config=config)
+    plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages)
+    q = jnp.ones((int(qo_indptr[-1]), hq, d), jnp.bfloat16)
+    assert MOSAIC_CALL in lower_for_cuda(pre.run, q, cache, plan), (d, config)
+
+
+def test_mosaic_prefill_configs_lower_for_cuda():
+    """Every Mosaic prefill tuning lowers for CUDA without a GPU (layouts, TMA, register splits):
+    the dispatch default at head_dim 128 here (256's and the other pipelines under slow:
+    test_mosaic_prefill_tunings_lower_for_cuda; head_dim 64's, three compute warpgroups, lowers paged
+    and ragged in test_gpu_kernels_lower_for_cuda_on_any_host), and ragged_paged_attention's
+    persistent Mosaic class (row stores)."""
+    from benchmarks.common import random_paged_cache
+    _lower_mosaic_prefill(*MOSAIC_TUNINGS[0])
+    b, s, hq, hkv, page = 2, 200, 4, 2, 16
     # ragged_paged_attention: two sequences of 70 and 90 new tokens, the Mosaic class as the base.
     d, pages_per_seq = 128, 16
     cache, *_ = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d, jnp.bfloat16)

@@ -33,7 +33,7 @@ def _case(rng, qo, kv, page, hq, hkv, d, layout="NHD", poison=True):
 # test_short_path.test_mha_batch_with_a_20_token_request (causal and not; both classes) and in
 # test_boundary's group-8 row (non-causal, every boundary length).
 @pytest.mark.parametrize("page, layout, causal", [(8, "NHD", True), pytest.param(1, "HND", True, marks=pytest.mark.slow),
-                                                  (16, "NHD", False)])
+                                                  pytest.param(16, "NHD", False, marks=pytest.mark.slow)])
 def test_mixed_step_matches_reference(rng, page, layout, causal):
     hq, hkv, d = 4, 2, 32
     q, cache, table, num_pages = _case(rng, QO, KV, page, hq, hkv, d, layout)
@@ -276,7 +276,8 @@ COMPOSITIONS = [([1, 1, 1, 1], [40, 9, 1, 70]), ([4, 4, 4], [30, 64, 17]), ([1, 
                 ([20, 1, 1, 2, 5, 1], [20, 9, 100, 2, 45, 4]), ([40, 17], [60, 17]), ([0, 0], [5, 9])]
 
 
-@pytest.mark.parametrize("wrapper, hq, hkv", [(ji.BatchAttention, 8, 2), (ji.BatchAttention, 4, 4),
+@pytest.mark.parametrize("wrapper, hq, hkv", [(ji.BatchAttention, 8, 2),
+                                             pytest.param(ji.BatchAttention, 4, 4, marks=pytest.mark.slow),
                                              (ji.BatchPrefillWithPagedKVCache, 8, 2)])
 def test_capacities_give_one_program_for_every_composition(rng, wrapper, hq, hkv):
     """With max_batch_size, max_num_tokens and max_num_pages, every plan has one pytree structure

@@ -74,6 +74,7 @@ def test_append_writes_in_place_as_nhd(rng):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))  # (NaN == NaN)
 
 
+@pytest.mark.slow  # NHD_FUSED pages run by default through ragged_paged_attention (test_compat_tpu_inference) and Mosaic prefill
 def test_decode_matches_nhd_and_reference(rng):
     """The decode wrapper (split KV: 8 CTAs), then its fused append (append_kv) on the fused cache."""
     kv = np.array([1, 37, 150, 9])
@@ -102,7 +103,8 @@ def test_decode_matches_nhd_and_reference(rng):
 
 # Non-causal under slow: causal or not, the kernel reads the fused pages alike (non-causal paged
 # prefill runs by default in test_safety.test_paged_prefill_never_reads_unlisted_memory[False]).
-@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False])
 def test_paged_prefill_matches_nhd_and_reference(rng, causal):
     qo, kv = np.array([5, 0, 17, 1]), np.array([40, 9, 70, 3])
     table, nhd, cache, num_pages = _case(rng, kv, 8)
@@ -134,6 +136,7 @@ def test_mosaic_prefill_matches_reference(rng):
     assert rel_err(o, want.o) < TOL[jnp.bfloat16]
 
 
+@pytest.mark.slow
 def test_batch_attention_matches_nhd_and_reference(rng):
     """BatchAttention's two classes (decode kernel for the short rows, prefill tiles for the rest)."""
     qo, kv = np.array([1, 0, 4, 37, 2]), np.array([300, 9, 64, 90, 17])

@@ -126,8 +126,9 @@ def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32
     return run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan, **kw), want
 
 
-@pytest.mark.parametrize("num_heads,page_size,causal", [(8, 1, True), (16, 64, True), (16, 16, False),
-                                                        (8, 64, False)])
+@pytest.mark.parametrize("num_heads,page_size,causal", [  # every value twice by default; the rest under slow
+    (8, 1, True), (16, 64, True), pytest.param(16, 16, False, marks=pytest.mark.slow),
+    pytest.param(8, 64, False, marks=pytest.mark.slow)])
 def test_matches_float64_reference(rng, num_heads, page_size, causal):
     for qo_lens, kv_lens in (DECODE, MIXED):
         out, want = run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens)
@@ -139,12 +140,13 @@ def test_128_heads_small_kv(rng):
     check(out, want, 2e-5)
 
 
+@pytest.mark.slow  # bfloat16 latent caches run by default in the Mosaic kernel tests and test_fp8_latent_cache_with_scales
 def test_bfloat16(rng):
     out, want = run_step(rng, 16, 64, True, *MIXED, dtype="bfloat16")
     check(out, want, 2e-2)
 
 
-@pytest.mark.parametrize("dtype,tol", [("bfloat16", 8e-3), ("float16", 1e-3)])
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 8e-3), pytest.param("float16", 1e-3, marks=pytest.mark.slow)])
 def test_fp8_latent_cache_with_scales(rng, dtype, tol):
     """e4m3 ckv / kpe with their own scales (data: one compilation for both pairs), NaN in unlisted
     pages, against float64 on the dequantized cache; o in q's dtype."""
@@ -342,7 +344,11 @@ def _same_program(*plans):
 # The Mosaic GPU interpreter compiles its warpgroups' programs again at every call (seconds each),
 # jitted or not: by default the tests below run one step and check that the other step's plan is
 # the same program (pytree structure and shapes, what jit's cache keys on); under slow they run both.
-@pytest.mark.parametrize("run_both", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Under slow: the mixed causal step's rows (no visible key, split decode rows, NaN, padding) and one
+# program for two steps run by default in test_mosaic_kernel_one_token_tiles_under_capacities and
+# test_mosaic_kernel_several_tokens_per_tile.
+@pytest.mark.slow
+@pytest.mark.parametrize("run_both", [False, True])
 def test_mosaic_kernel_matches_float64_reference_once_compiled(rng, run_both):
     """The Hopper row in the interpreter: decode with a split request and one without keys (run
     under slow; by default its plan only, the mixed step's program), then a mixed causal step
@@ -383,6 +389,7 @@ def test_mosaic_kernel_several_tokens_per_tile(rng):
     assert np.isneginf(want[1]).sum() == 6 * 16
 
 
+@pytest.mark.slow  # one-token tiles run by default in test_mosaic_kernel_one_token_tiles_under_capacities
 def test_mosaic_kernel_one_token_tiles(rng, num_heads=32, page_size=32):
     """Decode of 32 heads: tiles of one token (H rows; the wgmma's other rows stale, never stored),
     split tiles merged, a request without keys, pages of one block; the interpreter, bf16, NaN in
@@ -474,19 +481,21 @@ def test_mosaic_row_is_chosen_where_it_runs(monkeypatch):
         BatchMLAPagedAttention(128, CKV, KPE, 64, sm_scale=SCALE).plan(*table, num_pages=20, q_dtype="bf17")
 
 
-def test_mosaic_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("heads, qo, causal", [  # (64, 3) and (16, 1): the branches of the other two (slow)
+    (128, 1, False), pytest.param(64, 3, True, marks=pytest.mark.slow), (16, 4, True),
+    pytest.param(16, 1, False, marks=pytest.mark.slow)])
+def test_mosaic_kernel_lowers_for_cuda(heads, qo, causal):
     """The Mosaic GPU kernel lowers for an H100 on any host (TMA, wgmma layouts, register stores):
     decode of 128 heads with split tiles, causal verify rows of 64 heads, 16 heads x 4 tokens a tile."""
     from test_backend import MOSAIC_CALL, lower_for_cuda
-    for heads, qo, causal in ((128, 1, False), (64, 3, True), (16, 4, True), (16, 1, False)):
-        b, kv, page = 4, 300, 64
-        table = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 30)
-        mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=causal, sm_scale=SCALE, backend="gpu",
-                                     impl="mosaic")
-        plan = mla.plan(*table, num_pages=30)
-        args = (jnp.ones((b * qo, heads, CKV), jnp.bfloat16), jnp.ones((b * qo, heads, KPE), jnp.bfloat16),
-                jnp.ones((30, page, CKV), jnp.bfloat16), jnp.ones((30, page, KPE), jnp.bfloat16), plan)
-        assert MOSAIC_CALL in lower_for_cuda(mla.run, *args)
+    b, kv, page = 4, 300, 64
+    table = step(np.random.default_rng(0), [qo] * b, [kv] * b, page, 30)
+    mla = BatchMLAPagedAttention(heads, CKV, KPE, page, causal=causal, sm_scale=SCALE, backend="gpu",
+                                 impl="mosaic")
+    plan = mla.plan(*table, num_pages=30)
+    args = (jnp.ones((b * qo, heads, CKV), jnp.bfloat16), jnp.ones((b * qo, heads, KPE), jnp.bfloat16),
+            jnp.ones((30, page, CKV), jnp.bfloat16), jnp.ones((30, page, KPE), jnp.bfloat16), plan)
+    assert MOSAIC_CALL in lower_for_cuda(mla.run, *args)
 
 
 def test_gpu_kernel_lowers_for_cuda():

@@ -174,7 +174,10 @@ def test_compositions_128_heads(page_size):
 
 # The Mosaic GPU interpreter compiles its warpgroups' programs again at every call (seconds each,
 # jitted or not): by default one composition, the second (the same shapes: the same trace) under slow.
-@pytest.mark.parametrize("compositions", [1, pytest.param(2, marks=pytest.mark.slow)])
+# Under slow: the Mosaic kernel runs by default in test_mla.py (its interpreter), one program for
+# every composition in test_compositions_one_compilation (the Triton kernel, the same plans).
+@pytest.mark.slow
+@pytest.mark.parametrize("compositions", [1, 2])
 def test_mosaic_kernel_compositions_one_compilation(monkeypatch, compositions):
     """impl="mosaic" (the Mosaic GPU interpreter): 64 heads, Dc 128 + Dr 64, page 64, bf16;
     compositions (decode with a split tile, multi-token rows, an empty sequence and padding rows;

@@ -44,7 +44,9 @@ SAMPLE = [  # (batch, page, (Hq, Hkv), head_dim, causal)
     (5, 16, (32, 4), 64, True), (5, 5, (4, 4), 128, False), (1, 1, (4, 4), 64, True), (17, 16, (4, 4), 64, False)]
 
 
-@pytest.mark.parametrize("i, case", list(enumerate(SAMPLE)))
+@pytest.mark.parametrize("i, case", [  # cases 1 and 3 (head_dim 128, non-causal, odd pages) take the
+    # branches of the default tests (test_boundary's rows, test_short_path): under slow
+    (i, c) if i in (0, 2) else pytest.param(i, c, marks=pytest.mark.slow) for i, c in enumerate(SAMPLE)])
 def test_paged_prefill_sample(rng, i, case):
     batch, page, (hq, hkv), d, causal = case
     qo, kv = _lens(batch, i)
@@ -62,6 +64,7 @@ def test_paged_prefill_full_grid(rng, i, case):
     _check_paged(rng, qo, kv, page, hq, hkv, d, causal)
 
 
+@pytest.mark.slow  # bf16 HND split tiles: the branches of test_boundary's HND rows and test_prefill_head_dims
 def test_paged_prefill_bf16_hnd_split_kv(rng):
     plan = _check_paged(rng, np.array([40, 3, 64]), np.array([300, 0, 64]), 16, 8, 2, 64, True,
                         jnp.bfloat16, "HND", fixed_split_tokens=64)
@@ -75,7 +78,8 @@ def test_split_kv_with_an_empty_chunk_and_fully_masked_rows(rng):
 
 # Non-causal under slow: test_boundary.test_ragged_kv_prefill_boundaries (its group-8 row) runs the
 # ragged wrapper non-causal by default, at every tile edge.
-@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # by default: test_boundary.test_ragged_kv_prefill_boundaries (every tile edge), test_safety
+@pytest.mark.parametrize("causal", [True, False])
 def test_ragged_prefill(rng, causal):
     qo, kv = np.array([17, 1, 37, 127]), np.array([54, 97, 1, 512])
     qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)

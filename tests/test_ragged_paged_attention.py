@@ -108,7 +108,11 @@ CACHED = [700, 8, 5, 60, 20, 0, 129]
 # Default: page 8, causal. Page 16 non-causal (the same classes and splits) under slow: a non-causal
 # step with every class runs in test_boundary.test_ragged_paged_attention_boundaries (its group-6 row,
 # page 8, NHD), page 16 in the SMALL steps below.
-@pytest.mark.parametrize("page, causal", [(8, True), pytest.param(16, False, marks=pytest.mark.slow)])
+# Under slow: every class, the cache write and padding rows run in test_boundary's ragged_paged_attention rows
+# (groups 1 and 6, every boundary length alone and in a mixed step), the decode-only and prefill-only
+# steps below.
+@pytest.mark.slow
+@pytest.mark.parametrize("page, causal", [(8, True), (16, False)])
 def test_mixed_step_matches_reference(rng, page, causal):
     args, want_cache, table = _step(rng, QO, CACHED, page=page, dist=(2, 2, 7), seq_cap=9, tok_cap=64,
                                     pages_per_seq=-(-760 // page))
@@ -182,6 +186,7 @@ def test_sliding_window_and_soft_cap_hnd(rng):
 SMALL = dict(page=16, seq_cap=7, tok_cap=64, pages_per_seq=16, num_pages=48)
 
 
+@pytest.mark.slow  # the same program as the boundary rows and test_traced_kv_len_past_the_pages_stays_in_its_row
 def test_float64_numpy(rng):
     args, want_cache, table = _step(rng, [1, 5, 19], [40, 3, 30], dist=(1, 1, 3), **SMALL)
     out, _ = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
@@ -215,8 +220,11 @@ COMPOSITIONS = (([1] * 5, [33, 0, 17, 90, 8], (5, 5, 5)), ([20, 12, 30], [0, 15,
 
 # Default: sinks with a window, causal (one program, three compositions). The non-causal step runs in
 # test_boundary's group-6 ragged_paged_attention row; sinks non-causal and without a window here under slow.
-@pytest.mark.parametrize("causal, window", [(True, 6), pytest.param(False, None, marks=pytest.mark.slow),
-                                            pytest.param(True, None, marks=pytest.mark.slow)])
+# Under slow: sinks with a window run by default through the RPA v3 hd64 entry point
+# (test_compat_tpu_inference.test_rpa_v3_hd64_grid, sliding_window_sink) and on the Mosaic class
+# (test_mosaic_class_holds_the_sinks).
+@pytest.mark.slow
+@pytest.mark.parametrize("causal, window", [(True, 6), (False, None), (True, None)])
 def test_sinks_match_reference(rng, causal, window):
     """Attention sinks, traced: decode-only, prefill-only and mixed steps through one compilation,
     against the reference's sinks variant (sinks about the rows' lse, so that they matter)."""
@@ -339,6 +347,7 @@ def _mosaic_step(rng, q_lens, cached, dist, heads=(2, 1, 64), **kw):
     return _step(rng, q_lens, cached, dist=dist, heads=heads, dtype=jnp.bfloat16, **kw)
 
 
+@pytest.mark.slow  # the Mosaic class's program runs by default in test_mosaic_class_holds_the_sinks
 def test_mosaic_class_matches_reference(rng):
     """A step with the Mosaic class as the base (group 1: q_len > 16), one query head (the
     interpreter runs each tile for seconds): two sequences at unaligned rows, their tiles in

@@ -9,7 +9,7 @@ from jaxinfer import reference as ref
 
 
 @pytest.mark.parametrize("qo, kv, hq, hkv, d, causal, dtype", [
-    (37, 54, 8, 2, 64, True, jnp.float32),
+    pytest.param(37, 54, 8, 2, 64, True, jnp.float32, marks=pytest.mark.slow),  # the branches of the f16 / bf16 cases
     # non-causal: the single-key case below, and test_boundary.test_single_prefill_boundaries[5-26-256-False]
     pytest.param(37, 54, 8, 2, 64, False, jnp.float32, marks=pytest.mark.slow),
     (17, 97, 4, 4, 128, True, jnp.bfloat16),
@@ -36,7 +36,7 @@ def test_single_prefill_sm_scale_and_plain_output(rng):
 
 
 @pytest.mark.parametrize("kv, hq, hkv, d, dtype", [
-    (97, 8, 2, 64, jnp.float32), (300, 4, 4, 128, jnp.bfloat16), (1, 8, 1, 64, jnp.float16), (0, 4, 2, 64, jnp.float32)])
+    pytest.param(97, 8, 2, 64, jnp.float32, marks=pytest.mark.slow), (300, 4, 4, 128, jnp.bfloat16), (1, 8, 1, 64, jnp.float16), (0, 4, 2, 64, jnp.float32)])
 def test_single_decode(rng, kv, hq, hkv, d, dtype):
     q, k, v = randn(rng, (hq, d), dtype), randn(rng, (kv, hkv, d), dtype), randn(rng, (kv, hkv, d), dtype)
     o, lse = ji.single_decode_with_kv_cache(q, k, v, return_lse=True, num_ctas=16)

@@ -73,7 +73,7 @@ def test_prefill_variant(rng, name):
 
 
 @pytest.mark.parametrize("name", (  # ALiBi's positions also run in the Mosaic and paged variant tests
-    pytest.param("alibi", marks=pytest.mark.slow), "window", "rope"))
+    pytest.param("alibi", marks=pytest.mark.slow), "window", pytest.param("rope", marks=pytest.mark.slow)))
 def test_ragged_and_block_sparse_variant(rng, name):
     var, params = _builtin(name, rng=rng)
     qo_indptr = np.array([0, 20, 51], np.int32)
@@ -155,7 +155,7 @@ def test_soft_cap_matches_formula(rng, cap):
     assert rel_err(o, _np_softmax_out(s, v, HQ)) < 1e-5
 
 
-@pytest.mark.parametrize("window", (pytest.param(3, marks=pytest.mark.slow), 13, 33))
+@pytest.mark.parametrize("window", (pytest.param(3, marks=pytest.mark.slow), 13, pytest.param(33, marks=pytest.mark.slow)))
 def test_window_matches_custom_mask(rng, window):
     """Sliding window == the equivalent custom mask (kv up to 1177, tiles skipped). By default 33
     runs with the planner's window hint (tiles left of the window not planned) and 13 without it;
@@ -323,6 +323,7 @@ def test_fp8_pairs_split_columns_exactly(fp8):
     np.testing.assert_array_equal(np.asarray(odd), wide[:, 1::2])
 
 
+@pytest.mark.slow  # fp8 pair and plain reads take the branches of test_fp8_kv and test_fp8_pairs_split_columns_exactly
 def test_fp8_pairs_and_plain_fp8_reads_agree(rng):
     """Decode and prefill read fp8 K/V either as column pairs or as bytes (fp8_pairs): the same
     attention up to summation order."""
