@@ -5,6 +5,7 @@
     python examples/generate.py --config llama3-8b --batch 16 --prompt-len 512 2048 --new-tokens 128
     python examples/generate.py --temperature 0.8 --top-k 50 --top-p 0.9   # sampling (jaxinfer.sampling)
     python examples/generate.py --config llama3-70b --tp 4 --batch 1 64   # 4 GPUs, tensor parallel
+    python examples/generate.py --config llama3-8b --cp 4 --batch 1 --prompt-len 60000 65000   # context parallel
 
 One prefill for all prompts (BatchPrefillWithPagedKVCache), then one decode step per token
 (BatchDecodeWithPagedKVCache). Each step makes one plan on the host, shared by all layers;
@@ -24,7 +25,10 @@ step to step (deterministic given --seed; --scan gives the same tokens). --tp N 
 over N devices (llama.py: weights column/row parallel and made on the devices, each device its
 share, never on the host; the cache on KV heads, attention through jaxinfer.sharding.head_parallel,
 plans replicated); the decode step then appends the K/V through the page table instead of inside
-the decode kernel.
+the decode kernel. --cp N splits the context over N devices for long prompts (llama.py: every
+layer's cache split on pages, each request's pages spread evenly over the devices, the attention
+through jaxinfer.sharding.context_parallel with one plan per device and the partial states
+merged exactly); the rest of the model runs replicated on every device.
 """
 import argparse
 import sys
@@ -38,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxinfer as ji
 import llama
+from jaxinfer import sharding
 from planner.allocator import PageAllocator, page_table, pad
 
 
@@ -68,6 +73,9 @@ def parse_args(argv=None):
                     help="sample among the tokens with p >= min_p * the top token's p (0: all)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallel over the first N devices (heads, MLP columns and the cache split)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context parallel over the first N devices (every layer's cache split on pages, the "
+                         "attention's partial states merged; the weights replicated)")
     ap.add_argument("--sync", action="store_true",
                     help="wait for each step's tokens on the host before planning and launching the next "
                          "(no overlap of host work with the device; for comparison)")
@@ -92,6 +100,10 @@ def parse_args(argv=None):
         raise ValueError("--top-k, --top-p and --min-p filter samples: give a --temperature > 0 (0 is greedy)")
     if not 1 <= args.tp <= len(jax.devices()):
         raise ValueError(f"--tp must lie in [1, {len(jax.devices())}] (the devices there are), got {args.tp}")
+    if not 1 <= args.cp <= len(jax.devices()):
+        raise ValueError(f"--cp must lie in [1, {len(jax.devices())}] (the devices there are), got {args.cp}")
+    if args.cp > 1 and (args.tp > 1 or args.scan or args.layer_loop != "unroll"):
+        raise ValueError("--cp runs with --tp 1, --scan 0 and --layer-loop unroll")
     if args.config == "llama3-70b" and jax.default_backend() != "gpu":
         raise ValueError("--config llama3-70b needs GPUs (about 141 GB of bfloat16 weights, e.g. --tp 4 "
                          f"on H100s); this backend is {jax.default_backend()}")
@@ -114,6 +126,22 @@ class Progress:
             if self.done >= self.total:
                 sys.stderr.write("\n")
             sys.stderr.flush()
+
+
+def context_page_lists(pages_needed, num_devices, pages_per_device):
+    """Each request's pages spread evenly over the devices of a page-split cache (the first devices
+    take one more where they do not divide), listed device by device: device k's from its pages
+    [k N, (k + 1) N), N = pages_per_device (sharding.split_page_table's order)."""
+    allocators = [PageAllocator(pages_per_device) for _ in range(num_devices)]
+    shares = context_shares(pages_needed, num_devices)
+    return [np.concatenate([allocators[k].alloc(int(shares[k, r])) + k * pages_per_device
+                            for k in range(num_devices)]).astype(np.int32) for r in range(len(pages_needed))]
+
+
+def context_shares(pages_needed, num_devices):
+    """int64[n, B]: request r's pages_needed[r] pages split evenly over n devices."""
+    base, extra = np.divmod(np.asarray(pages_needed, np.int64), num_devices)
+    return base[None, :] + (np.arange(num_devices)[:, None] < extra[None, :])
 
 
 def compile_all(lowered):
@@ -186,15 +214,19 @@ class BatchRun:
         (with decode steps) the decode call's programs, lowered (traced, not compiled)."""
         args, cfg, batch, ps = self.args, self.cfg, self.batch, self.args.page_size
         self.num_pages, self.params, self.put, self.mesh = num_pages, params, put, mesh
-        allocator = PageAllocator(num_pages)
-        self.page_lists = [allocator.alloc(int(n)) for n in self.pages_needed]
+        self.local_pages = num_pages // args.cp  # the pages of one device (all of them without CP)
+        if args.cp > 1:
+            self.page_lists = context_page_lists(self.pages_needed, args.cp, self.local_pages)
+        else:
+            allocator = PageAllocator(num_pages)
+            self.page_lists = [allocator.alloc(int(n)) for n in self.pages_needed]
         hs, d = cfg.heads, cfg.head_dim  # per-device heads (all of them without TP)
         opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode runs the grid serially
         self.prefill = ji.BatchPrefillWithPagedKVCache(
             hs.num_qo_heads, hs.num_kv_heads, d, ps, causal=True, max_batch_size=batch,
-            max_num_tokens=int(self.prompt_lens.sum()), max_num_pages=num_pages, **opts)
+            max_num_tokens=int(self.prompt_lens.sum()), max_num_pages=self.local_pages, **opts)
         self.decode = ji.BatchDecodeWithPagedKVCache(hs.num_qo_heads, hs.num_kv_heads, d, ps, max_batch_size=batch,
-                                                     max_num_pages=num_pages, **opts)
+                                                     max_num_pages=self.local_pages, **opts)
         self.sampling, self.key = put((llama.SamplingParams.full(batch, args.temperature, args.top_k, args.top_p,
                                                                  args.min_p), jax.random.key(args.seed)))
         self.decode_fn = (llama.make_decode_scan(graphdef, self.decode, num_pages, self.k, sampler, mesh)
@@ -210,28 +242,41 @@ class BatchRun:
         batch, lens = self.batch, self.prompt_lens
         qo_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         kv_indptr, kv_indices, last = page_table(self.page_lists, lens, self.args.page_size)
-        plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,
-                                 q_data_type=self.cfg.dtype)
         positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-        attention = llama.PagedAttention(self.prefill, self.num_pages, plan,
-                                         np.repeat(np.arange(batch), lens).astype(np.int32), positions,
-                                         kv_indptr, pad(kv_indices, self.num_pages), mesh=self.mesh)
+        rows = np.repeat(np.arange(batch), lens).astype(np.int32)
+        if self.args.cp > 1:
+            split = sharding.split_page_table(kv_indptr, kv_indices, last, self.args.page_size, self.args.cp,
+                                              qo_indptr=qo_indptr, causal=True, pages_per_shard=self.local_pages)
+            plan = sharding.context_plan(self.prefill, split, num_pages=self.num_pages, q_data_type=self.cfg.dtype)
+            table = llama.context_append_tables(split, rows, positions, self.local_pages)
+        else:
+            plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,
+                                     q_data_type=self.cfg.dtype)
+            table = (rows, positions, kv_indptr, pad(kv_indices, self.num_pages))
+        attention = llama.PagedAttention(self.prefill, self.num_pages, plan, *table, mesh=self.mesh)
         return (self.params, *self.put((np.concatenate(self.prompts), positions)), kv_cache,
                 self.put(attention), self.put(qo_indptr[1:] - 1), self.sampling, self.key)
 
     def decode_inputs(self, call):
         """Host plan for decode call `call` (k steps from token `call * k`), sent to the device.
         Row b is request b at its last position, so the decode kernel appends the K/V itself
-        (under TP through the page table, which is also sent)."""
+        (under TP and CP through the page table, which is also sent: per device under CP)."""
         args, k, mesh = self.args, self.k, self.mesh
         lens = self.prompt_lens + call * k + (k if args.scan else 1)  # after the call's last token is appended
         kv_indptr, kv_indices, last = page_table(self.page_lists, lens, args.page_size)
+        positions = (lens - 1).astype(np.int32)
+        if args.cp > 1:
+            split = sharding.split_page_table(kv_indptr, kv_indices, last, args.page_size, args.cp,
+                                              pages_per_shard=self.local_pages)
+            plan = sharding.context_plan(self.decode, split, num_pages=self.num_pages)
+            append = llama.context_append_tables(split, np.arange(self.batch, dtype=np.int32), positions,
+                                                 self.local_pages)
+            return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, *append, mesh=mesh)))
         plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
                                 horizon=k if args.scan else 1)
         table = (kv_indptr, pad(kv_indices, self.num_pages))
         if args.scan:
             return self.put((plan, table if mesh else None))
-        positions = (lens - 1).astype(np.int32)
         append = (np.arange(self.batch, dtype=np.int32), positions, *table) if mesh else ()
         return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, *append, mesh=mesh)))
 
@@ -288,19 +333,25 @@ def main(argv=None):
     value (tokens [B, new_tokens], TTFT, ITL, tokens/s, compile seconds)."""
     args = parse_args(argv)
     cfg = llama.get_config(args.config, args.layers, args.layer_loop, args.tp)
-    mesh = Mesh(np.asarray(jax.devices()[:args.tp]), ("tp",)) if args.tp > 1 else None
-    # Host inputs (tokens, plans, ...): replicated under TP.
+    mesh = None
+    if args.tp > 1:
+        mesh = Mesh(np.asarray(jax.devices()[:args.tp]), ("tp",))
+    elif args.cp > 1:
+        mesh = Mesh(np.asarray(jax.devices()[:args.cp]), ("cp",))
+    # Host inputs (tokens, plans, ...): replicated on the mesh.
     put = jax.device_put if mesh is None else lambda x: jax.device_put(x, NamedSharding(mesh, P()))
     rng = np.random.default_rng(args.seed)
     runs = [BatchRun(args, cfg, batch, rng) for batch in args.batch]
-    num_pages = max(int(r.pages_needed.sum()) for r in runs)  # per layer: the largest batch value's pages
+    # Pages per layer: the largest batch value's (under CP, the most any device holds, on each).
+    num_pages = args.cp * max(int(context_shares(r.pages_needed, args.cp).sum(axis=1).max()) for r in runs)
 
     t = time.perf_counter()
     graphdef, params = llama.build(cfg, args.seed, mesh)
     kv_cache = llama.paged_kv_cache(cfg, num_pages, args.page_size, mesh)
     jax.block_until_ready((params, kv_cache))
     print(f"{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
-          f"{cfg.num_kv_heads}, {cfg.dtype}, {jax.default_backend()}" + (f", TP {args.tp}" if mesh else "")
+          f"{cfg.num_kv_heads}, {cfg.dtype}, {jax.default_backend()}" + (f", TP {args.tp}" if args.tp > 1 else "")
+          + (f", CP {args.cp}" if args.cp > 1 else "")
           + f"; {args.new_tokens} new tokens, page {args.page_size}, {num_pages} pages per layer "
           f"(weights + cache {time.perf_counter() - t:.1f} s)", flush=True)
     print(f"memory after weights and cache: {device_memory() or 'not reported by this backend'}", flush=True)

@@ -33,6 +33,11 @@ adds the all-reduces), so no host holds the model; paged_kv_cache(..., mesh) mak
 on KV heads, and
 PagedAttention(..., mesh=mesh) attends through jaxinfer.sharding.head_parallel.
 
+Context parallelism (a mesh with one axis "cp"): the weights replicated, each layer's cache split
+on pages (device k holds pages [k N, (k + 1) N)), the K/V appended on the device that owns each
+token's page (append_context_parallel) and the attention through
+jaxinfer.sharding.context_parallel, the devices' partial states merged exactly.
+
 Sampling (sample, Sampler): greedy argmax, or jaxinfer.sampling (temperature, top-k, top-p,
 min-p) on the device inside the jitted step, a jax.random key threaded through the steps.
 """
@@ -317,6 +322,9 @@ def build(cfg, seed, mesh=None):
     stacked layers). Embeddings, norms and LM head are made on the first device, then placed."""
     if mesh is None:
         return nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))
+    if is_context_parallel(mesh):  # every device holds the whole model
+        graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))
+        return graphdef, jax.device_put(params, NamedSharding(mesh, P()))
     if mesh.shape.get("tp") != cfg.tp:
         raise ValueError(f"mesh must have an axis 'tp' of cfg.tp = {cfg.tp} devices, got {dict(mesh.shape)}")
     placed = functools.partial(jax.tree_util.tree_map_with_path,
@@ -329,6 +337,18 @@ def build(cfg, seed, mesh=None):
                        out_shardings={name: NamedSharding(mesh, TP_SPECS.get(name, P())) for name in LAYER_PARAMS})
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed), layer_fn=layer_fn))
     return graphdef, jax.device_put(params, placed(params))
+
+
+def is_context_parallel(mesh):
+    """Whether mesh is a context-parallel one (its one axis "cp"); else tensor parallel ("tp")."""
+    return mesh is not None and tuple(mesh.axis_names) == ("cp",)
+
+
+def _cache_spec(mesh, layout):
+    """The cache's PartitionSpec on mesh: pages on "cp" (context parallel), else KV heads on "tp"."""
+    if is_context_parallel(mesh):
+        return sharding.cache_spec(layout, cp_axis="cp")
+    return sharding.cache_spec(layout, tp_axis="tp")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -351,6 +371,8 @@ class PagedAttention:
     wrapper built for one device's heads (cfg.heads), the attention through
     sharding.head_parallel (the plan replicated), the K/V appended on each device's heads
     (append_head_parallel). It needs the page table: head_parallel runs no append_kv.
+    A context-parallel mesh (axis "cp"): plan is a sharding.ContextPlan of the wrapper built for
+    one device's pages, and the append table is context_append_tables' (one per device, stacked).
     """
     wrapper: Any
     pages_per_layer: int
@@ -380,6 +402,11 @@ class PagedAttention:
         if self.mesh is None:
             kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, *table)
             run = self.wrapper.run
+        elif is_context_parallel(self.mesh):
+            if layer is not None:
+                raise ValueError("context parallelism takes one cache per layer (layer_loop 'unroll')")
+            kv_cache = append_context_parallel(self.mesh, kv_cache, k, v, *table)
+            run = sharding.context_parallel(self.wrapper, self.mesh)
         else:
             kv_cache = append_head_parallel(self.mesh, kv_cache, k, v, *table)
             run = sharding.head_parallel(self.wrapper, self.mesh)
@@ -397,14 +424,44 @@ def append_head_parallel(mesh, kv_cache, k, v, batch_indices, positions, kv_indi
     return append(kv_cache, k, v, batch_indices, positions, kv_indices, kv_indptr)
 
 
+def append_context_parallel(mesh, kv_cache, k, v, batch_indices, positions, kv_indices, kv_indptr):
+    """ji.append_paged_kv_cache on each device's pages (mesh axis "cp"; k, v [N, Hkv, D]
+    replicated, the cache split on pages): the tables [n, ...] are context_append_tables', device
+    k's row writing the tokens whose pages it holds (the others are padding rows, -1)."""
+    spec_c = sharding.cache_spec(kv_cache.layout, cp_axis="cp")
+
+    def append(cache, k, v, rows, pos, indices, indptr):  # this device's table: [1, ...]
+        return ji.append_paged_kv_cache(cache, k, v, rows[0], pos[0], indices[0], indptr[0])
+
+    run = sharding.shard_map(append, mesh, (spec_c, P(), P()) + (P("cp"),) * 4, spec_c)
+    return run(kv_cache, k, v, batch_indices, positions, kv_indices, kv_indptr)
+
+
+def context_append_tables(split, batch_indices, positions, max_pages):
+    """Host tables of append_context_parallel for the tokens (request batch_indices[i] at global
+    position positions[i], int32[N]) under split (sharding.split_page_table with pages_per_shard):
+    per device k, the tokens in its share at share-local positions (others -1) and its local page
+    table, kv_indices padded to max_pages. Returns (batch_indices, positions, kv_indptr,
+    kv_indices), each stacked [n, ...]: PagedAttention's fields in order."""
+    rows, pos, indices, indptrs = [], [], [], []
+    for k, (indptr, local, _) in enumerate(split.tables):
+        start = split.key_offsets[k][batch_indices]
+        mine = (batch_indices >= 0) & (positions >= start) & (positions < start + split.share_lens[k][batch_indices])
+        rows.append(np.where(mine, batch_indices, -1))
+        pos.append(np.where(mine, positions - start, 0))
+        indices.append(np.pad(local, (0, max_pages - local.shape[0])))
+        indptrs.append(indptr)
+    return tuple(np.stack(x).astype(np.int32) for x in (rows, pos, indptrs, indices))
+
+
 def paged_kv_cache(cfg, pages_per_layer, page_size, mesh=None):
     """Zeroed NHD page storage for cfg.num_layers layers, pages_per_layer pages each: a tuple
     of one PagedKVCache per layer (layer_loop "unroll") or one stacked cache of L x P pages (scan).
-    cfg.cache_kv_heads KV heads; mesh: made in place split on them (sharding.cache_spec, "tp")."""
+    cfg.cache_kv_heads KV heads; mesh: made in place split on them ("tp") or on pages ("cp")."""
     unroll = cfg.layer_loop == "unroll"
     shape = (pages_per_layer * (1 if unroll else cfg.num_layers), page_size, cfg.cache_kv_heads, cfg.head_dim)
 
-    placed = {} if mesh is None else {"out_shardings": NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))}
+    placed = {} if mesh is None else {"out_shardings": NamedSharding(mesh, _cache_spec(mesh, "NHD"))}
     zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.dtype), **placed)  # compiled once for every array
     if unroll:
         return tuple(ji.PagedKVCache(zeros(), zeros()) for _ in range(cfg.num_layers))
@@ -568,7 +625,7 @@ def sample(logits, params, key, sampler):
 
 
 def _draw(sampler, mesh):
-    """(logits, params, key) -> tokens: sample(), or under TP one replicated draw on every device
+    """(logits, params, key) -> tokens: sample(), or on a mesh one replicated draw on every device
     (the sampling kernel has no partitioning rule)."""
     draw = functools.partial(sample, sampler=sampler)
     if mesh is None or sampler.greedy:
@@ -577,13 +634,13 @@ def _draw(sampler, mesh):
 
 
 def _placed(mesh, *outputs):
-    """outputs with tokens and key replicated and caches on KV heads under TP (mesh), so that every
-    step's outputs are placed as its inputs were."""
+    """outputs with tokens and key replicated and caches split as paged_kv_cache places them
+    (mesh), so that every step's outputs are placed as its inputs were."""
     if mesh is None:
         return outputs
 
     def one(x):
-        spec = sharding.cache_spec(x.layout, tp_axis="tp") if isinstance(x, ji.PagedKVCache) else P()
+        spec = _cache_spec(mesh, x.layout) if isinstance(x, ji.PagedKVCache) else P()
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     return jax.tree.map(one, outputs, is_leaf=lambda x: isinstance(x, ji.PagedKVCache))
 

@@ -302,7 +302,7 @@ def _host_devices_subprocess(code, devices):
 
 def _tp_subprocess(runs):
     """generate.main(SMALL + run)'s tokens (one array per --batch value) for each run (each naming its
-    --tp), in a subprocess with four forced host devices."""
+    --tp or --cp), in a subprocess with four forced host devices."""
     code = ("import generate; print('RESULT', json.dumps([[r['tokens'].tolist() for r in "
             f"generate.main({SMALL!r} + x)] for x in {runs!r}]))")
     result = _host_devices_subprocess(code, 4)
@@ -344,24 +344,29 @@ def test_serve_parallel_samples_draw_through_sampling_indices(rng):
         engine.check(serve.Request(0, np.zeros(4, np.int32), 2, temperature=1.0, top_p=0.5))
 
 
-def test_generate_tensor_parallel_on_host_devices():
+def test_generate_tensor_and_context_parallel_on_host_devices():
     """Sampled generate.py --tp 4 on four forced host devices (weights column/row parallel and made
     on the devices, the cache on KV heads: tiny's 2 KV heads replicated, attention through
     jaxinfer.sharding.head_parallel, logits gathered from the vocabulary-split LM head for the
-    replicated sampling call), in another process, draws the tokens of one device with the same
-    seed (the first run of the sampling test's --batch 2 1: a run's tokens do not depend on the
-    runs after it; two batch sizes on one model and cache run there, on one device). The fused
-    q/k/v layout for fewer KV heads than devices; --tp past the devices and llama3-70b on a CPU
-    are refused."""
-    tokens = _tp_subprocess([list(SAMPLED) + ["--tp", "4"]])
+    replicated sampling call), and --cp 4 (the cache split on pages, each request's few pages
+    spread over the devices, some of them empty; the K/V appended where each page lives; attention
+    through jaxinfer.sharding.context_parallel, prefill and decode), in another process, draw the
+    tokens of one device with the same seed (the first run of the sampling test's --batch 2 1: a
+    run's tokens do not depend on the runs after it; two batch sizes on one model and cache run
+    there, on one device). The fused q/k/v layout for fewer KV heads than devices; --tp or --cp
+    past the devices, --cp with --tp or --scan, and llama3-70b on a CPU are refused."""
+    tokens = _tp_subprocess([list(SAMPLED) + ["--tp", "4"], list(SAMPLED) + ["--cp", "4"]])
     want = _runs(*SAMPLED, *TWO_BATCHES)[:1]
-    for got, ref in zip(tokens()[0], want, strict=True):
-        np.testing.assert_array_equal(got, ref)
+    for run in tokens():
+        for got, ref in zip(run, want, strict=True):
+            np.testing.assert_array_equal(got, ref)
     # With fewer KV heads than devices (tiny: 2 on 4), device i holds KV head i // 2 (replicated).
     cols = llama.qkv_columns(llama.get_config("tiny", tp=4))
     np.testing.assert_array_equal(cols[::TINY.head_dim] // TINY.head_dim, [0, 4, 6, 1, 4, 6, 2, 5, 7, 3, 5, 7])
     with pytest.raises(ValueError, match="--tp"):
         generate.parse_args(["--tp", "2"])  # one device in this process
+    with pytest.raises(ValueError, match="--cp"):
+        generate.parse_args(["--cp", "2"])
     with pytest.raises(ValueError, match="GPUs"):
         generate.parse_args(["--config", "llama3-70b"])
 
