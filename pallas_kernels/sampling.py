@@ -35,7 +35,7 @@ LOG2E = _common.LOG2E
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """Tuning of the sampling kernel (one program per row): lanes per block, warps, pipeline
+    """Tuning of the sampling kernels (one program per row after pass 1): lanes per block, warps, pipeline
     stages of the block loads (H100, min-p from probs at B1 x 128256: 71.7 µs with 1 stage,
     41.6 with 3; block_v 8192 spills), values tracked per lane in pass 1, and rejection passes
     before the exact search. splits: programs per row, for an unfiltered draw's race (its columns
