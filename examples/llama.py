@@ -446,7 +446,8 @@ def context_append_tables(split, batch_indices, positions, max_pages):
     rows, pos, indices, indptrs = [], [], [], []
     for k, (indptr, local, _) in enumerate(split.tables):
         start = split.key_offsets[k][batch_indices]
-        mine = (batch_indices >= 0) & (positions >= start) & (positions < start + split.share_lens[k][batch_indices])
+        end = start + split.share_lens[k][batch_indices]
+        mine = (batch_indices >= 0) & (positions >= start) & (positions < end)
         rows.append(np.where(mine, batch_indices, -1))
         pos.append(np.where(mine, positions - start, 0))
         indices.append(np.pad(local, (0, max_pages - local.shape[0])))

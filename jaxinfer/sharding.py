@@ -529,7 +529,8 @@ def merge_over(state, axis, *, merge="auto"):
     lse, psum of exp(lse - max), psum of the weighted o (float32); "all_gather": o (in its
     dtype) and lse gathered from every device (on 2 devices one swap, lax.ppermute: the same
     bytes without the gather's local copy), then the same arithmetic on each; "all_to_all": each
-    device merges a slice of the rows, then gathers the merged slices; "auto": merge_choice's. Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
+    device merges a slice of the rows, then gathers the merged slices; "auto": merge_choice's.
+    Empty states (lse = -inf) weigh 0; all empty gives o = 0, lse = -inf."""
     _check_merge(merge)
     o, lse = state
     if merge == "auto":
@@ -548,6 +549,11 @@ def merge_over(state, axis, *, merge="auto"):
         o_all, lse_all = in_order(o, swap(o)), in_order(lse, swap(lse))  # [2, ...]
     else:
         o_all, lse_all = lax.all_gather(o, axis), lax.all_gather(lse, axis)  # [n, ...]
+    return _merge_stacked(o_all, lse_all)
+
+
+def _merge_stacked(o_all, lse_all):
+    """The ⊕ of states stacked on axis 0 (o [n, ...], lse [n, ...]), in stack order."""
     o_m, lse_m = _lse_merge(o_all, lse_all, lambda x: jnp.max(x, 0, keepdims=True),
                             lambda x: jnp.sum(x, 0, keepdims=True))
     return AttentionState(o_m[0], lse_m[0])
@@ -565,9 +571,8 @@ def _all_to_all_merge(o, lse, axis):
         lse = jnp.pad(lse, [(0, pad)] + [(0, 0)] * (lse.ndim - 1), constant_values=-jnp.inf)
     rows = (t + pad) // n
     gather_slice = lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(n, rows, *x.shape[1:])
-    o_m, lse_m = _lse_merge(gather_slice(o), gather_slice(lse), lambda x: jnp.max(x, 0, keepdims=True),
-                            lambda x: jnp.sum(x, 0, keepdims=True))  # [1, rows, ...]
-    return AttentionState(lax.all_gather(o_m[0], axis, tiled=True)[:t], lax.all_gather(lse_m[0], axis, tiled=True)[:t])
+    merged = _merge_stacked(gather_slice(o), gather_slice(lse))  # [rows, ...]: this device's slice
+    return jax.tree.map(lambda x: lax.all_gather(x, axis, tiled=True)[:t], merged)
 
 
 def _local_state(wrapper, q, kv_cache, plan, kv_lens):

@@ -150,8 +150,9 @@ def _mass_at(keys, weights, v):
 
 def _select(keys, weights, target):
     """The largest signed key v among the tracked values with _mass_at(v) >= target, and that
-    mass (v = INT_MIN when none reaches target): a 32-step bisection on the key bits (H100: about
-    11 µs; two bits a step, the masses at four candidates in one [4, N] reduction, took longer)."""
+    mass (v = INT_MIN when none reaches target): a 32-step bisection on the key bits, about 11 µs
+    on an H100 (two bits a step, the masses at four candidates in one [4, N] reduction, took
+    longer on an H200)."""
     def bit(i, u):  # u: the answer's bits so far, as an unsigned key
         cand = u | lax.shift_left(jnp.int32(1), 31 - i)
         return jnp.where(_mass_at(keys, weights, cand ^ INT_MIN) >= target, cand, u)
