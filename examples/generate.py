@@ -132,10 +132,10 @@ def context_page_lists(pages_needed, num_devices, pages_per_device):
     """Each request's pages spread evenly over the devices of a page-split cache (the first devices
     take one more where they do not divide), listed device by device: device k's from its pages
     [k N, (k + 1) N), N = pages_per_device (sharding.split_page_table's order)."""
-    allocators = [PageAllocator(pages_per_device) for _ in range(num_devices)]
+    allocator = PageAllocator(num_devices * pages_per_device, num_shards=num_devices)
     shares = context_shares(pages_needed, num_devices)
-    return [np.concatenate([allocators[k].alloc(int(shares[k, r])) + k * pages_per_device
-                            for k in range(num_devices)]).astype(np.int32) for r in range(len(pages_needed))]
+    return [np.concatenate([allocator.alloc(int(shares[k, r]), shard=k) for k in range(num_devices)])
+            for r in range(len(pages_needed))]
 
 
 def context_shares(pages_needed, num_devices):

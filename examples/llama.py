@@ -345,10 +345,14 @@ def is_context_parallel(mesh):
 
 
 def _cache_spec(mesh, layout):
-    """The cache's PartitionSpec on mesh: pages on "cp" (context parallel), else KV heads on "tp"."""
-    if is_context_parallel(mesh):
-        return sharding.cache_spec(layout, cp_axis="cp")
-    return sharding.cache_spec(layout, tp_axis="tp")
+    """The cache's PartitionSpec on mesh: pages on "cp" (context parallel), else KV heads on "tp".
+    Trailing Nones dropped, as the steps' outputs carry it: the first step's cache (made with this
+    spec) then shares its compiled program with every later one."""
+    spec = tuple(sharding.cache_spec(layout, cp_axis="cp") if is_context_parallel(mesh)
+                 else sharding.cache_spec(layout, tp_axis="tp"))
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return P(*spec)
 
 
 @functools.partial(jax.tree_util.register_dataclass,

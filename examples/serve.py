@@ -6,6 +6,7 @@
     python examples/serve.py --chunk 32 --check  # chunked prefill mixed into decode steps
     python examples/serve.py --temperature 0.8 --top-p 0.9 --min-p 0.05   # sampled requests
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/serve.py --tp 2 --check   # 2 devices
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/serve.py --cp 2 --check   # context parallel
 
 Requests arrive over time (some share a system prompt; some ask for n > 1 parallel samples),
 join the running batch after their prefill and leave when done. The host side is NumPy:
@@ -30,6 +31,13 @@ sequence past its prompt, plus up to N prompt tokens of the sequences still pref
 devices, the cache on KV heads): prefill, decode and cascade attention through
 jaxinfer.sharding.head_parallel, the --chunk step through sharding.head_parallel_ragged; plans and
 the step's other inputs replicated. The host side (allocator, prefix cache, plans) is unchanged.
+
+--cp N splits every layer's cache on pages over N devices (llama.py; the weights replicated): a
+request's pages are spread evenly over the devices at admission, listed device by device (a
+shared prefix's pages first, then each sample's own on the same or later devices), and prefill
+and decode attend through jaxinfer.sharding.context_parallel with one plan per device
+(context_plan(fixed_shapes=True): the steps compile once, as without CP). Decode steps run
+without cascade; --cp runs without --tp and --chunk.
 """
 import argparse
 import dataclasses
@@ -116,11 +124,12 @@ class Engine:
     to N prompt tokens, see _mixed_step); cascade does not apply. filters: the sampling filters
     that requests may use (a subset of FILTERS; each one compiled into the sampling step).
     seed: of the weights and of the sampling key. cfg.tp > 1: tensor parallel over the first
-    cfg.tp devices (see the module docstring).
+    cfg.tp devices; cp > 1: context parallel over the first cp devices, num_pages / cp pages on
+    each (see the module docstring).
     """
 
     def __init__(self, cfg, *, seed=0, page_size=8, num_pages=128, max_batch=8,
-                 max_prefill_tokens=256, max_len=128, cascade="always", chunk=None, filters=()):
+                 max_prefill_tokens=256, max_len=128, cascade="always", chunk=None, filters=(), cp=1):
         if cascade not in CASCADE_MODES:
             raise ValueError(f"cascade must be one of {CASCADE_MODES}, got {cascade!r}")
         if not set(filters) <= set(FILTERS):
@@ -137,7 +146,18 @@ class Engine:
         self.index_cap = max_batch * -(-max_len // page_size)  # page-table entries of a batch
         if not 1 <= cfg.tp <= len(jax.devices()):
             raise ValueError(f"cfg.tp must lie in [1, {len(jax.devices())}] (the devices there are), got {cfg.tp}")
-        self.mesh = Mesh(np.asarray(jax.devices()[:cfg.tp]), ("tp",)) if cfg.tp > 1 else None
+        if not 1 <= cp <= len(jax.devices()):
+            raise ValueError(f"cp must lie in [1, {len(jax.devices())}] (the devices there are), got {cp}")
+        if cp > 1 and (cfg.tp > 1 or chunk is not None):
+            raise ValueError("cp > 1 runs with cfg.tp = 1 and chunk None")
+        if num_pages % cp:
+            raise ValueError(f"num_pages ({num_pages}) must be a multiple of cp ({cp}): each device holds a share")
+        self.cp, self.local_pages = cp, num_pages // cp  # a device's pages (all of them without CP)
+        self.mesh = None
+        if cfg.tp > 1:
+            self.mesh = Mesh(np.asarray(jax.devices()[:cfg.tp]), ("tp",))
+        elif cp > 1:
+            self.mesh = Mesh(np.asarray(jax.devices()[:cp]), ("cp",))
         graphdef, self.params = llama.build(cfg, seed, self.mesh)
         # By greedy: an argmax only when every row of the step is greedy, else jaxinfer.sampling.
         self.step_fns = {True: llama.make_step(graphdef, mesh=self.mesh),
@@ -167,8 +187,11 @@ class Engine:
             raise ValueError(f"request {request.rid}: n={request.n} > max_batch={self.max_batch}")
         if request.n * len(request.prompt) > self.max_prefill_tokens:
             raise ValueError(f"request {request.rid}: n * prompt tokens > max_prefill_tokens={self.max_prefill_tokens}")
-        if request.n * -(-total // self.page_size) > self.num_pages:
+        pages = -(-total // self.page_size)
+        if request.n * pages > self.num_pages:
             raise ValueError(f"request {request.rid}: needs more pages than num_pages={self.num_pages}")
+        if request.n * -(-pages // self.cp) > self.local_pages:  # an even spread on an empty cache
+            raise ValueError(f"request {request.rid}: needs more pages than a device holds ({self.local_pages})")
         if np.any((request.prompt < 0) | (request.prompt >= self.cfg.vocab_size)):
             raise ValueError(f"request {request.rid}: prompt holds token ids outside [0, {self.cfg.vocab_size})")
         r = request
@@ -185,7 +208,7 @@ class Engine:
             self.check(r)
         if len({r.rid for r in requests}) != len(requests):
             raise ValueError("requests must have distinct rid")
-        self.allocator = PageAllocator(self.num_pages)
+        self.allocator = PageAllocator(self.num_pages, num_shards=self.cp)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size)
         self.kv_cache = llama.paged_kv_cache(self.cfg, self.num_pages, self.page_size, self.mesh)
         self.key = self._put(jax.random.key(self.seed))
@@ -238,14 +261,16 @@ class Engine:
             if len(running) + len(new) + r.n > self.max_batch or prefill_tokens > budget:
                 break
             self.prefix_cache.lock(r.prompt, len(cached))  # keep the matched pages through eviction
-            if self.allocator.num_free < need:
-                self.prefix_cache.evict(need - self.allocator.num_free)
-            if self.allocator.num_free < need:
+            places = self._place(cached, shared, own, r.n)
+            if places is None:
+                self.prefix_cache.evict(need if self.cp > 1 else need - self.allocator.num_free)
+                places = self._place(cached, shared, own, r.n)
+            if places is None:
                 self.prefix_cache.lock(r.prompt, len(cached), -1)
                 break
             waiting.pop(0)
             budget -= prefill_tokens
-            prefix = np.concatenate([cached, self.allocator.alloc(shared - len(cached))])
+            prefix = np.concatenate([cached, self._alloc(places[0])])
             self.allocator.ref(np.repeat(cached, r.n))        # every sample references the cached pages
             self.allocator.ref(np.repeat(prefix[len(cached):], r.n - 1))  # and the new shared ones
             self.prefix_cache.insert(r.prompt, prefix)
@@ -253,10 +278,61 @@ class Engine:
             self.prefix_cache.lock(r.prompt, len(cached), -1)
             self.stats["cached_prompt_tokens"] += len(cached) * ps
             for j in range(r.n):
-                pages = np.concatenate([prefix, self.allocator.alloc(own)])
+                pages = np.concatenate([prefix, self._alloc(places[1 + j])])
                 start = len(cached) * ps if j == 0 else tail_from
                 new.append(Sequence(r, j, pages, shared, plen, start))
         return new
+
+    def _place(self, cached, shared, own, n):
+        """Where a new request's pages go: [its new shared pages, then each of its n samples' own
+        pages], or None where they do not fit. Page counts; under CP, each page's device: position
+        i of a sample's shared + own pages on its even-split device, or the next one with a free
+        page, never before the previous page's (split_page_table wants them device by device)."""
+        if self.cp == 1:
+            fits = self.allocator.num_free >= shared - len(cached) + n * own
+            return [shared - len(cached)] + [own] * n if fits else None
+        free, total = self.allocator.free_per_shard(), shared + own
+        base, extra = divmod(total, self.cp)
+        ends = np.cumsum(base + (np.arange(self.cp) < extra))  # the even split's last positions + 1
+
+        def spread(start, stop, floor):
+            shards = []
+            for i in range(start, stop):
+                floor = max(floor, int(np.searchsorted(ends, i, side="right")))
+                while floor < self.cp and free[floor] == 0:
+                    floor += 1
+                if floor == self.cp:
+                    return None
+                free[floor] -= 1
+                shards.append(floor)
+            return shards
+
+        first = int(cached[-1]) // self.local_pages if len(cached) else 0
+        places = [spread(len(cached), shared, first)]
+        if places[0] is not None:
+            floor = places[0][-1] if places[0] else first
+            places += [spread(shared, total, floor) for _ in range(n)]
+        return None if any(p is None for p in places) else places
+
+    def _alloc(self, place):
+        """Fresh pages of one _place entry (a count, or each page's device, ascending)."""
+        if not isinstance(place, list):
+            return self.allocator.alloc(place)
+        shards, counts = np.unique(np.asarray(place, np.int64), return_counts=True)
+        return np.concatenate([self.allocator.alloc(int(c), shard=int(k)) for k, c in zip(shards, counts)]
+                              + [np.zeros(0, np.int32)])
+
+    def _context_attention(self, wrapper, kv_indptr, kv_indices, last, rows, positions, **plan_args):
+        """PagedAttention of one CP step: the page table split on the devices' pages, one plan
+        per device (one shape for every step), each device's append table (rows, positions:
+        padded host int32[cap], -1 for padding rows)."""
+        split = sharding.split_page_table(kv_indptr, kv_indices, last, self.page_size, self.cp,
+                                          pages_per_shard=self.local_pages, **plan_args)
+        plan = sharding.context_plan(wrapper, split, num_pages=self.num_pages, fixed_shapes=True,
+                                     **({"q_data_type": self.cfg.dtype} if "qo_indptr" in plan_args else {}))
+        rows, positions, indptr, indices = llama.context_append_tables(split, rows, positions, self.index_cap)
+        indptr = np.pad(indptr, ((0, 0), (0, self.max_batch + 1 - indptr.shape[1])), mode="edge")
+        return llama.PagedAttention(wrapper, self.num_pages, plan, rows, positions, indptr, indices, mesh=self.mesh)
 
     def _prefill(self, seqs):
         """One prefill call: each sequence computes prompt[prefill_from:] and samples its first token."""
@@ -264,15 +340,19 @@ class Engine:
         qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
         nnz = int(qo_indptr[-1])
         kv_indptr, kv_indices, last = page_table([s.pages for s in seqs], [s.length for s in seqs], self.page_size)
-        plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,
-                                 q_data_type=self.cfg.dtype)
         tokens = np.concatenate([s.request.prompt[s.prefill_from:] for s in seqs]).astype(np.int32)
         positions = np.concatenate([np.arange(s.prefill_from, s.length) for s in seqs]).astype(np.int32)
         rows = np.repeat(np.arange(len(seqs)), qo_lens).astype(np.int32)
         cap, bcap = self.max_prefill_tokens, self.max_batch
-        attention = llama.PagedAttention(
-            self.prefill, self.num_pages, plan, pad(rows, cap, -1), pad(positions, cap, -1),
-            pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap), mesh=self.mesh)
+        if self.cp > 1:
+            attention = self._context_attention(self.prefill, kv_indptr, kv_indices, last, pad(rows, cap, -1),
+                                                pad(positions, cap, -1), qo_indptr=qo_indptr, causal=True)
+        else:
+            plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,
+                                     q_data_type=self.cfg.dtype)
+            attention = llama.PagedAttention(
+                self.prefill, self.num_pages, plan, pad(rows, cap, -1), pad(positions, cap, -1),
+                pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap), mesh=self.mesh)
         first = self._step(seqs, pad(tokens, cap), pad(positions, cap, -1), attention, qo_indptr[1:] - 1)
         for s, t in zip(seqs, first):
             s.tokens.append(int(t))
@@ -331,13 +411,17 @@ class Engine:
         batch = len(running)
         lens = np.array([s.length + 1 for s in running])  # after appending the last sampled token
         kv_indptr, kv_indices, last = page_table([s.pages for s in running], lens, self.page_size)
-        plan, wrapper, note = self._decode_plan(kv_indptr, kv_indices, last)
         positions = (lens - 1).astype(np.int32)
         bcap = self.max_batch
-        attention = llama.PagedAttention(
-            wrapper, self.num_pages, plan, pad(np.arange(batch, dtype=np.int32), bcap, -1),
-            pad(positions, bcap, -1), pad(kv_indptr, bcap + 1, kv_indptr[-1]), pad(kv_indices, self.index_cap),
-            mesh=self.mesh)
+        rows = pad(np.arange(batch, dtype=np.int32), bcap, -1)
+        if self.cp > 1:  # (no cascade)
+            attention, note = self._context_attention(self.decode, kv_indptr, kv_indices, last, rows,
+                                                      pad(positions, bcap, -1)), "decode"
+        else:
+            plan, wrapper, note = self._decode_plan(kv_indptr, kv_indices, last)
+            attention = llama.PagedAttention(
+                wrapper, self.num_pages, plan, rows, pad(positions, bcap, -1), pad(kv_indptr, bcap + 1, kv_indptr[-1]),
+                pad(kv_indices, self.index_cap), mesh=self.mesh)
         tokens = np.array([s.tokens[-1] for s in running], np.int32)
         out = self._step(running, pad(tokens, bcap), pad(positions, bcap, -1), attention, None)
         for s, t in zip(running, out):
@@ -457,6 +541,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallel over the first N devices (heads, MLP columns and the cache split)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context parallel over the first N devices (every layer's cache split on pages)")
     ap.add_argument("--requests", type=int, default=8, help="requests in the scenario")
     ap.add_argument("--page-size", type=int, default=8, help="tokens per KV cache page")
     ap.add_argument("--num-pages", type=int, default=128, help="cache pages per layer")
@@ -484,7 +570,7 @@ def main(argv=None):
     cfg = llama.get_config(args.config, args.layers, tp=args.tp)
     engine = Engine(cfg, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
                     max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, cascade=args.cascade,
-                    chunk=args.chunk, filters=filters)
+                    chunk=args.chunk, filters=filters, cp=args.cp)
     requests = make_requests(cfg.vocab_size, np.random.default_rng(args.seed), args.requests, **sampling)
     for r in requests:
         print(f"r{r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt)} tokens, n={r.n}, "

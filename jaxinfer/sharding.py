@@ -400,13 +400,19 @@ def _sub_batches(split, k, causal):
     return _ranges(starts, d_len), d_len, _ranges(starts + d_len, f_len), f_len
 
 
-def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_data_type=None):
+def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_data_type=None,
+                 fixed_shapes=False):
     """The ContextPlan of `wrapper` (the per-device one) over split's per-device tables.
 
     num_pages: the global cache's page count (with pages_per_shard: num_shards x pages_per_shard).
     horizon: decode plans only (run with kv_lens). q_data_type / kv_data_type: prefill and
     BatchAttention plans (as their plan()). The wrapper needs fixed-shape capacities (one plan
-    shape for every device); its q has max_batch_size (decode) or max_num_tokens rows."""
+    shape for every device); its q has max_batch_size (decode) or max_num_tokens rows.
+    fixed_shapes=True: one pytree structure and one set of shapes for every split under the
+    wrapper's capacities, so that a jitted serving step compiles once: key_offsets and share_lens
+    padded to max_batch_size requests (decode kv_lens then has max_batch_size entries), and a
+    prefill plan always takes the general form (base None, both sub-batches launched), where
+    False picks the cheapest form for this split (one prompt: no gathers, no second launch)."""
     _check_wrapper(wrapper)
     if not isinstance(split, ContextSplit):
         raise ValueError("split must be a ContextSplit from split_page_table")
@@ -421,7 +427,16 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
                          f"({n} x {split.pages_per_shard})")
     else:
         local_pages = split.pages_per_shard
-    key_offsets, share_lens = jnp.asarray(split.key_offsets), jnp.asarray(split.share_lens)
+    key_offsets, share_lens = split.key_offsets, split.share_lens
+    if fixed_shapes:
+        if wrapper.max_batch_size is None:
+            raise ValueError("fixed_shapes needs the wrapper's max_batch_size")
+        if key_offsets.shape[1] > wrapper.max_batch_size:
+            raise ValueError(f"split has {key_offsets.shape[1]} requests, past the wrapper's max_batch_size "
+                             f"({wrapper.max_batch_size})")
+        pad = ((0, 0), (0, wrapper.max_batch_size - key_offsets.shape[1]))
+        key_offsets, share_lens = np.pad(key_offsets, pad), np.pad(share_lens, pad)
+    key_offsets, share_lens = jnp.asarray(key_offsets), jnp.asarray(share_lens)
     if isinstance(wrapper, BatchDecodeWithPagedKVCache):
         if split.qo_indptr is not None:
             raise ValueError("split has a qo_indptr: a decode split takes none")
@@ -451,7 +466,9 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
     has_full = any(f_r.shape[0] for _, _, f_r, _ in subs)
     in_order = lambda rows: bool(np.array_equal(rows, np.arange(rows.shape[0])))
     base = None
-    if causal and all(in_order(d_r) for d_r, _, _, _ in subs):
+    if fixed_shapes:
+        has_full = True
+    elif causal and all(in_order(d_r) for d_r, _, _, _ in subs):
         base = "diag"
     elif not causal and all(in_order(f_r) for _, _, f_r, _ in subs):
         base = "full"

@@ -20,24 +20,45 @@ class PageAllocator:
         pages = alloc.alloc(3)      # fresh pages, reference count 1
         alloc.ref(pages[:2])        # another sequence shares the first two
         alloc.free(pages)           # drops one reference each; returns the pages now free
+
+    num_shards: the pages of a cache split on pages over devices (jaxinfer.sharding's
+    pages_per_shard): shard k holds ids [k N, (k + 1) N), N = num_pages / num_shards, and
+    alloc(n, shard=k) takes pages of shard k only.
     """
 
-    def __init__(self, num_pages):
+    def __init__(self, num_pages, *, num_shards=1):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.num_pages = int(num_pages)
+        if num_shards < 1 or num_pages % num_shards:
+            raise ValueError(f"num_shards must be >= 1 and divide num_pages ({num_pages}), got {num_shards}")
+        self.num_pages, self.num_shards = int(num_pages), int(num_shards)
+        self.pages_per_shard = self.num_pages // self.num_shards
         self.refcount = np.zeros(self.num_pages, np.int32)
-        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
+        n = self.pages_per_shard  # one stack per shard: its lowest page is handed out first
+        self._free = [list(range((k + 1) * n - 1, k * n - 1, -1)) for k in range(self.num_shards)]
 
     @property
     def num_free(self):
-        return len(self._free)
+        return sum(map(len, self._free))
 
-    def alloc(self, n):
-        """n fresh pages (reference count 1) as int32[n]."""
-        if not 0 <= n <= len(self._free):
-            raise ValueError(f"n must lie in [0, {len(self._free)}] (the free pages), got {n}")
-        pages = np.array([self._free.pop() for _ in range(n)], np.int32)
+    def free_per_shard(self):
+        """int64[num_shards]: the free pages of each shard."""
+        return np.array([len(f) for f in self._free], np.int64)
+
+    def alloc(self, n, *, shard=None):
+        """n fresh pages (reference count 1) as int32[n]: of `shard`, or (None) of the first
+        shards with free pages, in shard order."""
+        if shard is not None and not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard must lie in [0, {self.num_shards}), got {shard}")
+        stacks = self._free if shard is None else [self._free[shard]]
+        free = sum(map(len, stacks))
+        if not 0 <= n <= free:
+            raise ValueError(f"n must lie in [0, {free}] (the free pages), got {n}")
+        pages = []
+        for stack in stacks:
+            while stack and len(pages) < n:
+                pages.append(stack.pop())
+        pages = np.array(pages, np.int32)
         self.refcount[pages] = 1
         return pages
 
@@ -52,7 +73,8 @@ class PageAllocator:
         pages = self._check(pages, release=True)
         np.add.at(self.refcount, pages, -1)
         released = np.unique(pages[self.refcount[pages] == 0]).astype(np.int32)
-        self._free.extend(released[::-1].tolist())
+        for page in released[::-1].tolist():
+            self._free[page // self.pages_per_shard].append(page)
         return released
 
     def _check(self, pages, release):

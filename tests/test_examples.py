@@ -216,6 +216,24 @@ def test_mla_example_absorbed_decode_and_192_128_prefill_match_dense():
     assert max([r["prefill_err"]] + r["decode_errs"]) < 1e-5
 
 
+def test_page_allocator_shards():
+    """A page-split cache's allocator: each shard hands out its own id range, lowest first; a
+    freed page returns to its shard."""
+    alloc = PageAllocator(12, num_shards=3)
+    np.testing.assert_array_equal(alloc.alloc(2, shard=1), [4, 5])
+    np.testing.assert_array_equal(alloc.alloc(5), [0, 1, 2, 3, 6])  # shard order, then the next shard
+    np.testing.assert_array_equal(alloc.free_per_shard(), [0, 1, 4])
+    alloc.free([1, 5])
+    np.testing.assert_array_equal(alloc.free_per_shard(), [1, 2, 4])
+    np.testing.assert_array_equal(alloc.alloc(2, shard=1), [5, 7])
+    with pytest.raises(ValueError, match="n must lie"):
+        alloc.alloc(2, shard=0)
+    with pytest.raises(ValueError, match="shard must lie"):
+        alloc.alloc(1, shard=3)
+    with pytest.raises(ValueError, match="num_shards"):
+        PageAllocator(10, num_shards=3)
+
+
 def test_page_allocator_refcounts_and_prefix_cache():
     alloc = PageAllocator(6)
     a = alloc.alloc(3)
@@ -372,26 +390,49 @@ def test_generate_tensor_and_context_parallel_on_host_devices():
 
 
 @pytest.mark.parametrize("chunk", [None, pytest.param(16, marks=pytest.mark.slow)])
-def test_serve_tensor_parallel_on_host_devices(chunk):
+def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
     """serve.Engine with cfg.tp = 2 on two forced host devices, in another process (weights and the
     cache split on heads; prefill, decode and two-level cascade attention through
-    jaxinfer.sharding.head_parallel; with chunk, the mixed step through head_parallel_ragged), serves
-    shared-prefix requests with n > 1 samples to the tokens of one device. tp past the devices is
-    refused."""
+    jaxinfer.sharding.head_parallel; with chunk, the mixed step through head_parallel_ragged), and
+    (chunk None) with cp = 3 on three (the cache split on pages, one plan per device and step),
+    serves shared-prefix requests with n > 1 samples to the tokens of one device. Under CP the
+    greedy step compiles once for prefill and once for decode, and a request's pages lie on its
+    even-split devices, device by device (after a cached prefix, never before its last device).
+    tp or cp past the devices is refused."""
+    scenario = "serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), arrivals=2)"
     code = ("import numpy as np, llama, serve; cfg = llama.get_config('tiny', num_layers=1, tp=2); "
             f"engine = serve.Engine(cfg, page_size=8, num_pages=96, max_batch=6, chunk={chunk}); "
-            "out = engine.run(serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), "
-            "arrivals=2)); print('RESULT', json.dumps([{str(k): v for k, v in out.items()}, "
-            "engine.stats['cascade_steps']]))")
-    result = _host_devices_subprocess(code, 2)
+            f"out = [engine.run({scenario})]; stats = [engine.stats['cascade_steps']]\n"
+            f"if {chunk} is None:\n"
+            "    import jax, logging; jax.config.update('jax_log_compiles', True); compiles = []\n"
+            "    handler = logging.Handler(); handler.emit = lambda r: compiles.append(r.getMessage())\n"
+            "    logging.getLogger('jax').addHandler(handler)\n"
+            "    cfg = llama.get_config('tiny', num_layers=1); engine = serve.Engine(cfg, page_size=8, num_pages=96, "
+            "max_batch=6, cp=3)\n"
+            f"    out.append(engine.run({scenario}))\n"
+            "    stats.append(sum('XLA compilation of jit(step)' in m for m in compiles))\n"
+            "    engine.allocator = serve.PageAllocator(96, num_shards=3)\n"
+            "    stats.append(engine._place(np.zeros(0, np.int32), 2, 3, 2))\n"
+            "    stats.append(engine._place(np.array([33], np.int32), 2, 3, 1))\n"
+            "print('RESULT', json.dumps([[{str(k): v for k, v in o.items()} for o in out], stats]))")
+    result = _host_devices_subprocess(code, 3)
     cfg = llama.get_config("tiny", num_layers=1)
-    requests = serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), arrivals=2)
+    requests = eval(scenario)
     want = serve.Engine(cfg, page_size=8, num_pages=96, max_batch=6, chunk=chunk).run(requests)
-    got, cascade_steps = result()
-    assert got == {str(k): v for k, v in want.items()}
-    assert cascade_steps > 0 or chunk
+    got, stats = result()
+    for run in got:
+        assert run == {str(k): v for k, v in want.items()}
+    assert stats[0] > 0 or chunk  # TP ran cascade steps
+    if chunk is None:
+        assert len(got) == 2 and stats[1] == 2  # CP: one prefill and one decode program
+        # 5 pages on 3 devices (2, 2, 1): the 2 shared ones on device 0, each sample's 3 on 1, 1, 2;
+        # after a cached page on device 1, all on devices 1 and 2.
+        assert stats[2] == [[0, 0], [1, 1, 2], [1, 1, 2]]
+        assert stats[3] == [[1], [1, 1, 2]]
     with pytest.raises(ValueError, match="cfg.tp"):
         serve.Engine(llama.get_config("tiny", tp=2))  # one device in this process
+    with pytest.raises(ValueError, match="cp must lie"):
+        serve.Engine(cfg, cp=2)
 
 
 @pytest.mark.slow

@@ -114,6 +114,42 @@ def test_context_parallel_merge_option():
         sharding.context_parallel(dec, mesh, merge="allgather")
 
 
+def test_context_plan_fixed_shapes_one_structure():
+    """context_plan(fixed_shapes=True) under the wrapper's capacities: one pytree structure and one
+    set of shapes for a one-prompt step (which without it takes base "diag" and no full launch)
+    and a step of three requests, prefill and decode (key_offsets and share_lens padded to
+    max_batch_size); past max_batch_size, or with no max_batch_size, a ValueError."""
+    import jax
+    rng = np.random.default_rng(4)
+    devices, per, page = 2, 40, 4
+    pre = ji.BatchPrefillWithPagedKVCache(4, 2, 32, page, causal=True, num_ctas=8, max_batch_size=4,
+                                          max_num_tokens=64, max_num_pages=48)
+    dec = ji.BatchDecodeWithPagedKVCache(4, 2, 32, page, num_ctas=8, max_batch_size=4, max_num_pages=48)
+
+    def plans(wrapper, kv_lens, qo_lens, fixed):
+        table = _sharded_table(rng, kv_lens, page, devices, per)
+        qo = None if qo_lens is None else np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        split = sharding.split_page_table(*table, page, devices, qo_indptr=qo, causal=qo is not None,
+                                          pages_per_shard=per)
+        return sharding.context_plan(wrapper, split, num_pages=devices * per, fixed_shapes=fixed)
+
+    def signature(plan):
+        leaves, tree = jax.tree.flatten(plan)
+        return tree, [np.shape(x) for x in leaves]
+
+    for wrapper, steps in ((pre, (([37], [37]), ([9, 30, 3], [2, 30, 1]))),
+                           (dec, (([37], None), ([9, 30, 3], None)))):
+        fixed = [plans(wrapper, kv, qo, True) for kv, qo in steps]
+        assert signature(fixed[0]) == signature(fixed[1])
+        assert fixed[0].key_offsets.shape == (devices, 4) and fixed[0].base is None
+        assert signature(plans(wrapper, *steps[0], False)) != signature(plans(wrapper, *steps[1], False))
+        with pytest.raises(ValueError, match="max_batch_size"):
+            plans(wrapper, [5] * 5, None if wrapper is dec else [1] * 5, True)
+    unbounded = ji.BatchDecodeWithPagedKVCache(4, 2, 32, page, num_ctas=8)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        plans(unbounded, [5], None, True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Multi-device checks (subprocesses)
 
@@ -121,7 +157,8 @@ def test_context_parallel_merge_option():
 def test_sharded_equals_one_device():
     """TP prefill at 4 (KV heads replicated), CP at 4 with short requests and empty shares (decode
     on a page-sharded cache, causal prefill on a replicated one), TP x CP BatchAttention on (2, 4),
-    one prompt per step at 2 (the diag sub-batch on q itself, full rows scattered in), a CP
+    one prompt per step at 2 (the diag sub-batch on q itself, full rows scattered in; and under
+    fixed_shapes, the general form), a CP
     decode lax.scan loop, TP ragged_paged_attention and TP MLA (both entry points) at 2. The psum,
     all-gather and all-to-all merges run on 2 and 4 devices with empty shares (all on one run's
     states, context_partial_states)."""
@@ -279,7 +316,7 @@ def _check_tp(case, tp):
              case.reference())
 
 
-def _cp_setup(case, tp, cp):
+def _cp_setup(case, tp, cp, fixed_shapes=False):
     """(mesh, tp_axis, per-device wrapper, split, plan, cache, q) of a CP (or TP x CP) check, placed."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -289,7 +326,8 @@ def _cp_setup(case, tp, cp):
     w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
     split = sharding.split_page_table(*case.table, case.page, cp, qo_indptr=case.qo_indptr, causal=case.causal,
                                       pages_per_shard=case.pages_per_shard)
-    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages), NamedSharding(mesh, P("cp")))
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, fixed_shapes=fixed_shapes),
+                        NamedSharding(mesh, P("cp")))
     cache = case.cache()
     if hs.kv_replicas > 1:
         cache = sharding.replicate_kv_heads(cache, hs.kv_replicas)
@@ -307,10 +345,10 @@ def _cp_name(case, tp, cp, split, plan, merge):
             f"base {plan.base}), merge {merge}")
 
 
-def _check_cp(case, tp, cp, ref=None, merge="auto", base="any"):
+def _check_cp(case, tp, cp, ref=None, merge="auto", base="any", fixed_shapes=False):
     """context_parallel(merge=) against one device; base: the plan's expected base (or "any")."""
     import jax
-    mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp)
+    mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp, fixed_shapes)
     assert base == "any" or plan.base == base, (plan.base, base)
     run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=case.pages_per_shard is not None,
                                             return_lse=True, merge=merge))
@@ -491,6 +529,9 @@ def _main_fast():
     # One prompt per step (and an empty request whose queries see no key): the diag sub-batch
     # runs on q itself, the full rows are scattered into its output.
     _check_cp_merges(_Case(rng, "prefill", 4, 2, "NHD", 2, [45, 0], [45, 2]), 1, 2, base="diag")
+    # The same step under fixed_shapes: the general form (both sub-batches gathered, placed by src).
+    _check_cp(_Case(rng, "prefill", 4, 2, "NHD", 2, [45, 0], [45, 2], sharded=True), 1, 2, base=None,
+              fixed_shapes=True)
     _check_cp_scan(rng, 4, steps=2)
     _check_ragged_tp(rng, 2)
     _check_mla_tp(rng, 2)
