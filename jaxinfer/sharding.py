@@ -329,14 +329,15 @@ class ContextPlan:
     rows without causal). `base` (static) names the sub-batch whose rows are q's first rows, in
     order, on every device (one prompt, for one): it runs on q itself and the other's rows are
     scattered into its output. Otherwise (None) both sub-batches gather their rows from q and
-    one gather by `src` places their states."""
+    one gather by `src` places their states. context_plan builds every leaf on the host (NumPy,
+    one transfer when put on the mesh)."""
     full: object                       # stacked wrapper plans
     diag: object = None                # stacked causal plans, or None
-    full_rows: Optional[jax.Array] = None   # int32[n, Tcap]: q rows of the full sub-batch, then Tcap + j
-    diag_rows: Optional[jax.Array] = None   # int32[n, Tcap] (the same)
-    src: Optional[jax.Array] = None    # int32[n, T]: each q row's row of the (diag, full, empty) outputs
-    key_offsets: jax.Array = None      # int32[n, B]
-    share_lens: jax.Array = None       # int32[n, B]
+    full_rows: Optional[np.ndarray] = None   # int32[n, Tcap]: q rows of the full sub-batch, then Tcap + j
+    diag_rows: Optional[np.ndarray] = None   # int32[n, Tcap] (the same)
+    src: Optional[np.ndarray] = None    # int32[n, T]: each q row's row of the (diag, full, empty) outputs
+    key_offsets: np.ndarray = None     # int32[n, B]
+    share_lens: np.ndarray = None      # int32[n, B]
     pages_per_shard: Optional[int] = None
     base: Optional[str] = None         # "diag", "full" or None (see above)
     has_full: bool = True              # a full launch runs (some device has full rows, or base "full")
@@ -355,14 +356,18 @@ class ContextPlan:
 
 
 def _stack(plans):
-    """One pytree with a leading device axis; ValueError when the devices' plans differ in shape."""
+    """One pytree with a leading device axis; ValueError when the devices' plans differ in shape.
+    Host leaves (the planners' NumPy arrays) stay on the host: one transfer places the stacked
+    plan on every device, where device arrays stacked here would each cost a dispatch, then a
+    copy to every other device."""
     structures = {jax.tree.structure(p) for p in plans}
     shapes = {tuple(np.shape(x) for x in jax.tree.leaves(p)) for p in plans}
     if len(structures) > 1 or len(shapes) > 1:
         raise ValueError("the devices' plans differ in structure or shape: build the wrapper with "
                          "max_batch_size, max_num_tokens and max_num_pages (max_batch_size and "
                          "max_num_pages for decode) so that every plan has one shape")
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *plans)
+    stack = lambda *xs: np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+    return jax.tree.map(stack, *plans)
 
 
 def _ranges(starts, lens):
@@ -436,7 +441,7 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
                              f"({wrapper.max_batch_size})")
         pad = ((0, 0), (0, wrapper.max_batch_size - key_offsets.shape[1]))
         key_offsets, share_lens = np.pad(key_offsets, pad), np.pad(share_lens, pad)
-    key_offsets, share_lens = jnp.asarray(key_offsets), jnp.asarray(share_lens)
+    key_offsets, share_lens = key_offsets.astype(np.int32), share_lens.astype(np.int32)
     if isinstance(wrapper, BatchDecodeWithPagedKVCache):
         if split.qo_indptr is not None:
             raise ValueError("split has a qo_indptr: a decode split takes none")
@@ -485,12 +490,12 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
             src[d_r] = np.arange(d_r.shape[0])
             src[f_r] = full_at + np.arange(f_r.shape[0])
             srcs.append(src.astype(np.int32))
-    rows = lambda i: jnp.asarray(np.stack([_padded(sub[i], num_rows) for sub in subs]))
+    rows = lambda i: np.stack([_padded(sub[i], num_rows) for sub in subs])
     return ContextPlan(full=_stack(full_plans) if full_plans else None,
                        diag=_stack(diag_plans) if causal else None,
                        full_rows=rows(2) if full_plans and base != "full" else None,
                        diag_rows=rows(0) if causal and base is None else None,
-                       src=jnp.asarray(np.stack(srcs)) if base is None else None,
+                       src=np.stack(srcs) if base is None else None,
                        key_offsets=key_offsets, share_lens=share_lens,
                        pages_per_shard=split.pages_per_shard, base=base, has_full=bool(full_plans))
 
