@@ -5,7 +5,7 @@ decode items of T_s or T_l tokens, Triton prefill tiles, or the Mosaic class's 1
 and the mixed launch's (plan_mixed: planner.batch.plan_mixed's list). docs/design.md tells how
 a class's keys are cut into items and why the capacities bound them.
 """
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,8 @@ TILE_COST = 32         # an item's fixed cost in keys per query token of its til
 MOSAIC_TILE = 2 * 64
 
 
-class QueryClass(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QueryClass:
     """A q_len class (static): its sequences, kernel, tile and work-list capacities. The base
     class (launched first) makes the output; every other class writes its rows into it in place.
     The last class's merge also zeroes the padding rows."""
@@ -67,8 +68,9 @@ def classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0, mixed=False)
         if base and mosaic:  # whole tiles per sequence, KV never split: no partials, no merges
             tiles = max(1, (tokens + seqs * (MOSAIC_TILE - 1)) // MOSAIC_TILE)  # sum of ceil(q_len / tile)
             sub_rows = -(-(tokens + seqs * (ROW_ALIGN - 1)) // ROW_ALIGN) * ROW_ALIGN  # 8-aligned starts
-            out.append(QueryClass(lo, hi, True, MOSAIC_TILE, True, True, tiles, tiles, 0, 0, mosaic_cells,
-                              MOSAIC_TILE * group, True, sub_rows))
+            out.append(QueryClass(min_q=lo, max_q=hi, prefill=True, tokens_per_item=MOSAIC_TILE, base=True, pad=True,
+                                  blocks=tiles, items=tiles, part_cap=0, merges=0, cells=mosaic_cells,
+                                  rows=MOSAIC_TILE * group, mosaic=True, sub_rows=sub_rows))
             continue
         blocks = max(1, min(tokens, (tokens + seqs * (t - 1)) // t, seqs * -(-hi // t)))
         c = CHUNKS_PER_CELL * num_cells  # the class's keys / the longest chunk, at most
@@ -76,8 +78,9 @@ def classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0, mixed=False)
         part_cap, merges = 2 * c * t, max(1, (c - 1) * t)
         if pad:  # padding rows, disjoint from this class's and fewer than num_tokens
             merges += num_tokens
-        out.append(QueryClass(lo, hi, prefill, t, base, pad, blocks, blocks + c, part_cap, merges,
-                          num_cells, rows))
+        out.append(QueryClass(min_q=lo, max_q=hi, prefill=prefill, tokens_per_item=t, base=base, pad=pad,
+                              blocks=blocks, items=blocks + c, part_cap=part_cap, merges=merges, cells=num_cells,
+                              rows=rows))
     return tuple(out)
 
 
@@ -196,7 +199,8 @@ def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, ca
     return sec, end.astype(jnp.int32)
 
 
-class MixedSizes(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixedSizes:
     """The mixed launch's static sizes (pallas_kernels.prefill_mosaic, packed_tokens > 0)."""
     tiles: int          # query-tile capacity (each run for every query head), the padding's too
     long_min: int       # sequences of q_len >= this take query tiles (those past the decode classes)
@@ -215,7 +219,8 @@ def mixed_sizes(num_tokens, num_seqs, group, tile_tokens, cells):
     long_min = batch_planner.short_cap(group, dispatch.SHORT_MAX_ROWS) + 1  # past the decode classes
     seqs = max(1, min(num_seqs, num_tokens // long_min)) + 1  # (+ the padding rows' tiles)
     tiles = max(1, (num_tokens + seqs * (tile_tokens - 1)) // tile_tokens)  # sum of ceil(q_len / tile)
-    return MixedSizes(tiles, long_min, batch_planner.short_cap(group, dispatch.FIXED_SHORT_ROWS), tile_tokens, cells)
+    return MixedSizes(tiles=tiles, long_min=long_min, packed_tokens=batch_planner.short_cap(group, dispatch.FIXED_SHORT_ROWS),
+                      tile_tokens=tile_tokens, cells=cells)
 
 
 def order_desc(cost):

@@ -16,7 +16,7 @@ import inspect
 import math
 import os
 import warnings
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,8 @@ def _warn_if_interpreter_pool_too_small(num_warpgroups):
                       "JAX starts", RuntimeWarning, stacklevel=3)
 
 
-class _Item(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Item:
     """One work item's fields (columns: work_items.PREFILL) and the KV blocks of its tile."""
     q_row_start: jax.Array
     tile_tok: jax.Array
@@ -158,11 +159,12 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
         else:  # the grid's head
             head, lse_slot, packed = lax.axis_index("heads"), w, False
             kv_head = lax.div(head, jnp.int32(group))
-        return _Item(q_row_start, tile_tok, qo_len, page_base, kv_len, kv_start, kv_end,
-                     load("kv_pos_offset"), load("tail"), offset, kv_begin,
-                     jnp.maximum(kv_start, load("kv_first")), full_lo,
-                     jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0),
-                     head, kv_head, lse_slot, packed, last_row)
+        return _Item(q_row_start=q_row_start, tile_tok=tile_tok, qo_len=qo_len, page_base=page_base, kv_len=kv_len,
+                     kv_start=kv_start, kv_end=kv_end, pos_offset=load("kv_pos_offset"), tail=load("tail"),
+                     offset=offset, kv_begin=kv_begin, kv_visible=jnp.maximum(kv_start, load("kv_first")),
+                     full_lo=full_lo,
+                     tile_steps=jnp.where(has_item, pl.cdiv(kv_hi - kv_begin, jnp.int32(block_kv)), 0),
+                     head=head, kv_head=kv_head, lse_slot=lse_slot, packed=packed, last_row=last_row)
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)

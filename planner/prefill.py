@@ -7,7 +7,7 @@ changes per step is data in one packed int32 buffer.
 """
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -115,7 +115,8 @@ def _request_rows(qo_indptr, qo_lens, kv_lens, page_base, *, bcap, num_tokens, m
     return per_req
 
 
-class _Splits(NamedTuple):
+@dataclass(frozen=True, kw_only=True)
+class _Splits:
     """How a plan's tiles split into KV chunks; per tile: nchunks, split (None: no tile split),
     groups (merge groups: its tokens if split), item_first, group_first, part_base (its firsts)."""
     nchunks: np.ndarray
@@ -139,12 +140,15 @@ def _splits(span, chunk, tile_tokens):
     np.floor_divide(span + (chunk - 1), chunk, out=nchunks)  # (span >= 0)
     np.maximum(nchunks, 1, out=nchunks)
     if not num_tiles or int(validate.largest(nchunks)) <= 1:  # no tile is split: one item per tile
-        return _Splits(nchunks, None, None, None, None, None, num_tiles, 0, 0)
+        return _Splits(nchunks=nchunks, split=None, groups=None, item_first=None, group_first=None, part_base=None,
+                       num_items=num_tiles, n_merge=0, num_parts=0)
     split = nchunks > 1
     groups = np.multiply(tile_tokens, split, out=counts[1:, 1])
     np.multiply(groups, nchunks, out=counts[1:, 2])
     firsts = np.add.accumulate(counts)  # (across the rows: quicker than along each column)
-    return _Splits(nchunks, split, groups, firsts[:-1, 0], firsts[:-1, 1], firsts[:-1, 2], *firsts[-1].tolist())
+    num_items, n_merge, num_parts = firsts[-1].tolist()
+    return _Splits(nchunks=nchunks, split=split, groups=groups, item_first=firsts[:-1, 0], group_first=firsts[:-1, 1],
+                   part_base=firsts[:-1, 2], num_items=num_items, n_merge=n_merge, num_parts=num_parts)
 
 
 def _tile_positions(per_tile, q_pos, first_row, tile_tokens, *, tails, bottom_right, padding_from):
