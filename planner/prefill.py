@@ -230,9 +230,9 @@ def _chunking(span, *, tails, fixed_split_tokens, max_num_tokens, num_tokens, tp
 
 
 @lru_cache(maxsize=256)
-def prefill_layout(*args, **kwargs):
+def prefill_layout(num_tokens, batch, index_cap, num_cells, rows, group, num_splits, tails=False):
     """PrefillLayout.for_capacities, one instance per capacities (its offsets computed once)."""
-    return PrefillLayout.for_capacities(*args, **kwargs)
+    return PrefillLayout.for_capacities(num_tokens, batch, index_cap, num_cells, rows, group, num_splits, tails=tails)
 
 
 def plan_prefill(qo_indptr, kv_lens, page_base, kv_indices, *, group, causal, num_cells,
