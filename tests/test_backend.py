@@ -129,23 +129,30 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
     plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
     qp = jnp.ones((b * 7, hq, d), jnp.bfloat16)
     assert TRITON_CALL in lower_for_cuda(pre.run, qp, cache, plan)
-    # impl="mosaic" (Mosaic GPU): its Python lowering passes (layouts, TMA descriptors) run here too.
-    for paged in (True, False):
-        if paged:
-            pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic")
-            args = (qp, cache, pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages))
-        else:
-            k = jnp.ones((b * s, hkv, d), jnp.bfloat16)
-            pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu", impl="mosaic")
-            args = (qp, k, k, pre.plan(qo_indptr, (np.arange(b + 1) * s).astype(np.int32)))
-        assert MOSAIC_CALL in lower_for_cuda(pre.run, *args)
-    # ... and with variants: the built-ins' hooks traced into the Mosaic kernel.
+    # impl="mosaic" (Mosaic GPU): its Python lowering passes (layouts, TMA descriptors) run here too,
+    # on ragged K/V (paged without a variant: test_mosaic_paged_prefill_lowers_for_cuda, under slow)
+    k = jnp.ones((b * s, hkv, d), jnp.bfloat16)
+    pre = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu", impl="mosaic")
+    assert MOSAIC_CALL in lower_for_cuda(pre.run, qp, k, k, pre.plan(qo_indptr, (np.arange(b + 1) * s).astype(np.int32)))
+    # ... and on pages with variants: the built-ins' hooks traced into the Mosaic kernel.
     from jaxinfer import variants as V
     for var in (V.compose(V.soft_cap(), V.alibi(), V.sliding_window(), V.sinks()), V.sigmoid()):
         pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic", variant=var)
         plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
         run = lambda q, c, p, vp: pre.run(q, c, p, variant_params=vp)  # noqa: E731
         assert MOSAIC_CALL in lower_for_cuda(run, qp, cache, plan, V.default_params(var, hq))
+
+
+@pytest.mark.slow  # the paged Mosaic kernel lowers by default with variants (the test above)
+def test_mosaic_paged_prefill_lowers_for_cuda():
+    from benchmarks.common import random_paged_cache
+    b, s, hq, hkv, d, page = 2, 40, 8, 2, 64, 16
+    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
+                                                      jnp.bfloat16)
+    qo_indptr = (np.arange(b + 1) * 7).astype(np.int32)
+    pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu", impl="mosaic")
+    plan = pre.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages)
+    assert MOSAIC_CALL in lower_for_cuda(pre.run, jnp.ones((b * 7, hq, d), jnp.bfloat16), cache, plan)
 
 
 def test_triton_deprecation_is_hidden_for_jaxinfer_kernels_only(rng):

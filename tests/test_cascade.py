@@ -40,8 +40,13 @@ CASES = [  # (batch, unique kv, prefix, (Hq, Hkv), head_dim, page, qo_len)
 ]
 
 
-@pytest.mark.parametrize("case", [  # GQA 32/8 at d128 and the append case under slow (suite time)
-    c if i == 0 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(CASES)])
+# All under slow: two-level cascades run by default through MultiLevelCascadeAttention in
+# test_changing_prefix_structure_compiles_once (decode rows, levels from two_level_cascade), the
+# decode wrapper's in test_decode_auto_cascade (bf16, 32 / 8 heads at d128) and the prefill
+# wrapper's with several causal queries a request in
+# test_prefill_auto_cascade_shares_only_keys_before_the_queries.
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
 def test_two_level_cascade_equals_single_format(rng, case):
     batch, unique, prefix, (hq, hkv), d, page, qo = case
     uniq = rng.integers(1, unique + 1, batch)
@@ -137,7 +142,8 @@ def test_prefill_auto_cascade_shares_only_keys_before_the_queries(rng):
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     q = randn(rng, (qo_indptr[-1], hq, d), jnp.float32)
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, num_ctas=4)
-    levels, _ = ji.two_level_cascade(qo_indptr, indptr, indices, last, page)
+    levels, saved = ji.two_level_cascade(qo_indptr, indptr, indices, last, page)
+    assert 0 < saved <= (batch - 1) * (64 // page)  # causal: only pages before all of a request's queries
     plan = ji.CascadePlan((pre.plan(*levels[0], num_pages=num_pages, causal=False), pre.plan(*levels[1], num_pages=num_pages)))
     o = pre.run(q, cache, plan)
     assert rel_err(o, ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True).o) < 2e-5

@@ -266,11 +266,13 @@ def _reference(args, **kwargs):
 
 
 def _inputs(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pages, *, max_num_batched_tokens=512,
-            max_num_seq=8, distribution=None, hd64=False, sink_scale=None):
+            max_num_seq=8, distribution=None, hd64=False, sink_scale=None, token_align=128):
     """RPA v3's test inputs (its _test_ragged_paged_attention: seed, uniform values, NaN where no
     sequence's token lies; built in float32 NumPy, cast once). distribution: default RPA v3's
     (0, 0, n). hd64: its hd64 test's (the hd64 cache, and attention_sink uniform x sink_scale, or
-    None, as a ninth argument)."""
+    None, as a ninth argument). T: max_num_batched_tokens, at least the step's tokens aligned to
+    token_align (RPA v3's 128; the small steps below take 8, so T 16: no prefill-class kernel to
+    compile where no sequence is long)."""
     rng = np.random.default_rng(1234)
 
     def gen_random(shape):
@@ -281,7 +283,7 @@ def _inputs(seq_lens, num_heads, head_dim, page_size, q_dtype, kv_dtype, num_pag
         assert q_len <= kv_len
         cu_q_lens.append(cu_q_lens[-1] + q_len)
         kv_lens.append(kv_len)
-    max_num_batched_tokens = max(align_to(cu_q_lens[-1], 128), max_num_batched_tokens)
+    max_num_batched_tokens = max(align_to(cu_q_lens[-1], token_align), max_num_batched_tokens)
     max_num_seq = max(align_to(len(seq_lens), 8), max_num_seq)
     pages_per_seq = cdiv(max(kv_lens), page_size)
     num_q_heads, num_kv_heads = num_heads
@@ -452,11 +454,14 @@ CASES = (
     + [(f"soft_cap-{c}", _random_seqs(2), (16, 2), 128, jnp.float32, jnp.float32, None, dict(soft_cap=c))
        for c in (None, 50.0)]
 )
-# All under slow (sliding_window-5 too: 5 sequences of RPA v3's random lengths with its window, 6-11 s
-# on the 2-core machine; the window runs by default in the hd64 grid's row). mixed-bfloat16-engine (16 sequences up to 1328 keys at 32 / 8 heads, 18-35 s)
-# is under slow: the engines' decode-first form runs in test_jit_with_donation_compiles_once_and_matches,
-# bfloat16 through the entry point in test_kv_share_reads_the_cache_and_leaves_it.
-DEFAULT = set()  # all under slow: the entry point runs by default in the tests below and the hd64 grid's row
+# All under slow (each row compiles its own program: 12-26 s on the 2-core machine). RPA v3's layout
+# runs by default through the entry point in the tests below, at small shapes, with the grid's
+# features: a sliding window and a soft cap on the padded cache (head_dim 64 in 128 lanes), the
+# engines' decode-first form and out_dtype in test_jit_with_donation_compiles_once_and_matches; an fp8
+# cache with k / v scales under bfloat16 queries at head_dim 128 (in place and copied) in
+# test_unpadded_cache_runs_in_place; bfloat16 in test_kv_share_reads_the_cache_and_leaves_it. The hd64
+# variant's layout runs its grid's row with a window and sinks by default (HD64_DEFAULT).
+DEFAULT = set()
 
 
 @pytest.mark.parametrize("seq_lens,num_heads,head_dim,q_dtype,kv_dtype,distribution,kwargs", _params(CASES, DEFAULT))
@@ -535,9 +540,9 @@ def test_kv_share_reads_the_cache_and_leaves_it(q_len, kv_len):
 
 def _small(**kw):
     """A small valid step (f32, heads (4, 2), head_dim 64; 8 sequence slots, 2 pages each, T
-    128): RPA v3 arguments."""
+    16): RPA v3 arguments."""
     return _inputs([(3, 20), (1, 9), (6, 6)], (4, 2), 64, 16, jnp.float32, jnp.float32, 12,
-                   max_num_batched_tokens=16, max_num_seq=4, **kw)
+                   max_num_batched_tokens=16, max_num_seq=4, token_align=8, **kw)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -575,7 +580,7 @@ def test_rejects_bad_metadata_when_concrete(index, value, match):
 def _small_hd64():
     """_small's step for the hd64 variant: its cache, and attention sinks."""
     return _inputs([(3, 20), (1, 9), (6, 6)], (4, 2), 64, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16,
-                   max_num_seq=4, hd64=True, sink_scale=10.0)
+                   max_num_seq=4, hd64=True, sink_scale=10.0, token_align=8)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -599,7 +604,8 @@ def test_hd64_rejects_as_rpa_v3(kwargs, match):
 
 
 def test_hd64_rejects_other_head_dims_and_caches():
-    args = _inputs([(3, 20)], (4, 2), 80, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16, max_num_seq=4)
+    args = _inputs([(3, 20)], (4, 2), 80, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16, max_num_seq=4,
+                   token_align=8)
     with pytest.raises(ValueError, match="actual_head_dim=80 to be 64"):
         tpu_inference.ragged_paged_attention_hd64(*args)
     with pytest.raises(ValueError, match="Expected kv_cache.shape"):  # RPA v3's cache, not the hd64 one
@@ -644,13 +650,16 @@ def test_layout_helpers_match_rpa_v3(dtype, num_kv_heads, head_dim):
 
 def test_jit_with_donation_compiles_once_and_matches():
     """Under one jit (cache donated), two compositions of one shape compile once; the cache
-    writes are RPA v3's reference's, the output (out_dtype bfloat16) float64's."""
-    step = jax.jit(lambda *a: tpu_inference.ragged_paged_attention(*a, sm_scale=0.125, out_dtype=jnp.bfloat16,
+    writes are RPA v3's reference's, the output (out_dtype bfloat16) float64's. With a sliding
+    window and a soft cap, on the padded cache (head_dim 64 in 128 lanes: the copy path): the
+    grid's window and soft cap on RPA v3's layout by default (its own rows under slow)."""
+    opts = dict(sm_scale=0.125, sliding_window=8, soft_cap=1.5)  # (logits about 2: the cap bends them)
+    step = jax.jit(lambda *a: tpu_inference.ragged_paged_attention(*a, **opts, out_dtype=jnp.bfloat16,
                                                                    num_ctas=NUM_CTAS), donate_argnums=3)
     for dist in ((0, 0, 3), (1, 1, 2)):
         args = _small(distribution=dist) if dist[0] == 0 else _small_decode_first(dist)
-        _, want_cache = _reference(args, sm_scale=0.125)
-        want = _oracle(args[0], want_cache, *args[4:], 2, sm_scale=0.125)
+        _, want_cache = _reference(args, **opts)
+        want = _oracle(args[0], want_cache, *args[4:], 2, **opts)
         out, cache = step(*args)
         n = int(args[6][dist[2]])
         assert out.dtype == jnp.bfloat16
@@ -665,29 +674,35 @@ def test_unpadded_cache_runs_in_place(monkeypatch, hd64):
     """A cache without padding (head_dim 128, 2 Hkv a multiple of p; the hd64 variant's with Hkv a
     multiple of p) is jaxinfer's NHD_FUSED layout of the same buffer (fused_view): the whole cache
     reaches ragged_paged_attention, which writes into it (donated), and no page is split out (a copy);
-    out and the cache equal the copy path's (fused_view off) bit for bit. NaN past each kv_len and in
-    unlisted pages (_inputs)."""
+    out and the cache equal the copy path's (fused_view off) bit for bit, and out float64's over the
+    written cache. NaN past each kv_len and in unlisted pages (_inputs). RPA v3's layout: an fp8
+    (e4m3) cache with k / v scales under bfloat16 queries (the grid's quantized_kv rows: under slow);
+    hd64: float32."""
     from jaxinfer import ragged
     entry = tpu_inference.ragged_paged_attention_hd64 if hd64 else tpu_inference.ragged_paged_attention
     split_name = "split_kv_hd64" if hd64 else "split_kv"
     split, real = getattr(tpu_inference, split_name), ragged.ragged_paged_attention
     caches = []  # the cache each trace hands to ragged_paged_attention
     monkeypatch.setattr(ragged, "ragged_paged_attention", lambda *a, **kw: (caches.append(a[3]), real(*a, **kw))[1])
+    q_dtype, kv_dtype, opts = (jnp.float32, jnp.float32, {}) if hd64 else (
+        jnp.bfloat16, jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=0.5))
 
     def call():
         tpu_inference._run.clear_cache()  # (a new trace under each patch)
-        args = _inputs([(3, 20), (1, 9), (6, 6)], (4, 2), 64 if hd64 else 128, 16, jnp.float32, jnp.float32, 12,
-                       max_num_batched_tokens=16, max_num_seq=4, hd64=hd64)
-        out, cache = entry(*args, num_ctas=NUM_CTAS)
-        return args[3], _f32(out), _f32(cache)
+        args = _inputs([(3, 20), (1, 9), (6, 6)], (4, 2), 64 if hd64 else 128, 16, q_dtype, kv_dtype, 12,
+                       max_num_batched_tokens=16, max_num_seq=4, hd64=hd64, token_align=8)
+        out, cache = entry(*args, **opts, num_ctas=NUM_CTAS)
+        return args, _f32(out), _f32(cache)
 
     def no_split(*a):
         raise AssertionError("the in-place path split the cache")
 
     monkeypatch.setattr(tpu_inference, split_name, no_split)
-    before, out, cache = call()
-    assert before.is_deleted()  # donated: the returned cache is the same buffer, updated
+    args, out, cache = call()
+    assert args[3].is_deleted()  # donated: the returned cache is the same buffer, updated
     assert caches[-1].layout == "NHD_FUSED" and caches[-1].num_pages == 12
+    want = _oracle(args[0], cache, *args[4:8], 2, hd64=hd64, attention_sink=args[8] if hd64 else None, **opts)
+    assert rel_err(out[:10], want[:10]) < TOL[q_dtype]
     monkeypatch.setattr(tpu_inference, split_name, split)
     monkeypatch.setattr(tpu_inference, "fused_view", lambda *a: None)
     _, want_out, want_cache = call()
@@ -715,7 +730,7 @@ def test_fused_view_only_without_padding(dtype, num_kv_heads, head_dim, free):
 def _small_decode_first(dist):
     """_small's shapes, another composition: a decode sequence, then a chunk."""
     return _inputs([(1, 30), (5, 12)], (4, 2), 64, 16, jnp.float32, jnp.float32, 12, max_num_batched_tokens=16,
-                   max_num_seq=4, distribution=dist)
+                   max_num_seq=4, distribution=dist, token_align=8)
 
 
 @pytest.mark.slow

@@ -126,8 +126,11 @@ def run_step(rng, num_heads, page_size, causal, qo_lens, kv_lens, dtype="float32
     return run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan, **kw), want
 
 
-@pytest.mark.parametrize("num_heads,page_size,causal", [  # every value twice by default; the rest under slow
-    (8, 1, True), (16, 64, True), pytest.param(16, 16, False, marks=pytest.mark.slow),
+# Default: 8 heads, page 1, causal; under slow the rest (16 heads run by default in the fp8 and
+# Mosaic tests, page 64 and non-causal steps in test_one_compilation_across_steps, 128 heads in
+# test_128_heads_small_kv).
+@pytest.mark.parametrize("num_heads,page_size,causal", [
+    (8, 1, True), pytest.param(16, 64, True, marks=pytest.mark.slow), pytest.param(16, 16, False, marks=pytest.mark.slow),
     pytest.param(8, 64, False, marks=pytest.mark.slow)])
 def test_matches_float64_reference(rng, num_heads, page_size, causal):
     for qo_lens, kv_lens in (DECODE, MIXED):
@@ -161,12 +164,17 @@ def test_fp8_latent_cache_with_scales(rng, dtype, tol):
     assert sizes[0] == sizes[1]
 
 
+# Under slow: fp8 caches run by default with their scales (above); a cache read unscaled in every other test.
+@pytest.mark.slow
 def test_fp8_latent_cache_without_scales(rng):
     """An fp8 cache without scales reads its values as they are (scale 1)."""
     out, want = run_step(rng, 16, 64, True, *MIXED, "bfloat16", cache_dtype="float8_e4m3fn")
     check(out, want, 8e-3)
 
 
+# Under slow: NaN in unlisted pages, stale slots and padding rows run by default in
+# test_one_compilation_across_steps (non-causal steps) and test_fp8_latent_cache_with_scales (pages of 16).
+@pytest.mark.slow
 def test_nan_in_unlisted_pages_stale_slots_and_padding_rows(rng):
     for qo_lens, kv_lens in (DECODE, MIXED):
         out, want = run_step(rng, 16, 16, False, qo_lens, kv_lens, poison=True)
@@ -183,10 +191,13 @@ def test_empty_requests_and_masked_rows_give_zero_and_neg_inf(rng):
 
 
 def test_one_compilation_across_steps(rng):
+    """Four steps (decode with a split request, the mixed step, an empty step, one full request)
+    through one program (page 64, non-causal); NaN in unlisted pages, stale slots and q's padding
+    rows never reach o."""
     mla, run = runner(8, 64, False)
     assert mla.plan(*step(rng, *DECODE, 64), num_pages=_num_pages(64)).info["num_split"] > 0  # merges run
     for qo_lens, kv_lens in (DECODE, MIXED, ([], []), ([16], [16])):
-        out, want = run_step(rng, 8, 64, False, qo_lens, kv_lens)
+        out, want = run_step(rng, 8, 64, False, qo_lens, kv_lens, poison=True)
         check(out, want, 2e-5)
     assert run._cache_size() == 1
 

@@ -156,8 +156,10 @@ def _run_compositions(heads, page_size, causal=True, seed=0):
     return traces[0]
 
 
-# Pages of 16 under slow: test_not_causal runs three compositions on them.
-@pytest.mark.parametrize("page_size", [1, pytest.param(16, marks=pytest.mark.slow), 64])
+# Pages of 64 by default; 16 under slow (test_not_causal runs three compositions on them), and 1
+# (the kernel's one-slot pages run by default in test_mla.test_matches_float64_reference[8-1-True]).
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow),
+                                       64])
 def test_compositions_one_compilation(page_size):
     assert _run_compositions(16, page_size) == 1  # three compositions, one trace
 
@@ -246,8 +248,8 @@ def _plan_np(q_lens, kv_lens, n, heads, cells, causal=True):
     return {k: np.asarray(v) for k, v in sec.items()}, sz, cu, t
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_plan_covers_every_row_within_capacity(seed):
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_plan_covers_every_row_within_capacity(seed):  # (seeds 1 and 2: other random compositions, under slow)
     """Every (token, head) row is in exactly one tile, its tile's chunks cover the keys it sees
     exactly once, split tiles' rows have one merge group each, and the item, partial-row and group
     counts stay within the static capacities, for long sequences over few cells (many splits)."""
@@ -394,8 +396,9 @@ def test_sm_scale_required():
 
 def test_rows_with_no_visible_key_give_zero():
     """Under jit (metadata unchecked) a sequence with kv_len 2 < q_len 4: its first two rows see no
-    key (causal) and give o = 0; the others match the oracle over the returned caches."""
-    page_size, heads = 16, 16
+    key (causal) and give o = 0; the others match the oracle over the returned caches. (Pages of
+    64: test_compositions_one_compilation[64]'s program.)"""
+    page_size, heads = 64, 16
     call, traces = _jitted(heads, page_size, True)
     rng = np.random.default_rng(6)
     kv, pi, cu, dist = metadata(rng, [1, 4, 2], [50, 2, 9], (1, 1, 3), page_size)

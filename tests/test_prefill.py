@@ -119,8 +119,9 @@ def test_custom_mask_tril_is_causal_and_packed_form(rng):
     assert_lse_close(plain.lse, r.lse)  # rows whose mask is all False: o = 0, lse = -inf
 
 
-# Every R, C and masked value once; (4, 4, unmasked) under slow.
-@pytest.mark.parametrize("r, c, masked", [(1, 4, False), (4, 16, True), (16, 1, True),
+# Default: R 1 and 16, C 4 and 1, masked and not (one row and one column per block, several of
+# each); (4, 16, masked) and (4, 4, unmasked) under slow.
+@pytest.mark.parametrize("r, c, masked", [(1, 4, False), pytest.param(4, 16, True, marks=pytest.mark.slow), (16, 1, True),
                                           pytest.param(4, 4, False, marks=pytest.mark.slow)])
 def test_block_sparse_any_block_size(rng, r, c, masked):
     m, n, hq, hkv, d = 64, 128, 4, 2, 64

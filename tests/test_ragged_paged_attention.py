@@ -38,15 +38,15 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
         page_indices[i * pages_per_seq: i * pages_per_seq + npages[i]] = perm[first[i]:first[i + 1]]
     nhd = layout != "HND"
     shape = (num_pages, page, hkv, d) if nhd else (num_pages, hkv, page, d)
-    k_pages, v_pages = randn(rng, shape, dtype), randn(rng, shape, dtype)
+    k_pages, v_pages = (np.array(randn(rng, shape, dtype)) for _ in "kv")  # host arrays: no device op compiles
     if poison:  # pages no valid sequence lists hold NaN: any read of them shows
         unlisted = perm[first[-1]:]
-        k_pages, v_pages = k_pages.at[unlisted].set(jnp.nan), v_pages.at[unlisted].set(jnp.nan)
+        k_pages[unlisted], v_pages[unlisted] = np.nan, np.nan
     cu = np.full(seq_cap + 1, np.sum(q_lens), np.int32)
     cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     kv_lens = np.zeros(seq_cap, np.int32)
     kv_lens[:n] = kv
-    q, k, v = (randn(rng, (tok_cap, h, d), dtype) for h in (hq, hkv, hkv))
+    q, k, v = (np.array(randn(rng, (tok_cap, h, d), dtype)) for h in (hq, hkv, hkv))
 
     want_k, want_v = np.array(k_pages), np.array(v_pages)  # the NumPy scatter of the new rows (dtype kept)
     for i in range(n):
@@ -59,9 +59,9 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
     want = ji.PagedKVCache(jnp.asarray(want_k), jnp.asarray(want_v), base_layout)
     kv_indptr = first.astype(np.int32)
     table = (cu[: n + 1], kv_indptr, perm[: first[-1]], (kv - (npages - 1) * page).astype(np.int32))
-    cache = ji.PagedKVCache(k_pages, v_pages, base_layout)
-    args = (q, k, v, fused(cache) if layout == "NHD_FUSED" else cache, jnp.asarray(kv_lens),
-            jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(dist, jnp.int32))
+    cache = ji.PagedKVCache(jnp.asarray(k_pages), jnp.asarray(v_pages), base_layout)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), fused(cache) if layout == "NHD_FUSED" else cache,
+            jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(dist, jnp.int32))
     return args, want, table
 
 
@@ -72,15 +72,19 @@ def _reference(q, cache, table, **kw):
 
 
 def _check(args, want_cache, table, out, new_cache, causal=True, tol=TOL[jnp.float32], **variant_kw):
-    q, nnz = args[0], int(table[0][-1])
+    q, nnz, out = np.asarray(args[0]), int(table[0][-1]), np.asarray(out)  # (host slices: no device op compiles)
     for got, want in ((new_cache.k_pages, want_cache.k_pages), (new_cache.v_pages, want_cache.v_pages)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))  # NaN == NaN
-    want = _reference(q[:nnz], want_cache, table, causal=causal, **variant_kw)
+    want = _reference(jnp.asarray(q[:nnz]), want_cache, table, causal=causal, **variant_kw)
     assert rel_err(out[:nnz], want) < tol
     np.testing.assert_array_equal(out[nnz:], 0.0)  # padding rows: finite (zero)
 
 
-_plan = jax.jit(ragged_plan.plan_classes, static_argnames=("pages_per_seq", "classes", "causal", "window_left", "num_rows"))
+@functools.partial(jax.jit, static_argnames=("pages_per_seq", "classes", "causal", "num_rows"))
+def _plan_each(kv_lens, cu, dist, *, pages_per_seq, classes, causal, num_rows):
+    """ragged_plan.plan_classes of each class alone (its sections), in one program."""
+    return [ragged_plan.plan_classes(kv_lens, cu, dist, pages_per_seq=pages_per_seq, classes=(cls,), causal=causal,
+                                     window_left=None, num_rows=num_rows)[0] for cls in classes]
 
 
 def _plan_stats(args, causal=True):
@@ -88,9 +92,10 @@ def _plan_stats(args, causal=True):
     block's KV splits into several chunks)."""
     q, _, _, cache, kv_lens, page_indices, cu, dist = args
     stats = []
-    for cls in ragged_plan.classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV):
-        sec, _ = _plan(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0], classes=(cls,),
-                       causal=causal, window_left=None, num_rows=q.shape[0])
+    classes = ragged_plan.classes(q.shape[0], kv_lens.shape[0], NUM_CTAS // HKV, HQ // HKV)
+    secs = _plan_each(kv_lens, cu, dist, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0],
+                      classes=tuple(classes), causal=causal, num_rows=q.shape[0])
+    for cls, sec in zip(classes, secs):
         items = np.asarray(sec["items"])[: int(sec["cell_indptr"][-1])]
         # a block's first query row, its number of KV chunks
         first, n_chunks = (items[:, 0] + items[:, 1], items[:, 8]) if cls.prefill else (items[:, 6], items[:, 5])
@@ -186,7 +191,7 @@ def test_sliding_window_and_soft_cap_hnd(rng):
 SMALL = dict(page=16, seq_cap=7, tok_cap=64, pages_per_seq=16, num_pages=48)
 
 
-@pytest.mark.slow  # the same program as the boundary rows and test_traced_kv_len_past_the_pages_stays_in_its_row
+@pytest.mark.slow  # the same program as the boundary rows and test_decode_only_and_prefill_only
 def test_float64_numpy(rng):
     args, want_cache, table = _step(rng, [1, 5, 19], [40, 3, 30], dist=(1, 1, 3), **SMALL)
     out, _ = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
@@ -197,20 +202,15 @@ def test_float64_numpy(rng):
         assert rel_err(out[cu[i]:cu[i + 1]], o) < TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_decode_only_and_prefill_only(rng, kind):
-    """Steps with empty classes: decode only (the base prefill class and the 64-row class empty),
-    and chunks and prompts only (the 16-row class empty)."""
-    if kind == "decode":
-        q_lens, cached, dist = [1] * 6, [33, 1, 0, 17, 90, 8], (6, 6, 6)
-        blocks = [6, 0, 0]
-    else:
-        q_lens, cached, dist = [20, 12, 30], [0, 15, 40], (0, 3, 3)
-        blocks = [0, 1, 2]
-    args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
-    assert [n for _, _, n, _ in _plan_stats(args)] == blocks
-    out, new_cache = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
-    _check(args, want_cache, table, out, new_cache)
+def test_decode_only_and_prefill_only(rng):
+    """Steps with empty classes, through one program: decode only (the base prefill class and the
+    64-row class empty), then chunks and prompts only (the 16-row class empty)."""
+    for q_lens, cached, dist, blocks in (([1] * 6, [33, 1, 0, 17, 90, 8], (6, 6, 6), [6, 0, 0]),
+                                         ([20, 12, 30], [0, 15, 40], (0, 3, 3), [0, 1, 2])):
+        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
+        assert [n for _, _, n, _ in _plan_stats(args)] == blocks
+        out, new_cache = ji.ragged_paged_attention(*args, num_ctas=NUM_CTAS)
+        _check(args, want_cache, table, out, new_cache)
 
 
 # Decode-only, prefill-only and mixed compositions of SMALL's shapes.
@@ -271,7 +271,12 @@ def test_classes_cover_every_q_len(group):
 
 def test_jit_donated_one_compilation(rng):
     """Two compositions of the same shapes: one trace, the cache updated in place. 16 tokens: no
-    prefill class, so the 64-row decode class is the base (writes its rows, zeroes the padding)."""
+    prefill class, so the 64-row decode class is the base (writes its rows, zeroes the padding).
+    Then a third step through the same program: under jit the metadata are not checked, and a
+    kv_len past its sequence's pages is clipped to them, so the step reads and writes only that
+    sequence's row of page_indices (and the cache): every other sequence's output and pages are as
+    in the valid step. (Interpret mode clamps out-of-bounds loads by itself, so on the CPU this
+    checks the isolation, not the bound.)"""
     traces = []
 
     def step(q, k, v, cache, kv_lens, page_indices, cu, dist):
@@ -279,34 +284,31 @@ def test_jit_donated_one_compilation(rng):
         return ji.ragged_paged_attention(q, k, v, cache, kv_lens, page_indices, cu, dist, num_ctas=NUM_CTAS)
 
     fn = jax.jit(step, donate_argnums=(3,))
+    shapes = dict(SMALL, tok_cap=16)
+    assert [c.prefill for c in ragged_plan.classes(16, 7, NUM_CTAS // HKV, HQ // HKV)] == [False, False]
     for q_lens, cached, dist in (([1, 1, 6], [30, 4, 9], (2, 2, 3)), ([12, 1], [3, 50], (0, 2, 2))):
-        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **dict(SMALL, tok_cap=16))
-        assert [c.prefill for c in ragged_plan.classes(16, 7, NUM_CTAS // HKV, HQ // HKV)] == [False, False]
+        args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **shapes)
         k_before = args[3].k_pages
         out, new_cache = fn(*args)
         assert k_before.is_deleted()  # donated
         _check(args, want_cache, table, out, new_cache)
-    assert len(traces) == 1
 
-
-def test_traced_kv_len_past_the_pages_stays_in_its_row(rng):
-    """Under jit the metadata are not checked. A kv_len past its sequence's pages is clipped to
-    them, so the step reads and writes only that sequence's row of page_indices (and the cache):
-    every other sequence's output and pages are as in the valid step. (Interpret mode clamps
-    out-of-bounds loads by itself, so on the CPU this checks the isolation, not the bound.)"""
-    args, want_cache, table = _step(rng, [1, 3, 5], [40, 9, 20], page=8, dist=(1, 1, 3), seq_cap=3, tok_cap=12,
-                                    pages_per_seq=8)
+    # sequence 1's kv_len past its pages (pages_per_seq x page keys)
+    args, want_cache, table = _step(rng, [1, 3, 5], [40, 9, 20], dist=(1, 1, 3), **shapes)
     q, k, v, cache, kv_lens, pi, cu, dist = args
-    fn = jax.jit(lambda *a: ji.ragged_paged_attention(*a, num_ctas=NUM_CTAS))
-    out, new_cache = fn(q, k, v, cache, kv_lens.at[1].set(8 * 8 + 50), pi, cu, dist)
-    want = _reference(q[:9], want_cache, table, causal=True)
+    pps, num_pages = shapes["pages_per_seq"], cache.num_pages
+    past = np.array(kv_lens)
+    past[1] = pps * shapes["page"] + 50
+    out, new_cache = fn(q, k, v, cache, jnp.asarray(past), pi, cu, dist)
+    out, want = np.asarray(out), _reference(jnp.asarray(np.asarray(q)[:9]), want_cache, table, causal=True)
     for rows in (slice(0, 1), slice(4, 9)):  # sequences 0 and 2
         assert rel_err(out[rows], want[rows]) < TOL[jnp.float32]
     np.testing.assert_array_equal(out[9:], 0.0)
-    others = np.concatenate([np.asarray(pi[:8]), np.asarray(pi[16:])])
-    others = others[others < cache.num_pages]
+    others = np.concatenate([np.asarray(pi[:pps]), np.asarray(pi[2 * pps:])])
+    others = others[others < num_pages]
     for got, w in ((new_cache.k_pages, want_cache.k_pages), (new_cache.v_pages, want_cache.v_pages)):
         np.testing.assert_array_equal(np.asarray(got)[others], np.asarray(w)[others])
+    assert len(traces) == 1
 
 
 def test_bad_inputs_raise(rng):
