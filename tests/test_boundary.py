@@ -20,19 +20,22 @@ Steps: each length alone, and all of a group's lengths mixed in one step with qo
 (and a step of qo_len 0 requests only where the API allows); page sizes 1, 8, 16; NHD and HND;
 causal and not.
 
-Interpret-mode compiles dominate: each kernel config runs under fixed capacities, so its jitted
-run() compiles once per program (per tree structure of the plan: one per short-token class or
-tile height) and every step of that class reuses it. The default subset gives each entry point a
-few rows of pairwise_row (the group, with an orthogonal array of page / layout / causal: every
-value and every pair of values appears); of the alone steps it runs every length of the classes
-(programs) that hold the group's short/long cut (for the prefill wrapper also dispatch's flip and
-one of the 1-, 2- and 4-token item classes), and the mixed step. The prefill wrapper takes groups
-1, 2 and 4 (cut 16), BatchAttention groups 8, 6 and 5 (cut 8): every group's cut runs alone once.
-ragged_paged_attention (one program for every length) runs every length of groups 1 and 6.
-test_plan_boundaries crosses every planner boundary of every group with planning alone (no
-kernels), and test_default_grid_reaches_every_impl checks that the default grid reaches every
-plan.impl a CPU can. `-m slow` runs the full product. Cache slots past kv_len hold finite random
-values (NaN poisoning is tested elsewhere); the Mosaic impls are not run here.
+Interpret-mode compiles dominate (a few seconds per program; the steps run in milliseconds):
+each kernel config runs under fixed capacities, so its jitted run() compiles once per program (per
+tree structure of the plan: one per short-token class or tile height) and every step of that class
+reuses it. The default subset gives each entry point one to three rows of pairwise_row (the group,
+with an orthogonal array of page / layout / causal); of the alone steps it runs every length of the
+classes (programs) on both sides of a change of plan.impl (impl_edges: the short/long cut,
+dispatch's flip), and the mixed step (every length in one step, on one tile height). The prefill
+wrapper takes groups 1 (MHA: cut and flip at 16) and 4 (flip at 8), BatchAttention group 6 (cut
+8); ragged_paged_attention (one program for every length) runs every length of group 1; the other
+entry points one row each. The default rows hold pages 1, 8 and 16, NHD and HND, causal and not.
+The rows the default subset held before (SLOW_*: the paged wrappers' groups 2, 8 and 5 with
+fixed shapes, ragged_paged_attention's group 6, ...) run under `-m slow`, as does the full product
+(every row, every length alone). test_plan_boundaries crosses every planner boundary of every
+group with planning alone (no kernels), and test_default_grid_reaches_every_impl checks that the
+default grid reaches every plan.impl a CPU can. Cache slots past kv_len hold finite random values
+(NaN poisoning is tested elsewhere); the Mosaic impls are not run here.
 """
 import collections
 import dataclasses
@@ -340,39 +343,39 @@ def _route(plan):
 
 def paged_prefill_steps(entry, cfg, slow):
     """The steps one config runs: alone steps (all in slow; in default those of the classes
-    holding default_keep's lengths), the mixed step, and (BatchAttention) a step of qo_len 0
+    holding impl_edges' lengths), the mixed step, and (BatchAttention) a step of qo_len 0
     requests."""
     steps = alone_steps(cfg.group, cfg.page, kv_index=cfg.pick)
     if not slow:
         w, table = make_paged_wrapper(entry, cfg), _HostTable(cfg.page)
         rng = np.random.default_rng(0)
-        steps = select_alone(steps, lambda s: _plan_paged(w, table, rng, s)[0], default_keep(entry, cfg))
+        plans = [_plan_paged(w, table, rng, s)[0] for s in steps]
+        steps = select_alone(steps, plans, impl_edges(steps, plans))
     steps.append(mixed_step(cfg.group, cfg.page, kv_index=cfg.pick))
     if entry == "BatchAttention":
         steps.append(Step("empty", np.zeros(3, np.int64), np.array([5, 0, cfg.page + 1])))
     return steps
 
 
-SMALL = (1, 2, 3)  # alone lengths of the 1-, 2- and 4-token items (one per default prefill row)
-
-
-def default_keep(entry, cfg):
-    """The lengths whose classes the default subset runs alone: the short/long cut (short_cap,
-    short_cap + 1); for the prefill wrapper also dispatch's flips and one small-item class."""
-    cap = batch_planner.short_cap(cfg.group)
-    keep = {cap, cap + 1}
-    if entry == "BatchPrefillWithPagedKVCache":
-        keep |= {n + d for n in _dispatch_flips(cfg.group) for d in (0, 1)} | {SMALL[cfg.pick % len(SMALL)]}
+def impl_edges(steps, plans):
+    """The lengths on both sides of every change of plan.impl between consecutive alone lengths:
+    the routing edges where a step moves to another kernel (BatchAttention: the short/long cut;
+    the prefill wrapper: dispatch's flip from prefill_short to prefill_triton, at the cut for
+    groups 1 and 2, before it for group 4). Tile heights and item sizes that change without
+    another impl run in the mixed step, and all of them alone under -m slow."""
+    keep = set()
+    for (a, pa), (b, pb) in itertools.pairwise(zip(steps, plans)):
+        if pa.impl != pb.impl:
+            keep |= {int(a.qo[0]), int(b.qo[0])}
     return keep
 
 
-def select_alone(steps, plan_fn, keep):
+def select_alone(steps, plans, keep):
     """The alone steps of every class (one compiled program each: the plan's impl and step-level
     choices) that holds a length in `keep`: all of a class's lengths run on its one program.
-    Planning only (host NumPy)."""
+    plans: each step's plan (planning only, host NumPy)."""
     by_class = collections.defaultdict(list)
-    for s in steps:
-        plan = plan_fn(s)
+    for s, plan in zip(steps, plans):
         by_class[(plan.impl, _route(plan))].append(s)
     return [s for c in by_class.values() if any(int(s.qo[0]) in keep for s in c) for s in c]
 
@@ -428,21 +431,37 @@ def run_paged_prefill(entry, cfg, steps, rng, fixed):
     return fails, seen, len(run.traces)
 
 
-# The default configs of each entry point (rows of pairwise_row). The prefill wrapper takes the
-# groups whose short/long cut is 16 tokens (there prefill_short reaches it, or dispatch flips to
-# Triton first: group 4 at 8), BatchAttention the groups whose cut is 8 (and non-power-of-two
-# heads: decode tiles of 48 and 40 rows).
-DEFAULT_PAGED = ([("BatchPrefillWithPagedKVCache", pairwise_row(i)) for i in (0, 1, 2)]
-                 + [("BatchAttention", pairwise_row(i)) for i in (3, 4, 5)])
-DEFAULT_RPA = [pairwise_row(6), pairwise_row(4)]      # group 1 (T_s = T_l: two classes), group 6 (three)
-DEFAULT_DECODE = [pairwise_row(3), pairwise_row(2)]   # pages 1 and 16
+# The default configs of each entry point (rows of pairwise_row): the prefill wrapper takes group
+# 1 (MHA: the cut and dispatch's flip at 16, 17-32 tokens on 32-row tiles) and group 4 (dispatch
+# flips to Triton at 8, before the cut), BatchAttention group 6 (cut 8, non-power-of-two heads:
+# 48-row decode tiles); together pages 1, 8 and 16, NHD, causal and not, each without fixed shapes
+# (prefill_short and BatchAttention's one-launch plans run). SLOW_*: the rows the default subset
+# held before (group 2 and fixed shapes; groups 8 and 5, fixed; ragged_paged_attention group 6;
+# decode on 16-token pages; block-sparse group 6), under -m slow with the full grids. HND and
+# fixed shapes (all three capacities) of the paged wrappers run by default in test_short_path,
+# test_poison and test_fuzz.
+DEFAULT_PAGED = [("BatchPrefillWithPagedKVCache", pairwise_row(0)), ("BatchPrefillWithPagedKVCache", pairwise_row(2)),
+                 ("BatchAttention", pairwise_row(4))]
+SLOW_PAGED = [("BatchPrefillWithPagedKVCache", pairwise_row(1)), ("BatchAttention", pairwise_row(3)),
+              ("BatchAttention", pairwise_row(5))]
+DEFAULT_RPA = [pairwise_row(18)]  # group 1 (T_s = T_l: two classes), page 1, HND, not causal
+SLOW_RPA = [pairwise_row(6), pairwise_row(4)]  # group 1 causal; group 6 (three classes: test_poison's group 2 by default)
+DEFAULT_DECODE = [pairwise_row(3)]  # page 1
+SLOW_DECODE = [pairwise_row(2)]     # page 16
 DEFAULT_RAGGED = [pairwise_row(3)]
 DEFAULT_CASCADE = [pairwise_row(1)]
 
 
-@pytest.mark.parametrize("entry, cfg", DEFAULT_PAGED, ids=str)
+def _with_slow(default, slow):
+    """default's parameter sets, then slow's marked slow."""
+    as_tuple = lambda x: x if isinstance(x, tuple) else (x,)
+    return list(default) + [pytest.param(*as_tuple(x), marks=pytest.mark.slow) for x in slow]
+
+
+@pytest.mark.parametrize("entry, cfg", _with_slow(DEFAULT_PAGED, SLOW_PAGED), ids=str)
 def test_paged_prefill_boundaries(rng, entry, cfg):
-    """Every other config with all three capacities (one program for every step)."""
+    """Rows of odd pick run with fixed shapes (all three capacities: one program for every step);
+    the default rows all have even picks."""
     fixed = cfg.pick % 2 == 1
     fails, seen, compiles = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=False), rng, fixed)
     assert compiles == 1 or not fixed, compiles
@@ -539,7 +558,7 @@ def run_rpa(cfg, steps, rng):
     return fails, taken, classes, len(fn.traces)
 
 
-@pytest.mark.parametrize("cfg", DEFAULT_RPA, ids=str)
+@pytest.mark.parametrize("cfg", _with_slow(DEFAULT_RPA, SLOW_RPA), ids=str)
 def test_ragged_paged_attention_boundaries(rng, cfg):
     fails, taken, classes, traces = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
     fails.check(f"ragged_paged_attention {cfg}")
@@ -595,7 +614,7 @@ def run_decode(cfg, steps, rng):
     return fails, seen, len(run.traces)
 
 
-@pytest.mark.parametrize("cfg", DEFAULT_DECODE, ids=str)
+@pytest.mark.parametrize("cfg", _with_slow(DEFAULT_DECODE, SLOW_DECODE), ids=str)
 def test_decode_boundaries(rng, cfg):
     fails, seen, traces = run_decode(cfg, decode_steps(cfg, slow=False), rng)
     fails.check(f"BatchDecodeWithPagedKVCache {cfg}")
@@ -622,12 +641,14 @@ def _ragged_plan(w, step, kcap):
 
 
 def ragged_steps(cfg, slow):
+    """Every length alone (slow; in default those of the classes holding impl_edges' lengths:
+    none, every step is prefill_triton) and all of them mixed in one step (one tile height)."""
     steps = alone_steps(cfg.group, 1, kv_index=cfg.pick)
     if not slow:
         hq, hkv = cfg.heads
         w = ji.BatchPrefillWithRaggedKVCache(hq, hkv, D, causal=cfg.causal, num_ctas=NUM_CTAS)
-        small = prefill_planner.TILE_ROWS[0] // cfg.group  # the smallest tile's edge
-        steps = select_alone(steps, lambda s: _ragged_plan(w, s, int(s.kv.sum()))[0], {small, small + 1})
+        plans = [_ragged_plan(w, s, int(s.kv.sum()))[0] for s in steps]
+        steps = select_alone(steps, plans, impl_edges(steps, plans))
     return steps + [mixed_step(cfg.group, 1, kv_index=cfg.pick)]
 
 
@@ -716,10 +737,11 @@ def bsr_rows(group):
     return [n for n, kinds in edge_classes(group).items() if "tile_rows" in kinds]
 
 
-BSR_DEFAULT = [(1, 16, 1), (6, 6, 16)]  # (group, R, C): R at 16-row tiles' edge (16 x 1), 32 // 6 + 1
+BSR_DEFAULT = [(1, 16, 1)]  # (group, R, C): R at 16-row tiles' edge (16 x 1), single-key column blocks
+BSR_SLOW = [(6, 6, 16)]    # 32 // 6 + 1 rows: a 64-row tile
 
 
-@pytest.mark.parametrize("group, rows, cols", BSR_DEFAULT)
+@pytest.mark.parametrize("group, rows, cols", _with_slow(BSR_DEFAULT, BSR_SLOW))
 def test_block_sparse_boundaries(rng, group, rows, cols):
     assert rows in bsr_rows(group)
     fails, impl = run_bsr(group, rows, cols, rng)

@@ -18,12 +18,15 @@ poisoned slot and row, so one kernel call covers all three; "nan" and "inf" (+In
 run under -m slow, to tell them apart when the default case fails.
 
 tests/test_safety.py already has float32 NaN tests (unlisted pages and last-page tails, no
-capacities) of decode_triton, prefill_triton (paged causal and not, ragged, block-sparse) and the
-Triton cascade; tests/test_batch_attention.py and tests/test_ragged_paged_attention.py poison
-unlisted pages (not tails) of BatchAttention and ragged_paged_attention. This file adds, per
-dispatch row: Inf, last-page tails, padding rows, the fused decode append, decode's
-cascade="auto", prefill_short, and the Mosaic rows (bfloat16, one query head and one cell: the
-Mosaic interpreter takes 15-30 s of CPU per call even so).
+capacities) of decode_triton, prefill_triton (paged, ragged, block-sparse) and the Triton cascade;
+tests/test_batch_attention.py and tests/test_ragged_paged_attention.py poison unlisted pages (not
+tails) of BatchAttention and ragged_paged_attention. This file adds, per dispatch row: Inf,
+last-page tails, padding rows, the fused decode append, decode's cascade="auto", prefill_short,
+and the Mosaic rows (bfloat16, one query head and one cell: the Mosaic interpreter takes 15-30 s
+of CPU per call even so). Every row runs by default; variants of a row that runs by default
+(prefill_triton not causal, the (k, v) pair append, MultiLevelCascadeAttention under capacities,
+BatchAttention on the Triton kernels, ragged_paged_attention on the Mosaic kernels) run under
+-m slow.
 """
 import jax.numpy as jnp
 import numpy as np
@@ -140,11 +143,14 @@ def test_decode(rng, row, poison):
 
 
 @poisons
-@pytest.mark.parametrize("row, append", [("decode_triton", "pair"), ("decode_triton", "from_q")])
+@pytest.mark.parametrize("row, append", [pytest.param("decode_triton", "pair", marks=pytest.mark.slow),
+                                         ("decode_triton", "from_q")])
 def test_decode_fused_append(rng, row, append, poison):
     """decode_triton with run(..., append_kv=): the slot each request appends to (position kv_len
     - 1) holds poison before the call (a stale slot), as do the tails and unlisted pages; padding
-    rows (kv_len 0 under max_batch_size) hold it in q and in the new K/V, and write nothing."""
+    rows (kv_len 0 under max_batch_size) hold it in q and in the new K/V, and write nothing.
+    append_kv="from_q" (the new K/V read in place from q's extra heads) by default; the (k, v)
+    pair, the same kernel and slots, under -m slow."""
     values, page, b, cap = PATTERNS[poison], 8, 5, 8
     kv = np.array([1, 37, 300, 8, 17])
     (indptr, indices, last), num_pages, clean = _case(rng, kv, page, HKV, D, jnp.float32)
@@ -236,7 +242,8 @@ def test_paged_prefill(rng, row, causal, poison):
     _check(o, lse, want, qo_indptr, TOL[dtype], f"{row} causal={causal}")
 
 
-@poisons
+@pytest.mark.slow  # by default: test_decode_cascade_auto (a CascadePlan on prefill_triton, padding rows,
+@poisons           # NaN and Inf) and test_safety's MultiLevelCascadeAttention NaN test (tails, unlisted pages)
 @pytest.mark.parametrize("row", ["prefill_triton"])
 def test_cascade(rng, row, poison):
     """MultiLevelCascadeAttention (prefill_triton per level): a shared 3-page prefix level, then
@@ -269,11 +276,13 @@ BATCH = {  # group 2 (Triton): up to 32 tokens are short; group 1 (Mosaic): up t
 
 
 @poisons
-@pytest.mark.parametrize("row", ["batch_classes", "batch_mosaic"])
+@pytest.mark.parametrize("row", [pytest.param("batch_classes", marks=pytest.mark.slow), "batch_mosaic"])
 def test_batch_attention(rng, row, poison, monkeypatch):
     """BatchAttention under capacities (5 padding rows): impl "auto" (batch_classes:
     decode_triton for the short requests, prefill_triton for the long one) and impl "mixed"
-    (batch_mosaic: one persistent Mosaic launch, plan(q_data_type="bfloat16"); one cell)."""
+    (batch_mosaic: one persistent Mosaic launch, plan(q_data_type="bfloat16"); one cell).
+    batch_classes under -m slow: its two rows run poisoned by default in test_decode and
+    test_paged_prefill, and BatchAttention's padding rows in batch_mosaic."""
     values, mosaic = PATTERNS[poison], row == "batch_mosaic"
     if mosaic:  # the mixed launch's grid is one cell per SM: one grid point for the interpreter
         monkeypatch.setattr(_backend, "num_sms", lambda default=132: 1)

@@ -21,7 +21,8 @@ def _table(rng, kv_lens, page):
     return (indptr, indices, last), poison_pages(cache, indptr, indices, last), num_pages
 
 
-@pytest.mark.parametrize("page", [1, 8])
+# page 8 under -m slow (the same kernel; test_poison's decode tests poison 8-token pages by default)
+@pytest.mark.parametrize("page", [1, pytest.param(8, marks=pytest.mark.slow)])
 def test_decode_never_reads_unlisted_memory(rng, page):
     kv = np.array([1, 37, 300, 9, 64])
     table, cache, num_pages = _table(rng, kv, page)
@@ -33,7 +34,8 @@ def test_decode_never_reads_unlisted_memory(rng, page):
     assert_lse_close(lse, want.lse)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+# causal under -m slow (the same kernel; test_poison's prefill_triton test is causal by default)
+@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_paged_prefill_never_reads_unlisted_memory(rng, causal):
     page, qo, kv = 8, np.array([5, 0, 17, 1]), np.array([40, 9, 70, 3])
     table, cache, num_pages = _table(rng, kv, page)

@@ -41,18 +41,22 @@ def _check(rng, wrapper, hq, hkv, qo, kv, page, layout, causal):
 
 
 # 16: the last short length (the short path); 17: the first long one, on a 32-row tile, the tile
-# 32 fills too (32 under slow: 17's program); 33: the next tile height. test_boundary's group-1 rows
-# run 31, 32 and 33 (the paged prefill wrapper's mixed step; ragged_paged_attention alone).
+# 32 fills too (32 under slow: 17's program); 33: the next tile height (under slow: the same
+# prefill path as 17 on a 64-row tile). test_boundary's group-1 rows run 31, 32 and 33 (the paged
+# prefill wrapper's alone steps and mixed step, a 64-row tile; ragged_paged_attention alone).
 # The prefill wrapper's 16 and 17 under slow: test_boundary's group-1 row runs them alone (the classes
 # of the cut) with the same wrapper.
 @pytest.mark.parametrize("qo, wrapper", [
-    pytest.param(qo, w, marks=pytest.mark.slow) if qo == 32 or (qo < 32 and w is ji.BatchPrefillWithPagedKVCache)
+    pytest.param(qo, w, marks=pytest.mark.slow) if qo >= 32 or w is ji.BatchPrefillWithPagedKVCache
     else (qo, w) for qo in (16, 17, 32, 33) for w in (ji.BatchPrefillWithPagedKVCache, ji.BatchAttention)])
 def test_mha_one_request_of_17_to_32_tokens(rng, wrapper, qo):
     _check(rng, wrapper, 4, 4, [qo], [qo], 16, "NHD", True)
 
 
-@pytest.mark.parametrize("wrapper", [ji.BatchPrefillWithPagedKVCache, ji.BatchAttention])
-@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])  # the same branches
+# The prefill wrapper's under slow: test_boundary's group-1 row runs 17-32-token requests beside
+# 1-16-token ones in one step (its mixed step) with the same wrapper; causal=False: the same branches.
+@pytest.mark.parametrize("wrapper", [pytest.param(ji.BatchPrefillWithPagedKVCache, marks=pytest.mark.slow),
+                                     ji.BatchAttention])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_mha_batch_with_a_20_token_request(rng, wrapper, causal):
     _check(rng, wrapper, 4, 4, [1, 1, 20, 3], [64, 1, 20, 50], 1, "HND", causal)
