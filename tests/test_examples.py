@@ -28,15 +28,21 @@ import serve  # noqa: E402
 TINY = llama.get_config("tiny")  # float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--batch", "2", "--prompt-len", "3", "11", "--new-tokens", "4", "--page-size", "4", "--quiet"]
+GREEDY = ("--layers", "1")
 SAMPLED = ("--layers", "1", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9")
 TWO_BATCHES = ("--batch", "2", "1")  # two generations on one model and cache
 
 
 @functools.lru_cache(maxsize=None)
-def _runs(*extra):
-    """generate.main(SMALL + extra)'s tokens, one array per --batch value, computed once per argument
+def _results(*extra):
+    """generate.main(SMALL + extra)'s result dicts, one per --batch value, computed once per argument
     list (tests share runs)."""
-    return tuple(r["tokens"] for r in generate.main(SMALL + list(extra)))
+    return tuple(generate.main(SMALL + list(extra)))
+
+
+def _runs(*extra):
+    """The tokens of _results(*extra), one array per --batch value."""
+    return tuple(r["tokens"] for r in _results(*extra))
 
 
 def _tokens(*extra):
@@ -45,13 +51,19 @@ def _tokens(*extra):
 
 
 SERVE_SEED = 5
+SERVE_CFG = llama.get_config("tiny", num_layers=1)
+
+
+def _engine(chunk=None):
+    """serve.Engine(SERVE_CFG: tiny, one layer) of the serving tests (seed SERVE_SEED, 96 pages of 8,
+    batches of 6), one per chunk value: its steps compile once for the tests that share it (run()
+    starts afresh), the tensor and context parallel test's one-device reference among them."""
+    return _engine_of(chunk)
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(chunk=None):
-    """serve.Engine(TINY) of the serving tests (seed SERVE_SEED, 96 pages of 8, batches of 6), one
-    per chunk value: its steps compile once for the tests that share it (run() starts afresh)."""
-    return serve.Engine(TINY, seed=SERVE_SEED, page_size=8, num_pages=96, max_batch=6, chunk=chunk)
+def _engine_of(chunk):
+    return serve.Engine(SERVE_CFG, seed=SERVE_SEED, page_size=8, num_pages=96, max_batch=6, chunk=chunk)
 
 
 def test_llama_logits_paged_equal_dense(rng):
@@ -149,14 +161,18 @@ def test_serve_rejects_requests_that_never_fit():
 
 
 def test_generate_end_to_end_and_scan_horizon():
-    """generate.py runs; K decode steps per lax.scan (a horizon plan) give the per-step tokens,
-    including a last scan that runs past new_tokens."""
-    args = ["--batch", "3", "--prompt-len", "5", "20", "--new-tokens", "6", "--page-size", "4", "--quiet"]
-    (step,) = generate.main(args)
-    assert step["tokens"].shape == (3, 6)
+    """generate.py runs (greedy, one layer); K decode steps per lax.scan (a horizon plan) give the
+    per-step tokens, including a last scan that runs past new_tokens; two --batch values on one
+    model and cache with one new token (no decode step) give the prefill's tokens. (The tensor and
+    context parallel test compares its --cp run with the first run; the slow scan test runs two
+    --batch values with decode steps.)"""
+    (step,) = _results(*GREEDY)
+    assert step["tokens"].shape == (2, 4)
     assert step["ttft_s"] > 0 and step["itl_s"] > 0 and step["itl_p50_s"] > 0
-    (scanned,) = generate.main(args + ["--scan", "4"])
-    np.testing.assert_array_equal(scanned["tokens"], step["tokens"])
+    np.testing.assert_array_equal(_tokens(*GREEDY, "--scan", "2"), step["tokens"])  # 2 scans of 2 for 3 steps
+    first, single = _runs(*GREEDY, *TWO_BATCHES, "--new-tokens", "1")
+    assert first.shape == (2, 1) and single.shape == (1, 1)
+    np.testing.assert_array_equal(first[:, 0], step["tokens"][:, 0])
     with pytest.raises(ValueError, match="--batch"):
         generate.parse_args(["--batch", "2", "0"])
 
@@ -327,15 +343,13 @@ def _tp_subprocess(runs):
     return lambda: [[np.asarray(t) for t in run] for run in result()]
 
 
-def test_generate_sampling_deterministic_and_in_range():
+def test_generate_sampling_in_range():
     """--temperature/--top-k/--top-p: jaxinfer.sampling draws on the device inside the step, a key
-    threaded from step to step: tokens lie in the vocabulary, and a second run with the same seed
-    draws the same first tokens (the TP test below compares whole runs across processes; the slow
-    one, per lax.scan). Filters without a temperature are refused."""
-    tokens, single = _runs(*SAMPLED, *TWO_BATCHES)
-    assert tokens.shape == (2, 4) and single.shape == (1, 4)
-    assert min(tokens.min(), single.min()) >= 0 and max(tokens.max(), single.max()) < TINY.vocab_size
-    np.testing.assert_array_equal(_tokens(*SAMPLED, "--new-tokens", "1")[:, 0], tokens[:, 0])
+    threaded from step to step: tokens lie in the vocabulary (the TP / CP test below draws the same
+    tokens in another process with the same seed; the slow test draws them again per lax.scan and
+    with one new token). Filters without a temperature are refused."""
+    (tokens,) = _runs(*SAMPLED)
+    assert tokens.shape == (2, 4) and tokens.min() >= 0 and tokens.max() < TINY.vocab_size
     with pytest.raises(ValueError, match="temperature"):
         generate.parse_args(["--top-k", "5"])
     with pytest.raises(ValueError, match="top-p"):
@@ -366,16 +380,16 @@ def test_generate_tensor_and_context_parallel_on_host_devices():
     """Sampled generate.py --tp 4 on four forced host devices (weights column/row parallel and made
     on the devices, the cache on KV heads: tiny's 2 KV heads replicated, attention through
     jaxinfer.sharding.head_parallel, logits gathered from the vocabulary-split LM head for the
-    replicated sampling call), and --cp 4 (the cache split on pages, each request's few pages
+    replicated sampling call), and greedy --cp 4 (the cache split on pages, each request's few pages
     spread over the devices, some of them empty; the K/V appended where each page lives; attention
     through jaxinfer.sharding.context_parallel, prefill and decode), in another process, draw the
-    tokens of one device with the same seed (the first run of the sampling test's --batch 2 1: a
-    run's tokens do not depend on the runs after it; two batch sizes on one model and cache run
-    there, on one device). The fused q/k/v layout for fewer KV heads than devices; --tp or --cp
-    past the devices, --cp with --tp or --scan, and llama3-70b on a CPU are refused."""
-    tokens = _tp_subprocess([list(SAMPLED) + ["--tp", "4"], list(SAMPLED) + ["--cp", "4"]])
-    want = _runs(*SAMPLED, *TWO_BATCHES)[:1]
-    for run in tokens():
+    tokens of one device with the same seed (the sampling test's run, and the end-to-end test's
+    greedy one). The fused
+    q/k/v layout for fewer KV heads than devices; --tp or --cp past the devices, --cp with --tp or
+    --scan, and llama3-70b on a CPU are refused."""
+    tokens = _tp_subprocess([list(SAMPLED) + ["--tp", "4"], list(GREEDY) + ["--cp", "4"]])
+    wants = [_runs(*SAMPLED), _runs(*GREEDY)]
+    for run, want in zip(tokens(), wants, strict=True):
         for got, ref in zip(run, want, strict=True):
             np.testing.assert_array_equal(got, ref)
     # With fewer KV heads than devices (tiny: 2 on 4), device i holds KV head i // 2 (replicated).
@@ -395,20 +409,21 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
     cache split on heads; prefill, decode and two-level cascade attention through
     jaxinfer.sharding.head_parallel; with chunk, the mixed step through head_parallel_ragged), and
     (chunk None) with cp = 3 on three (the cache split on pages, one plan per device and step),
-    serves shared-prefix requests with n > 1 samples to the tokens of one device. Under CP the
+    serves shared-prefix requests with n > 1 samples to the tokens of one device (the engine of
+    the serving tests above, same weights and shapes). Under CP the
     greedy step compiles once for prefill and once for decode, and a request's pages lie on its
     even-split devices, device by device (after a cached prefix, never before its last device).
     tp or cp past the devices is refused."""
     scenario = "serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), arrivals=2)"
     code = ("import numpy as np, llama, serve; cfg = llama.get_config('tiny', num_layers=1, tp=2); "
-            f"engine = serve.Engine(cfg, page_size=8, num_pages=96, max_batch=6, chunk={chunk}); "
+            f"engine = serve.Engine(cfg, seed={SERVE_SEED}, page_size=8, num_pages=96, max_batch=6, chunk={chunk}); "
             f"out = [engine.run({scenario})]; stats = [engine.stats['cascade_steps']]\n"
             f"if {chunk} is None:\n"
             "    import jax, logging; jax.config.update('jax_log_compiles', True); compiles = []\n"
             "    handler = logging.Handler(); handler.emit = lambda r: compiles.append(r.getMessage())\n"
             "    logging.getLogger('jax').addHandler(handler)\n"
-            "    cfg = llama.get_config('tiny', num_layers=1); engine = serve.Engine(cfg, page_size=8, num_pages=96, "
-            "max_batch=6, cp=3)\n"
+            "    cfg = llama.get_config('tiny', num_layers=1)\n"
+            f"    engine = serve.Engine(cfg, seed={SERVE_SEED}, page_size=8, num_pages=96, max_batch=6, cp=3)\n"
             f"    out.append(engine.run({scenario}))\n"
             "    stats.append(sum('XLA compilation of jit(step)' in m for m in compiles))\n"
             "    engine.allocator = serve.PageAllocator(96, num_shards=3)\n"
@@ -416,9 +431,9 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
             "    stats.append(engine._place(np.array([33], np.int32), 2, 3, 1))\n"
             "print('RESULT', json.dumps([[{str(k): v for k, v in o.items()} for o in out], stats]))")
     result = _host_devices_subprocess(code, 3)
-    cfg = llama.get_config("tiny", num_layers=1)
+    cfg = SERVE_CFG
     requests = eval(scenario)
-    want = serve.Engine(cfg, page_size=8, num_pages=96, max_batch=6, chunk=chunk).run(requests)
+    want = _engine(chunk).run(requests)  # (the serving tests' engine: its steps compiled once)
     got, stats = result()
     for run in got:
         assert run == {str(k): v for k, v in want.items()}
@@ -437,10 +452,17 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
 
 @pytest.mark.slow
 def test_generate_scan_and_tensor_parallel_greedy():
-    """Sampled tokens per lax.scan equal those per step (the key threaded alike); generate.py --tp 2,
-    greedy, per step and per lax.scan (K/V appended through the page table): one device's tokens."""
+    """Sampled tokens per lax.scan equal those per step (the key threaded alike); a second run with
+    the same seed and one new token draws the same first tokens; two --batch values on one model
+    and cache: the first draws the tokens of its own run (a run's tokens do not depend on the runs
+    after it), the second's lie in the vocabulary; generate.py --tp 2, greedy, per step and per
+    lax.scan (K/V appended through the page table): one device's tokens."""
     tokens = _tp_subprocess([["--tp", "2"], ["--scan", "3", "--tp", "2"]])
     np.testing.assert_array_equal(_tokens(*SAMPLED, "--scan", "3"), _tokens(*SAMPLED))
+    np.testing.assert_array_equal(_tokens(*SAMPLED, "--new-tokens", "1")[:, 0], _tokens(*SAMPLED)[:, 0])
+    first, single = _runs(*SAMPLED, *TWO_BATCHES)
+    np.testing.assert_array_equal(first, _tokens(*SAMPLED))
+    assert single.shape == (1, 4) and single.min() >= 0 and single.max() < TINY.vocab_size
     want = _tokens()
     for (got,) in tokens():
         np.testing.assert_array_equal(got, want)

@@ -5,6 +5,7 @@ run this file as a script in a subprocess with XLA_FLAGS=--xla_force_host_platfo
 (and the LLVM opt level of tests/conftest.py); the two-process test starts two such scripts under
 jax.distributed on localhost. Tolerances: float32, o relative error <= 2e-5 and lse within 1e-4.
 """
+import functools
 import os
 import socket
 import subprocess
@@ -155,20 +156,24 @@ def test_context_plan_fixed_shapes_one_structure():
 
 
 def test_sharded_equals_one_device():
-    """TP prefill at 4 (KV heads replicated), CP at 4 with short requests and empty shares (decode
-    on a page-sharded cache, causal prefill on a replicated one), TP x CP BatchAttention on (2, 4),
-    one prompt per step at 2 (the diag sub-batch on q itself, full rows scattered in; and under
-    fixed_shapes, the general form), a CP
-    decode lax.scan loop, TP ragged_paged_attention and TP MLA (both entry points) at 2. The psum,
-    all-gather and all-to-all merges run on 2 and 4 devices with empty shares (all on one run's
-    states, context_partial_states)."""
+    """In one subprocess with 8 host devices, each check against one device (float32 o and lse):
+    a decode case (HND, page-sharded on 4 devices, empty shares) under one horizon plan: TP 4
+    (head_parallel, KV heads replicated 2x), CP 4 in a lax.scan (traced kv_lens, merge auto: the
+    all-gather), TP x CP on (2, 4) (context_partial_states merged by psum, all-gather and
+    all-to-all); one prompt per step (and an empty request) on BatchAttention at CP 2, one
+    reference: the diag base (the sub-batch on q itself, on a replicated cache, each merge on 2
+    devices) and under fixed_shapes the general form (page-sharded cache); TP ragged_paged_attention
+    and TP MLA (both entry points) at 2. The previous default set (TP prefill at 4, CP decode and
+    prefill at 4, BatchAttention TP x CP on (2, 4), the one-prompt checks on the prefill wrapper)
+    runs in the slow grid below."""
     _check_script(["fast"])
 
 
 @pytest.mark.slow
 def test_sharded_grid_equals_one_device():
     """Every entry point at 2, 4 and 8 devices, TP, CP and TP x CP, NHD and HND (TP cascade too),
-    the three merges, one prompt per step (the diag or full sub-batch on q itself)."""
+    the three merges, one prompt per step (the diag or full sub-batch on q itself); first the
+    default test's checks at wider meshes and on the prefill wrapper (_main_wide)."""
     _check_script(["grid"], timeout=3600)
 
 
@@ -316,22 +321,25 @@ def _check_tp(case, tp):
              case.reference())
 
 
-def _cp_setup(case, tp, cp, fixed_shapes=False):
-    """(mesh, tp_axis, per-device wrapper, split, plan, cache, q) of a CP (or TP x CP) check, placed."""
+def _cp_setup(case, tp, cp, fixed_shapes=False, shard_pages=None):
+    """(mesh, tp_axis, per-device wrapper, split, plan, cache, q) of a CP (or TP x CP) check, placed.
+    shard_pages: the cache split on pages (default: where the case's table is page-sharded; False
+    runs a page-sharded table on a replicated cache)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     mesh = _mesh(tp, cp)
     tp_axis = "tp" if tp > 1 else None
     hs = sharding.split_heads(case.hq, case.hkv, tp)
     w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
+    if shard_pages is None:
+        shard_pages = case.pages_per_shard is not None
     split = sharding.split_page_table(*case.table, case.page, cp, qo_indptr=case.qo_indptr, causal=case.causal,
-                                      pages_per_shard=case.pages_per_shard)
+                                      pages_per_shard=case.pages_per_shard if shard_pages else None)
     plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, fixed_shapes=fixed_shapes),
                         NamedSharding(mesh, P("cp")))
     cache = case.cache()
     if hs.kv_replicas > 1:
         cache = sharding.replicate_kv_heads(cache, hs.kv_replicas)
-    shard_pages = case.pages_per_shard is not None
     spec_c = sharding.cache_spec(case.layout, tp_axis=tp_axis, cp_axis="cp" if shard_pages else None)
     cache = sharding.put(cache, NamedSharding(mesh, spec_c))
     q = sharding.put(case.q, NamedSharding(mesh, sharding.head_spec(tp_axis)))
@@ -341,7 +349,7 @@ def _cp_setup(case, tp, cp, fixed_shapes=False):
 def _cp_name(case, tp, cp, split, plan, merge):
     empty = int((split.share_lens == 0).sum())
     return (f"TP{tp}xCP{cp} {case.kind} causal={case.causal} {case.layout} "
-            f"{'page-sharded' if case.pages_per_shard is not None else 'replicated'} cache ({empty} empty shares, "
+            f"{'page-sharded' if split.pages_per_shard is not None else 'replicated'} cache ({empty} empty shares, "
             f"base {plan.base}), merge {merge}")
 
 
@@ -350,30 +358,44 @@ def _check_cp(case, tp, cp, ref=None, merge="auto", base="any", fixed_shapes=Fal
     import jax
     mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp, fixed_shapes)
     assert base == "any" or plan.base == base, (plan.base, base)
-    run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=case.pages_per_shard is not None,
+    run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=split.pages_per_shard is not None,
                                             return_lse=True, merge=merge))
     _compare(_cp_name(case, tp, cp, split, plan, merge), run(q, cache, plan),
              case.reference() if ref is None else ref)
 
 
-def _check_cp_merges(case, tp, cp, base="any", merges=("psum", "all_gather", "all_to_all")):
+def _check_cp_merges(case, tp, cp, base="any", ref=None, shard_pages=None):
     """The devices' partial states (context_partial_states: the kernels run once), then each merge
     of merge_over on them, against one device."""
     import jax
-    from jax.sharding import PartitionSpec as P
-    mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp)
+    mesh, tp_axis, w, split, plan, cache, q = _cp_setup(case, tp, cp, shard_pages=shard_pages)
     assert base == "any" or plan.base == base, (plan.base, base)
     local = jax.jit(sharding.context_partial_states(w, mesh, tp_axis=tp_axis,
-                                                    shard_pages=case.pages_per_shard is not None))
+                                                    shard_pages=split.pages_per_shard is not None))
     states = local(q, cache, plan)
-    assert states.o.shape == (cp,) + case.q.shape[:2] + (case.d,), states.o.shape
-    ref = case.reference()
+    _check_merges(_cp_name(case, tp, cp, split, plan, "{}") + " on context_partial_states", mesh, tp_axis, states,
+                  case.reference() if ref is None else ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge(mesh, tp_axis, merge):
+    """jit(merge_over(merge=) of the devices' partial states [cp, ...] on mesh), compiled once per merge."""
+    import jax
+    from jax.sharding import PartitionSpec as P
     spec = ji.AttentionState(P("cp", None, tp_axis, None), P("cp", None, tp_axis))
     out = ji.AttentionState(sharding.head_spec(tp_axis), P(None, tp_axis))
+    body = lambda s: sharding.merge_over(jax.tree.map(lambda x: x[0], s), "cp", merge=merge)  # noqa: E731
+    return jax.jit(sharding.shard_map(body, mesh, (spec,), out))
+
+
+def _check_merges(name, mesh, tp_axis, states, ref, merges=("psum", "all_gather", "all_to_all")):
+    """Each merge of partial states (o [cp, T, Hq, D], lse [cp, T, Hq]) against one device's state;
+    name holds "{}" for the merge."""
+    cp = mesh.shape["cp"]
+    assert states.o.shape[0] == cp and states.o.shape[1:] == ref.o.shape, (states.o.shape, ref.o.shape)
     for merge in merges:
-        body = lambda s, merge=merge: sharding.merge_over(jax.tree.map(lambda x: x[0], s), "cp", merge=merge)
-        merged = jax.jit(sharding.shard_map(body, mesh, (spec,), out))(states)
-        _compare(_cp_name(case, tp, cp, split, plan, merge) + " on context_partial_states", merged, ref)
+        merged = _merge(mesh, tp_axis, merge)(states)
+        _compare(name.format(merge), merged, ref)
         for x in merged:  # every replica holds the same bits (each merge in device order)
             copies = [np.asarray(sh.data) for sh in x.addressable_shards if sh.index == x.addressable_shards[0].index]
             assert len(copies) == cp and all(np.array_equal(c, copies[0], equal_nan=True) for c in copies[1:])
@@ -411,6 +433,89 @@ def _check_cp_scan(rng, cp, steps=3):
     for s in range(steps):
         ref = one_step(case.q * (1.0 + s), case.cache(), one_plan, one_plan.kv_lens_at(s))
         _compare(f"CP{cp} decode lax.scan step {s}", jax.tree.map(lambda x: x[s], states), ref)
+
+
+def _check_decode_family(rng, steps=2, layout="HND"):
+    """One decode case (8 query and 2 KV heads, a page-sharded cache on 4 devices: requests of 1 to
+    10 pages, so empty shares; at step 0 the first request is empty) and one horizon plan, each
+    step against one device's program (kv_lens = plan.kv_lens_at(step)): TP 4 (head_parallel, KV
+    heads replicated 2x), CP 4 in a lax.scan over the steps (context_parallel with traced kv_lens,
+    merge auto: the all-gather), and TP x CP on (2, 4) (context_partial_states, then merge_over by
+    psum, all-gather and all-to-all)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.lax import scan
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    cp, hq, hkv = 4, 8, 2
+    case = _Case(rng, "decode", hq, hkv, layout, cp, [1, 9, 23, 40], None, sharded=True)
+    one = case.wrapper(hq, hkv)
+    one_plan = one.plan(*case.table, num_pages=case.num_pages, horizon=steps)
+    one_step = jax.jit(lambda q, c, p, n: one.run(q, c, p, kv_lens=n, return_lse=True))  # one program, every step
+    qs = [case.q * (1.0 + s) for s in range(steps)]
+    lens = [one_plan.kv_lens_at(s) for s in range(steps)]
+    refs = [one_step(qs[s], case.cache(), one_plan, lens[s]) for s in range(steps)]
+
+    # TP 4: 2 KV heads on 4 devices, each replicated twice.
+    mesh = _mesh(4, 1)
+    hs = sharding.split_heads(hq, hkv, 4)
+    assert hs.kv_replicas == 2
+    w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
+    plan = w.plan(*case.table, num_pages=case.num_pages, horizon=steps)
+    cache = sharding.put(sharding.replicate_kv_heads(case.cache(), hs.kv_replicas),
+                         NamedSharding(mesh, sharding.cache_spec(layout, tp_axis="tp")))
+    run = jax.jit(sharding.head_parallel(w, mesh, return_lse=True))
+    for s in range(steps):
+        q = sharding.put(qs[s], NamedSharding(mesh, sharding.head_spec("tp")))
+        _compare(f"TP4 decode {layout} Hq{hq}/Hkv{hkv} step {s}", run(q, cache, plan, lens[s]), refs[s])
+
+    # CP 4: a decode loop, one horizon plan, lax.scan over the steps.
+    mesh = _mesh(1, cp)
+    w = case.wrapper(hq, hkv)
+    split = sharding.split_page_table(*case.table, case.page, cp, pages_per_shard=case.pages_per_shard)
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, horizon=steps),
+                        NamedSharding(mesh, P("cp")))
+    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec(layout, cp_axis="cp")))
+    run = sharding.context_parallel(w, mesh, return_lse=True)
+    final = jnp.asarray(case.kv_lens)
+
+    @jax.jit
+    def loop(q, cache, plan):
+        def step(carry, s):
+            n = jnp.maximum(final - (steps - 1 - s), 0)
+            return carry, run(q * (1.0 + s), cache, plan, kv_lens=n)
+        return scan(step, 0, jnp.arange(steps))[1]
+
+    states = loop(case.q, cache, plan)
+    empty = int((split.share_lens == 0).sum())
+    for s in range(steps):
+        _compare(f"CP{cp} decode {layout} lax.scan step {s} ({empty} empty shares)",
+                 jax.tree.map(lambda x: x[s], states), refs[s])
+
+    # TP 2 x CP 4: the devices' partial states, each merge.
+    mesh = _mesh(2, cp)
+    hs = sharding.split_heads(hq, hkv, 2)
+    w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, horizon=steps),
+                        NamedSharding(mesh, P("cp")))
+    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec(layout, tp_axis="tp", cp_axis="cp")))
+    local = jax.jit(sharding.context_partial_states(w, mesh, tp_axis="tp"))
+    for s in range(steps):
+        states = local(sharding.put(qs[s], NamedSharding(mesh, sharding.head_spec("tp"))), cache, plan, lens[s])
+        name = f"TP2xCP{cp} decode {layout} page-sharded cache step {s}, merge {{}} on context_partial_states"
+        _check_merges(name, mesh, "tp", states, refs[s])
+
+
+def _check_one_prompt(rng, kind="batch"):
+    """One prompt per step (and an empty request whose queries see no key) on 2 devices, one
+    reference: the diag sub-batch runs on q itself, the full rows scattered into its output (base
+    "diag"; context_partial_states on a replicated cache, then each merge), and under fixed_shapes
+    the general form (both sub-batches gathered, placed by src; context_parallel on a page-sharded
+    cache)."""
+    case = _Case(rng, kind, 4, 2, "NHD", 2, [45, 0], [45, 2], sharded=True)
+    ref = case.reference()
+    _check_cp_merges(case, 1, 2, base="diag", ref=ref, shard_pages=False)
+    _check_cp(case, 1, 2, ref=ref, base=None, fixed_shapes=True)
 
 
 def _check_ragged_tp(rng, tp, hq=8, hkv=2):
@@ -521,23 +626,26 @@ def _short_mix(kind):
 
 def _main_fast():
     rng = np.random.default_rng(1)
+    _check_decode_family(rng)
+    _check_one_prompt(rng, "batch")
+    _check_ragged_tp(rng, 2)
+    _check_mla_tp(rng, 2)
+
+
+def _main_wide():
+    """The default test's checks at wider meshes and on more kinds (part of the slow grid)."""
+    rng = np.random.default_rng(1)
     kv, qo = _short_mix("prefill")
     _check_tp(_Case(rng, "prefill", 8, 2, "NHD", 1, kv, qo), 4)  # KV heads replicated 2x
     _check_cp(_Case(rng, "decode", 4, 2, "NHD", 4, *_short_mix("decode"), sharded=True), 1, 4, merge="all_gather")
     _check_cp_merges(_Case(rng, "prefill", 4, 2, "HND", 4, kv, qo), 1, 4, base=None)
     _check_cp(_Case(rng, "batch", 8, 2, "NHD", 4, kv, [0, 1, 2, 9, 30], sharded=True), 2, 4, merge="psum")
-    # One prompt per step (and an empty request whose queries see no key): the diag sub-batch
-    # runs on q itself, the full rows are scattered into its output.
-    _check_cp_merges(_Case(rng, "prefill", 4, 2, "NHD", 2, [45, 0], [45, 2]), 1, 2, base="diag")
-    # The same step under fixed_shapes: the general form (both sub-batches gathered, placed by src).
-    _check_cp(_Case(rng, "prefill", 4, 2, "NHD", 2, [45, 0], [45, 2], sharded=True), 1, 2, base=None,
-              fixed_shapes=True)
+    _check_one_prompt(rng, "prefill")
     _check_cp_scan(rng, 4, steps=2)
-    _check_ragged_tp(rng, 2)
-    _check_mla_tp(rng, 2)
 
 
 def _main_grid():
+    _main_wide()
     rng = np.random.default_rng(2)
     for kind in ("decode", "prefill", "batch"):
         kv, qo = _short_mix(kind)
