@@ -1,12 +1,15 @@
 """Helpers shared by the kernel modules."""
 import contextlib
 import contextvars
+import functools
+import inspect
 import math
 import struct
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 # Private modules, for one scalar lowering rule (see uniform).
@@ -18,6 +21,41 @@ from jax._src.pallas.triton import lowering as triton_lowering
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+def compiled_once(entry):
+    """A kernel entry point that compiles once per static configuration when called eagerly.
+
+    An eager pallas_call traces its kernel anew on every call, and the new kernel jaxpr misses
+    JAX's compile cache: each eager run() would compile its kernels again (seconds each). Called
+    on concrete arrays, entry runs under a jax.jit that holds every argument without an array in
+    it (configs, sizes, flags, the variant) static, kept per configuration. Under an outer trace
+    (the usual jitted step) entry runs as written, so the user's program is unchanged."""
+    signature = inspect.signature(entry)
+
+    @functools.wraps(entry)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        arrays = {k: v for k, v in bound.items() if _holds_arrays(v)}
+        if any(isinstance(x, jax_core.Tracer) for x in jax.tree_util.tree_leaves(arrays)):
+            return entry(*args, **kwargs)
+        statics = tuple((k, v) for k, v in bound.items() if k not in arrays)
+        try:
+            jitted = _jitted(entry, statics)
+        except TypeError:  # an unhashable static argument: run as written
+            return entry(*args, **kwargs)
+        return jitted(**arrays)
+
+    return call
+
+
+def _holds_arrays(value):
+    return any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(value))
+
+
+@functools.lru_cache(maxsize=512)
+def _jitted(entry, statics):
+    return jax.jit(functools.partial(entry, **dict(statics)))
 
 
 def head_block(num_heads, cap=16):

@@ -160,6 +160,7 @@ def tile_rows(group, tokens_per_item=1):
     return max(16, _common.next_pow2(group * tokens_per_item))
 
 
+@_common.compiled_once
 def paged_decode(q, k_rows, v_rows, kv_indices, kv_lens, items, cell_indptr, *, num_parts,
                  page_size, num_kv_heads, layout, sm_scale, interpret, columns,
                  tokens_per_item=1, causal=True, scales=None, variant=None, params=None,

@@ -39,12 +39,14 @@ def _write_kernel(dest_ref, k_new_ref, v_new_ref, *refs, block, layout):
         _common.store_rows(out_ref, at, _common.load_rows(new_ref, rows, write, fill=False), write)
 
 
+@_common.compiled_once
 def write_rows(k_rows, v_rows, dest, k_new, v_new, *, interpret, num_warps=4):
     """k_rows, v_rows [R, D] with rows dest[i] set to k_new[i], v_new[i] [N, D] (dest outside [0, R):
     dropped). Returns the new (k_rows, v_rows); in place when the inputs are donated."""
     return _write((k_rows, v_rows), dest, k_new, v_new, layout="NHD", interpret=interpret, num_warps=num_warps)
 
 
+@_common.compiled_once
 def write_fused_rows(kv_rows, dest, k_new, v_new, *, interpret, num_warps=4):
     """kv_rows [2 R, D] (NHD_FUSED) with rows 2 dest[i], 2 dest[i] + 1 set to k_new[i], v_new[i]
     (dest outside [0, R): dropped). Returns the new kv_rows; in place when donated."""

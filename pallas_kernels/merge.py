@@ -62,6 +62,7 @@ def _merge_pair_triton(o_a, lse_a, o_b, lse_b, mask, *, interpret, num_warps=4):
     )(o_a, lse_a, o_b, lse_b, mask)
 
 
+@_common.compiled_once
 def merge_pair(o_a, lse_a, o_b, lse_b, mask, *, interpret, impl="triton"):
     """(o_a, lse_a) ⊕ (o_b, lse_b) row-wise. o [N, H, D], lse [N, H] f32, mask int32 [N]:
     rows with mask 0 keep (o_a, lse_a) unchanged."""
@@ -159,6 +160,7 @@ def _merge_varlen_triton(o_parts, lse_parts, indptr, dest, out, num_programs, nu
 LOOP_PROGRAMS = 128  # merge_varlen's num_programs for plans of fixed capacity (mostly empty merges)
 
 
+@_common.compiled_once
 def merge_varlen(o_parts, lse_parts, indptr, dest=None, out=None, *, interpret, impl="triton",
                  num_programs=None, num_live=None):
     """Merges groups of partial states: group n is rows indptr[n]:indptr[n+1] of

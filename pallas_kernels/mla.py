@@ -156,6 +156,7 @@ def _mla_kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref
     lax.fori_loop(first, end, item, 0)
 
 
+@_common.compiled_once
 def mla_paged(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
               num_heads, page_size, sm_scale, causal, block_rows, interpret, config=MLAConfig(), scales=None):
     """Runs the MLA work list.

@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _common
+
 WG_ROWS = 64   # query rows a warpgroup computes (one wgmma M): a tile's rows and padding
 BLOCK_KV = 32  # keys per block
 SLOTS = 4      # blocks in flight (shared memory: q 64 KiB + 4 x 36 KiB of latent rows + p and q_pe)
@@ -335,6 +337,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_nope_ref, q_pe_ref, ck
             plgpu.barrier_wait(kv_free.at[lax.rem(n, jnp.int32(slots))])
 
 
+@_common.compiled_once
 def mla_mosaic(q_nope, q_pe, ckv_rows, kpe_rows, kv_indices, items, cell_indptr, *, columns, num_parts,
                num_heads, page_size, sm_scale, causal, block_rows, interpret, config=None, scales=None, slots=SLOTS):
     """Runs the MLA work list (planner/mla.py, tiles of block_rows M rows (TILE_ROWS), tile_merge:

@@ -169,6 +169,7 @@ class MosaicPrefillConfig:
         return 64 * self.compute_wgs
 
 
+@_common.compiled_once
 def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
                num_kv_heads, layout, sm_scale, causal, rows, interpret, config=None, scales=None,
                variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None,
@@ -247,6 +248,7 @@ def mosaic_limits(*, head_dim=64, page_size=None, block_kv=128, layout="NHD", q_
     return None
 
 
+@_common.compiled_once
 def run_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, num_parts=1, page_size,
                num_kv_heads, layout, sm_scale, causal, rows, interpret, config=None, scales=None,
                variant=None, params=None, q_pos=None, global_kv_pos=False, tail_dest=None, lse_src=None,

@@ -651,6 +651,7 @@ def _kernel(items_ref, cell_indptr_ref, kv_indices_ref, q_ref, k_ref, v_ref, v_l
         each_item(lambda w, f, has_item: _memory_item(f))
 
 
+@_common.compiled_once
 def prefill_mosaic(q, k_rows, v_rows, kv_indices, items, cell_indptr, num_tail_rows, *, page_size,
                    num_kv_heads, layout, sm_scale, causal, block_kv=128, max_concurrent_steps=2,
                    pipeline="pingpong", tree_max=False, compute_wgs=2,

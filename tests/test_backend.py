@@ -43,6 +43,42 @@ def test_explicit_interpret_matches_reference(rng):
     np.testing.assert_allclose(o, ji.reference.attention(q, k, k).o, rtol=2e-5, atol=2e-6)
 
 
+def test_eager_calls_compile_each_kernel_once(rng):
+    """Eager run() and sampling calls jit their kernels (non-array arguments static), so a
+    repeated call compiles nothing: an eager pallas_call alone traces its kernel anew and misses
+    the compile cache (seconds a call)."""
+    from jax._src import monitoring
+
+    from helpers import page_table, random_cache
+    compiles = []
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    hq, hkv, d, page = 4, 2, 16, 8
+    qo, kv = np.array([1, 20]), np.array([30, 20])  # a decode row and a prefill tile
+    indptr, indices, last, num_pages = page_table(rng, kv, page)
+    cache = random_cache(rng, num_pages, page, hkv, d, jnp.float32, "NHD")
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    q = randn(rng, (int(qo_indptr[-1]), hq, d), jnp.float32)
+    attn = ji.BatchAttention(hq, hkv, d, page, num_ctas=4)
+    plan = attn.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)
+    assert plan.impl == "decode_triton+prefill_triton"
+    probs = jax.nn.softmax(randn(rng, (2, 40), jnp.float32), axis=1)
+    calls = [lambda: attn.run(q, cache, plan),
+             lambda: ji.sampling.top_p_sampling_from_probs(probs, 0.5, key=jax.random.key(0))]
+    firsts = [np.asarray(call()) for call in calls]
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        seconds = [np.asarray(call()) for call in calls]
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    for a, b in zip(firsts, seconds):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_interpret_mode_poisons_outputs():
     """Interpret mode starts every float output as NaN, so any element a kernel fails to
     write shows up as NaN (helpers.rel_err rejects NaN): the suite's poisoned outputs."""
