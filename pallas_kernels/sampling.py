@@ -9,9 +9,10 @@ dropped (s: every value above s is tracked), draws a candidate from the whole ro
 exponential race) and sums the mass. A threshold above s is exact from the tracked values; when
 the kept set lies above s the token is drawn from them in registers. Otherwise rejection with
 pivots: a candidate is kept when it lies in the kept set; a check pass measures count and mass
-above it, and only a rejected one takes a race pass drawing the next one from above it. Rows that
-need more than max_rounds passes (or top-k first with a large k) find their thresholds with an
-exact multi-pivot search. docs/sampling.md has the details and the pass counts.
+above it, per lane, and a rejected one is followed by the next candidate drawn from those lane
+masses by inverse CDF (no other pass). Rows that need more than max_rounds passes (or top-k
+first with a large k) find their thresholds with an exact multi-pivot search. docs/sampling.md
+has the details and the pass counts.
 """
 import dataclasses
 import functools
@@ -429,11 +430,40 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, *refs, 
     tok = jnp.where(in_regs & ~greedy, tok_regs, c1)
 
     # Rejection passes. state: (pass, done, token, pending candidate, its value, lo, rejected):
-    # the pending candidate is either unchecked (a check pass measures the kept set above it)
-    # or rejected (a race pass draws the next one). Checks read the row without racing: most
-    # candidates are kept (top-p 0.9: ~90%), so most rows end after one cheap pass.
+    # the pending candidate is unchecked (a check pass measures the kept set above it) or, only
+    # before the first pass and in the exact loop, rejected (a draw pass draws the next one).
+    # Draws after pass 1 take the inverse CDF of per-lane weights, then of one lane's columns:
+    # a pass sums weights without hashes or logarithms (memory-bound), and a check pass's own
+    # sums above the candidate give the next candidate on a rejection, without another pass.
+    spread = jnp.arange(_common.next_pow2(num_blocks), dtype=jnp.int32)  # a lane's blocks
+
+    def uniform(rnd):
+        """The row's uniform in (0, 1) for round rnd (24 bits)."""
+        h = _mix(_stream(s0, s1, rnd) ^ _i32(0x68E31DA4))
+        return (lax.shift_right_logical(h, 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+
+    def cdf_draw(lane_w, lo, rnd):
+        """A token with y >= lo drawn in proportion to its weight, given lane_w [block_v]: each
+        lane's weight of its columns with y >= lo (some > 0). The lane by the inverse CDF of
+        lane_w, then the column by that of the lane's columns, read again (num_blocks values);
+        rounding past the end takes the last lane or column of positive weight."""
+        cum = jnp.cumsum(lane_w)
+        target = uniform(rnd) * jnp.max(cum)
+        lane = jnp.minimum(jnp.sum((cum <= target).astype(jnp.int32)),
+                           jnp.max(jnp.where(lane_w > 0, lanes, 0)))
+        rest = target - jnp.sum(jnp.where(lanes == lane, cum - lane_w, 0.0))
+        cols = lane + spread * block_v
+        x = plgpu.load(x_ref.at[row, cols], mask=cols < vocab, other=-jnp.inf).astype(jnp.float32)
+        y = x * scale if logits else x
+        w = jnp.where(y >= lo, weight(y), 0.0)
+        step = jnp.minimum(jnp.sum((jnp.cumsum(w) <= rest).astype(jnp.int32)),
+                           jnp.max(jnp.where(w > 0, spread, 0)))
+        return lane + step * block_v
+
     def check_pass(state):
-        """Count and mass above the pending candidate: kept, or rejected."""
+        """Count and mass above the pending candidate: kept, or rejected and the next candidate
+        drawn from above it (kept at once when no threshold is unknown or it lies at or above s:
+        an unknown threshold is <= s; unchecked otherwise)."""
         rnd, done, tok, cand, y_c, lo, _ = state
 
         def block(j, carry):
@@ -441,30 +471,31 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, *refs, 
             y, _, _ = load(j)
             if filters.top_k:
                 cnt = cnt + jnp.where(y > y_c, 1.0, 0.0)
-            if filters.top_p:
-                mass = mass + jnp.where(y > y_c, weight(y), 0.0)
-            return cnt, mass
+            return cnt, mass + jnp.where(y > y_c, weight(y), 0.0)
 
         zeros = jnp.zeros((block_v,), jnp.float32)
-        cnt, mass = lax.fori_loop(0, num_blocks, block, (zeros, zeros))
+        cnt, mass = lax.fori_loop(0, num_blocks, block, (zeros, zeros))  # mass: the next support's
         ok = y_c >= t_hi
         ok &= ~k_unknown | (jnp.sum(cnt) < k.astype(jnp.float32))
         ok &= ~p_unknown | (jnp.sum(mass) < p * total)
-        return rnd + 1, ok, jnp.where(ok, cand, tok), cand, y_c, lo, ~ok
+        lo = jnp.maximum(lo, lax.nextafter(y_c, inf))  # y > y_c (the candidate lies at or above lo)
+        nxt = lax.cond(ok, lambda: cand, lambda: cdf_draw(mass, lo, rnd))
+        y_n = value(nxt)
+        kept = ok | ~unknown | (y_n >= s)
+        return rnd + 1, kept, jnp.where(kept, nxt, tok), nxt, y_n, lo, false
 
-    def race_pass(state, certain):
-        """A race among y >= max(lo, just above the rejected candidate) in a fresh stream: the next
-        candidate, kept at once when certain, when no threshold is unknown or when it lies at or
-        above s (an unknown threshold is <= s); unchecked otherwise."""
+    def draw_pass(state, certain):
+        """The weights of y >= max(lo, just above the rejected candidate), then a draw among
+        them: the next candidate, kept at once when certain, when no threshold is unknown or
+        when it lies at or above s; unchecked otherwise."""
         rnd, done, tok, cand, y_c, lo, _ = state
         lo = jnp.maximum(lo, lax.nextafter(y_c, inf))
-        stream = _stream(s0, s1, rnd)
 
-        def block(j, carry):
-            y, cols, _ = load(j)
-            return _race(carry, jnp.where(y >= lo, keys(y, cols, stream), -jnp.inf), cols)
+        def block(j, lane_w):
+            y, _, _ = load(j)
+            return lane_w + jnp.where(y >= lo, weight(y), 0.0)
 
-        spec = _winner(*lax.fori_loop(0, num_blocks, block, (ninf_v, none_v)), vocab)
+        spec = cdf_draw(lax.fori_loop(0, num_blocks, block, jnp.zeros((block_v,), jnp.float32)), lo, rnd)
         y_s = value(spec)
         ok = ~false if certain else ~unknown | (y_s >= s)
         return rnd + 1, ok, jnp.where(ok, spec, tok), spec, y_s, lo, false
@@ -472,15 +503,15 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, *refs, 
     state = (jnp.int32(2), done, tok, c1, y1, t_hi, y1 < t_hi)
     state = lax.while_loop(
         lambda st: ~st[1] & ~search_only & (st[0] < max_rounds + 2),
-        (lambda st: lax.cond(st[6], lambda: race_pass(st, False), lambda: check_pass(st)))
-        if filters.top_k or filters.top_p else (lambda st: race_pass(st, False)), state)  # min-p: exact
+        (lambda st: lax.cond(st[6], lambda: draw_pass(st, False), lambda: check_pass(st)))
+        if filters.top_k or filters.top_p else (lambda st: draw_pass(st, False)), state)  # min-p: exact
     # Rows still undecided: exact thresholds; an unchecked candidate is kept when it lies in the
-    # kept set (an exact rejection test), else one race among the kept tokens.
+    # kept set (an exact rejection test), else one draw among the kept tokens.
     rnd, done, tok, cand, y_c, _, rejected = state
     t = exact_threshold(~done)
     keep = ~done & ~rejected & (y_c >= t)
     state = (rnd, done | keep, jnp.where(keep, cand, tok), cand, ninf, t, false)
-    state = lax.while_loop(lambda st: ~st[1], lambda st: race_pass(st, True), state)
+    state = lax.while_loop(lambda st: ~st[1], lambda st: draw_pass(st, True), state)
     tok = state[2]
     thr_ref[b] = jnp.where(greedy, -jnp.inf, t_hi)
     tok_ref[b] = jnp.where(tok < vocab, tok, 0)  # no token drawable (invalid row): 0
@@ -515,6 +546,7 @@ def _race_kernel(rows_ref, x_ref, invt_ref, seed_ref, key_ref, col_ref, *, from_
     _store_winner(key_ref, col_ref, b, split, best, idx, vocab)
 
 
+@_common.compiled_once
 def race_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret, config=SamplingConfig()):
     """filtered_sample for filters that filter nothing (top_k, top_p, min_p unread): one draw per
     output row from row rows[b] of x [R, V], in proportion to probabilities or to exp(logits x
@@ -554,6 +586,7 @@ def lane_splits(config, vocab):
     return min(1 << (max(1, config.splits or 1).bit_length() - 1), most)
 
 
+@_common.compiled_once
 def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, interpret,
                     config=SamplingConfig()):
     """Per output row b, one draw from row rows[b] of x (filters.sample) or its threshold.
