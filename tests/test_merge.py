@@ -1,4 +1,5 @@
 """The ⊕ merge kernels (interpret mode) against the reference and attention over whole KV sets."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,10 @@ from helpers import np64_attention, randn, rel_err
 from jaxinfer import reference as ref
 
 
+_ref_merge_state = jax.jit(ref.merge_state)  # one program per shape, not one per op
+_ref_merge_states = jax.jit(ref.merge_states)
+
+
 def _random_state(rng, lead, h=4, d=16, empty_frac=0.0):
     lse = rng.standard_normal(lead + (h,)) * 4
     lse[rng.random(lse.shape) < empty_frac] = -np.inf
@@ -16,15 +21,18 @@ def _random_state(rng, lead, h=4, d=16, empty_frac=0.0):
 
 
 def _states_of_split(q, k, v, cuts):
-    """Reference states of q over consecutive KV segments split at `cuts`."""
+    """States of q over consecutive KV segments split at `cuts` (float64 NumPy attention, as
+    float32 host arrays: an empty segment gives o = 0, lse = -inf)."""
     bounds = [0, *cuts, k.shape[0]]
-    return [ref.attention(q, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    return [ji.AttentionState(*(x.astype(np.float32) for x in np64_attention(q, k[a:b], v[a:b])))
+            for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def test_merge_state_matches_reference(rng):
     a, b = _random_state(rng, (6,), empty_frac=0.2), _random_state(rng, (6,), empty_frac=0.2)
     out = ji.merge_state(a, b)
-    want = ref.merge_state(a, b)
+    want = _ref_merge_state(a, b)
     assert rel_err(out.o, want.o) < 1e-6
     np.testing.assert_allclose(out.lse, want.lse, rtol=1e-6)
 
@@ -42,28 +50,31 @@ def test_merge_with_empty_is_identity_and_two_empties_are_empty(rng):
 def test_masked_merge_keeps_first_state(rng):
     a, b = _random_state(rng, (5,)), _random_state(rng, (5,))
     mask = np.array([True, False, True, False, False])
-    out = ji.merge_state(a, b, mask)
-    full = ref.merge_state(a, b)
+    out, full, a_np = (ji.AttentionState(np.asarray(x.o), np.asarray(x.lse))  # indexed on the host
+                       for x in (ji.merge_state(a, b, mask), _ref_merge_state(a, b), a))
     np.testing.assert_allclose(out.o[mask], full.o[mask], rtol=1e-6)
-    np.testing.assert_array_equal(out.o[~mask], a.o[~mask])
-    np.testing.assert_array_equal(out.lse[~mask], a.lse[~mask])
+    np.testing.assert_array_equal(out.o[~mask], a_np.o[~mask])
+    np.testing.assert_array_equal(out.lse[~mask], a_np.lse[~mask])
     with pytest.raises(ValueError, match="mask"):
         ji.merge_state(a, b, mask[:3])
 
 
-@pytest.mark.parametrize("order", ["forward", pytest.param("reverse", marks=pytest.mark.slow), "shuffled"])
+# The order is data (one path): shuffled by default, forward and reverse under slow.
+@pytest.mark.parametrize("order", [pytest.param(o, marks=pytest.mark.slow) if o != "shuffled" else o
+                                   for o in ("forward", "reverse", "shuffled")])
 def test_any_split_merged_in_any_order_equals_whole(rng, order):
     q, k, v = randn(rng, (3, 4, 16), jnp.float32), randn(rng, (40, 2, 16), jnp.float32), randn(rng, (40, 2, 16), jnp.float32)
     parts = _states_of_split(q, k, v, sorted(rng.choice(np.arange(1, 40), 4, replace=False)))
     idx = {"forward": range(5), "reverse": range(4, -1, -1), "shuffled": rng.permutation(5)}[order]
     parts = [parts[i] for i in idx]
-    acc = parts[0]
+    acc = ji.AttentionState(*map(jnp.asarray, parts[0]))
     for p in parts[1:]:
-        acc = ji.merge_state(acc, p)
+        acc = ji.merge_state(acc, ji.AttentionState(*map(jnp.asarray, p)))
     o64, lse64 = np64_attention(q, k, v)
     assert rel_err(acc.o, o64) < 1e-5
     np.testing.assert_allclose(acc.lse, lse64, rtol=1e-5)
-    stacked = ji.AttentionState(jnp.stack([p.o for p in parts], 1), jnp.stack([p.lse for p in parts], 1))
+    stacked = ji.AttentionState(jnp.asarray(np.stack([p.o for p in parts], 1)),
+                                jnp.asarray(np.stack([p.lse for p in parts], 1)))
     multi = ji.merge_states(stacked)
     assert rel_err(multi.o, o64) < 1e-5
     np.testing.assert_allclose(multi.lse, lse64, rtol=1e-5)
@@ -86,12 +97,13 @@ def test_varlen_merge_groups_and_empty_groups(rng):
     states = _random_state(rng, (9,), empty_frac=0.3)
     indptr = np.array([0, 3, 3, 4, 9], np.int32)
     out = ji.merge_state_varlen(states, indptr)
-    for g in range(4):
+    out, (s_o, s_lse) = ji.AttentionState(np.asarray(out.o), np.asarray(out.lse)), map(np.asarray, states)
+    for g in range(4):  # (indexed on the host: no program per slice)
         lo, hi = indptr[g], indptr[g + 1]
         if lo == hi:
-            assert np.all(np.asarray(out.o[g]) == 0) and np.all(np.isneginf(out.lse[g]))
+            assert np.all(out.o[g] == 0) and np.all(np.isneginf(out.lse[g]))
             continue
-        want = ref.merge_states(ji.AttentionState(states.o[lo:hi][None], states.lse[lo:hi][None]))
+        want = _ref_merge_states(ji.AttentionState(s_o[lo:hi][None], s_lse[lo:hi][None]))
         np.testing.assert_allclose(out.o[g], want.o[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out.lse[g], want.lse[0], rtol=1e-6)
     with pytest.raises(ValueError, match="indptr"):
@@ -147,8 +159,8 @@ def test_property_random_ragged_splits(kv_len, n_parts, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, kv_len), min_size=n_parts - 1, max_size=n_parts - 1)))
     parts = _states_of_split(q, k, v, cuts)  # segments may be empty
     n = len(parts)  # rows ordered (query row, part): group r holds query r's n partial states
-    o = jnp.stack([p.o for p in parts], 1).reshape(2 * n, 2, 16)
-    lse = jnp.stack([p.lse for p in parts], 1).reshape(2 * n, 2)
+    o = jnp.asarray(np.stack([p.o for p in parts], 1).reshape(2 * n, 2, 16))  # stacked on the host
+    lse = jnp.asarray(np.stack([p.lse for p in parts], 1).reshape(2 * n, 2))
     out = ji.merge_state_varlen(ji.AttentionState(o, lse), np.array([0, n, 2 * n], np.int32))
     o64, lse64 = np64_attention(q, k, v)
     assert rel_err(out.o, o64) < 1e-5

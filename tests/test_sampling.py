@@ -34,6 +34,14 @@ GROUPS = 12                 # (row, parameters) groups
 DRAWS = 300                 # draws per group
 
 
+# The references as one jitted program each (per filter combination and shape) instead of one per
+# eager op; the same functions and the same arithmetic.
+_ref_probs = jax.jit(S._reference_probs, static_argnames=("from_logits", "filter_apply_order"))
+_ref_top_k_renorm = jax.jit(S._reference_top_k_renorm_probs)
+_ref_top_p_renorm = jax.jit(S._reference_top_p_renorm_probs)
+_ref_top_k_mask = jax.jit(S._reference_top_k_mask_logits)
+
+
 def _rows(seed):
     """ROWS logit rows [ROWS, V] with ties: values on a 0.5 grid (so filters meet tied tokens)."""
     x = np.random.default_rng(seed).normal(size=(ROWS, V)) * 1.5
@@ -117,9 +125,9 @@ def test_draws_follow_the_filtered_distribution(name, config):
     tokens = np.asarray(jax.jit(lambda *xs: call(*xs, cfg))(x, idx, args, jax.random.key(7)))
     assert tokens.shape == (GROUPS * DRAWS,) and tokens.dtype == np.int32
     order = "joint" if name.endswith("joint") else "top_k_first"
-    ref = S._reference_probs(x[idx], from_logits=from_logits, top_k=per_row.get("top_k"),
-                             top_p=per_row.get("top_p"), min_p=per_row.get("min_p"),
-                             temperature=per_row.get("temperature"), filter_apply_order=order)
+    ref = _ref_probs(np.asarray(x)[np.asarray(idx)], from_logits=from_logits, top_k=per_row.get("top_k"),
+                     top_p=per_row.get("top_p"), min_p=per_row.get("min_p"),
+                     temperature=per_row.get("temperature"), filter_apply_order=order)
     ref = np.asarray(ref)
     for grp in range(GROUPS):
         rows = g == grp
@@ -136,7 +144,7 @@ def test_draws_follow_the_filtered_distribution(name, config):
 def test_reference_semantics_on_ties():
     """The documented tie rules, checked on the reference itself (the kernels are compared to it)."""
     probs = jnp.asarray([[0.3, 0.2, 0.2, 0.2, 0.1]])
-    keep = lambda **kw: np.asarray(S._reference_probs(probs, from_logits=False, **kw)[0] > 0)
+    keep = lambda **kw: np.asarray(_ref_probs(probs, from_logits=False, **kw)[0] > 0)
     assert keep(top_k=2).tolist() == [True, True, True, True, False]    # tied with the 2nd: kept
     assert keep(top_k=1).tolist() == [True, False, False, False, False]
     assert keep(top_p=0.3).tolist() == [True, False, False, False, False]  # 0.3 reaches 0.3
@@ -152,18 +160,23 @@ def test_renorm_and_mask_match_reference(rng):
     probs = jax.nn.softmax(logits, axis=1)
     ks = jnp.asarray([3, 0, 36, 37])
     ps = jnp.asarray([0.5, 1.0, 0.93, 0.05])
-    np.testing.assert_allclose(S.top_k_renorm_probs(probs, ks, config=SMALL),
-                               S._reference_top_k_renorm_probs(probs, ks), atol=1e-6)
-    np.testing.assert_allclose(S.top_p_renorm_probs(probs, ps, config=SMALL),
-                               S._reference_top_p_renorm_probs(probs, ps), atol=1e-6)
-    masked = S.top_k_mask_logits(logits, ks, config=SMALL)
-    np.testing.assert_array_equal(masked, S._reference_top_k_mask_logits(logits, ks))
-    kept = np.asarray(jnp.isfinite(masked)).sum(1)
+    lb = jnp.asarray((np.asarray(logits) * 7.3).astype(jnp.bfloat16))
+
+    @jax.jit  # the four kernels and their references in one program
+    def both(probs, logits, lb, ks, ps):
+        return ((S.top_k_renorm_probs(probs, ks, config=SMALL), S._reference_top_k_renorm_probs(probs, ks)),
+                (S.top_p_renorm_probs(probs, ps, config=SMALL), S._reference_top_p_renorm_probs(probs, ps)),
+                (S.top_k_mask_logits(logits, ks, config=SMALL), S._reference_top_k_mask_logits(logits, ks)),
+                (S.top_k_mask_logits(lb, 5), S._reference_top_k_mask_logits(lb, 5)))
+
+    (k_got, k_want), (p_got, p_want), (masked, m_want), (out, b_want) = both(probs, logits, lb, ks, ps)
+    np.testing.assert_allclose(k_got, k_want, atol=1e-6)
+    np.testing.assert_allclose(p_got, p_want, atol=1e-6)
+    np.testing.assert_array_equal(masked, m_want)
+    kept = np.isfinite(np.asarray(masked)).sum(1)
     assert kept[1] == V and kept[2] >= 36 and kept[0] >= 3  # 0 and >= V keep all; ties may add
-    lb = (logits * 7.3).astype(jnp.bfloat16)
-    out = S.top_k_mask_logits(lb, 5)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(out.astype(jnp.float32), S._reference_top_k_mask_logits(lb, 5))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), b_want)
 
 
 def test_large_vocab_non_multiple_of_block():
@@ -172,10 +185,15 @@ def test_large_vocab_non_multiple_of_block():
     vocab = 50_000
     logits = jax.random.normal(jax.random.key(3), (2, vocab), jnp.float32) * 3
     ks = jnp.asarray([50, 1000])
-    np.testing.assert_array_equal(S.top_k_mask_logits(logits, ks), S._reference_top_k_mask_logits(logits, ks))
-    tok = np.asarray(S.top_k_top_p_sampling_from_logits(logits, ks, 0.9, key=jax.random.key(0)))
-    ref = np.asarray(S._reference_probs(logits, from_logits=True, top_k=ks, top_p=0.9,
-                                        filter_apply_order="top_k_first"))
+
+    @jax.jit  # the kernels and the references in one program
+    def run(logits, ks, key):
+        return (S.top_k_mask_logits(logits, ks), S._reference_top_k_mask_logits(logits, ks),
+                S.top_k_top_p_sampling_from_logits(logits, ks, 0.9, key=key),
+                S._reference_probs(logits, from_logits=True, top_k=ks, top_p=0.9, filter_apply_order="top_k_first"))
+
+    masked, want, tok, ref = (np.asarray(a) for a in run(logits, ks, jax.random.key(0)))
+    np.testing.assert_array_equal(masked, want)
     assert np.all(ref[np.arange(2), tok] > 0)
 
 
@@ -210,40 +228,56 @@ def test_unfiltered_draws_do_not_depend_on_the_split():
     logits = _rows(11)[:, :V - 3]  # three blocks, the last partial
     temps = jnp.asarray([1.0, 0.0, 0.5, 2.0])
     probs = jax.nn.softmax(logits, axis=1)
-    for splits in (2, 3):
+
+    def draws(splits):  # both calls in one program per split
         cfg = dataclasses.replace(SMALL, splits=splits)
-        for call, x in ((lambda x, c: S.sampling_from_logits(x, key=jax.random.key(4), temperature=temps, config=c),
-                         logits),
-                        (lambda x, c: S.sampling_from_probs(x, key=jax.random.key(4), config=c), probs)):
-            np.testing.assert_array_equal(call(x, cfg), call(x, dataclasses.replace(SMALL, splits=1)))
+        return jax.jit(lambda lg, pr, t, key: (S.sampling_from_logits(lg, key=key, temperature=t, config=cfg),
+                                               S.sampling_from_probs(pr, key=key, config=cfg)))(
+            logits, probs, temps, jax.random.key(4))
+
+    whole = draws(1)
+    for splits in (2, 3):
+        for got, want in zip(draws(splits), whole):
+            np.testing.assert_array_equal(got, want)
     big = jax.random.normal(jax.random.key(5), (2, 5_000), jnp.float32) * 3
-    np.testing.assert_array_equal(S.sampling_from_logits(big, key=jax.random.key(6)),
-                                  S.sampling_from_logits(big, key=jax.random.key(6),
-                                                         config=S.SamplingConfig(splits=1)))
+    race = jax.jit(lambda x, key, c: S.sampling_from_logits(x, key=key, config=c), static_argnums=2)
+    np.testing.assert_array_equal(race(big, jax.random.key(6), None), race(big, jax.random.key(6), S.SamplingConfig(splits=1)))
 
 
-def test_split_pass_one_draws_the_same_tokens():
+# A split pass 1's code differs by top-p (lane masses, from probabilities or relative to the lane
+# maximum for logits), by logits (tempered, greedy rows) and by whether it races (a draw, or the
+# threshold alone): min-p, top-k first from logits and the top-p threshold cover every branch by
+# default; the joint top-k + top-p draw from probabilities under slow.
+SPLIT_CALLS = {
+    "joint_probs": lambda x, probs, ks, ps, temps, key, c: S.top_k_top_p_sampling_from_probs(
+        probs, ks, ps, filter_apply_order="joint", key=key, config=c),
+    "min_p": lambda x, probs, ks, ps, temps, key, c: S.min_p_sampling_from_probs(
+        probs, jnp.asarray([0.1, 0.0, 0.5, 0.2, 0.05]), key=key, config=c),
+    "top_k_first_logits": lambda x, probs, ks, ps, temps, key, c: S.top_k_top_p_sampling_from_logits(
+        x, ks, ps, key=key, temperature=temps, config=c),
+    "top_p_renorm": lambda x, probs, ks, ps, temps, key, c: S.top_p_renorm_probs(probs, ps, config=c),
+}
+
+
+@pytest.mark.parametrize("call", [pytest.param(n, marks=pytest.mark.slow) if n == "joint_probs" else n
+                                  for n in SPLIT_CALLS])
+def test_split_pass_one_draws_the_same_tokens(call):
     """A filtered draw's pass 1 split among programs (lanes of 128 each; config.splits 3 rounds
-    down to 2) gives the fused pass 1's values, so the same tokens and thresholds: top-k, top-p
-    and min-p from probabilities in one call (joint), top-k first from tempered and greedy logits,
-    the top-p threshold alone. One value tracked per lane over 5 blocks (the last partial) sends
-    rows through rejection and the exact search. The default config splits the large-vocabulary
-    test's rows 32 ways."""
+    down to 2) gives the fused pass 1's values, so the same tokens and thresholds: min-p from
+    probabilities, top-k first from tempered and greedy logits, the top-p threshold alone (top-k
+    and top-p from probabilities, joint, under slow). One value tracked per lane over 5 blocks (the
+    last partial) sends rows through rejection and the exact search. The default config splits the
+    large-vocabulary test's rows 32 ways."""
     x = jax.random.normal(jax.random.key(0), (5, 1_100), jnp.float32) * 3
     probs = jax.nn.softmax(x, axis=1)
     ks, ps = jnp.asarray([5, 50, 0, 3, 400]), jnp.asarray([0.9, 0.5, 0.99, 1.0, 0.8])
     temps = jnp.asarray([1.0, 0.7, 0.0, 1.3, 1.0])
-    key = jax.random.key(3)
-    calls = (
-        lambda c: S.top_k_top_p_sampling_from_probs(probs, ks, ps, filter_apply_order="joint", key=key, config=c),
-        lambda c: S.min_p_sampling_from_probs(probs, jnp.asarray([0.1, 0.0, 0.5, 0.2, 0.05]), key=key, config=c),
-        lambda c: S.top_k_top_p_sampling_from_logits(x, ks, ps, key=key, temperature=temps, config=c),
-        lambda c: S.top_p_renorm_probs(probs, ps, config=c))
     fused = S.SamplingConfig(block_v=256, track=1, splits=1)
     split = dataclasses.replace(fused, splits=3)
     assert sampling_kernels.lane_splits(split, x.shape[1]) == 2 and sampling_kernels.lane_splits(fused, x.shape[1]) == 1
-    for call in calls:
-        np.testing.assert_array_equal(call(split), call(fused))
+    run = jax.jit(SPLIT_CALLS[call], static_argnums=6)
+    args = (x, probs, ks, ps, temps, jax.random.key(3))
+    np.testing.assert_array_equal(run(*args, split), run(*args, fused))
 
 
 def test_dispatch_splits_pass_one_for_small_batches_only():
@@ -347,15 +381,16 @@ def test_chain_speculative_sampling_counts():
     target row); a draft the target gives probability 0 is rejected at once."""
     draft, ids, target = _spec_case(0, 4)
     spec = jax.jit(lambda d, i, t, k: S.chain_speculative_sampling(d, i, t, key=k, config=SMALL))
-    same = jnp.concatenate([draft, target[:, -1:]], axis=1)
+    same = np.concatenate([np.asarray(draft), np.asarray(target)[:, -1:]], axis=1)  # on the host: no program
     out, accepted, emitted = spec(draft, ids, same, jax.random.key(0))
     np.testing.assert_array_equal(emitted, [SPEC_N] * 4)
     np.testing.assert_array_equal(accepted, [SPEC_N] * 4)
     np.testing.assert_array_equal(out[:, :SPEC_N], ids)
     assert np.all(np.asarray(out[:, SPEC_N]) >= 0)
     # Row 0: first draft impossible under the target; row 1: second; rows 2, 3: all accepted.
-    t = same.at[0, 0, ids[0, 0]].set(0.0).at[1, 1, ids[1, 1]].set(0.0)
-    t = t / jnp.sum(t, axis=-1, keepdims=True)
+    ids_np, t = np.asarray(ids), same.copy()
+    t[0, 0, ids_np[0, 0]] = t[1, 1, ids_np[1, 1]] = 0.0
+    t = jnp.asarray(t / np.sum(t, axis=-1, keepdims=True))
     out, accepted, emitted = spec(draft, ids, t, jax.random.key(1))
     np.testing.assert_array_equal(emitted, [0, 1, SPEC_N, SPEC_N])
     np.testing.assert_array_equal(accepted, [SPEC_N - 1, SPEC_N - 1, SPEC_N, SPEC_N])
@@ -363,7 +398,7 @@ def test_chain_speculative_sampling_counts():
     assert out[0, 0] != ids[0, 0] and np.all(out[0, 1:] == -1)
     assert out[1, 0] == ids[1, 0] and out[1, 1] != ids[1, 1] and np.all(out[1, 2:] == -1)
     np.testing.assert_array_equal(out[2:, :SPEC_N], ids[2:])
-    ref = S._reference_chain_speculative_sampling(draft, ids, t, key=jax.random.key(1))
+    ref = jax.jit(S._reference_chain_speculative_sampling)(draft, ids, t, key=jax.random.key(1))
     np.testing.assert_array_equal(emitted, ref[2])
     np.testing.assert_array_equal(accepted, ref[1])
 
@@ -373,11 +408,16 @@ def test_chain_speculative_sampling_follows_the_target():
     second (when the first draft was accepted) target row 1 (chi-square, ALPHA)."""
     batch = 3000
     draft1, _, target1 = _spec_case(1, 1)
-    draft = jnp.broadcast_to(draft1, (batch, SPEC_N, V))
-    target = jnp.broadcast_to(target1, (batch, SPEC_N + 1, V))
-    ids = jax.random.categorical(jax.random.key(2), jnp.log(draft), axis=-1).astype(jnp.int32)
-    out, _, emitted = jax.jit(lambda d, i, t, k: S.chain_speculative_sampling(d, i, t, key=k, config=SMALL))(
-        draft, ids, target, jax.random.key(3))
+
+    @jax.jit  # the drafts and the step in one program
+    def step(draft1, target1, key_draft, key):
+        draft = jnp.broadcast_to(draft1, (batch, SPEC_N, V))
+        target = jnp.broadcast_to(target1, (batch, SPEC_N + 1, V))
+        ids = jax.random.categorical(key_draft, jnp.log(draft), axis=-1).astype(jnp.int32)
+        out, _, emitted = S.chain_speculative_sampling(draft, ids, target, key=key, config=SMALL)
+        return out, emitted, ids
+
+    out, emitted, ids = step(draft1, target1, jax.random.key(2), jax.random.key(3))
     out, emitted, ids = np.asarray(out), np.asarray(emitted), np.asarray(ids)
     assert _chi2_pvalue(out[:, 0], target1[0, 0], batch) > ALPHA
     # Given the first draft was accepted, the second emitted token follows target row 1.
@@ -386,23 +426,33 @@ def test_chain_speculative_sampling_follows_the_target():
     assert 0 < np.mean(emitted) < SPEC_N
 
 
-def test_gpu_kernels_lower_for_cuda_on_any_host():
-    """The compiled kernels (backend="gpu") lower to Triton IR for an H100 without a GPU: every
-    filter combination in float32, one in bfloat16 (the Pallas-Triton rules run; Triton does not)."""
+GPU_CALLS = {
+    "race": lambda x, k: S.sampling_from_logits(x, key=k, temperature=0.7, backend="gpu"),
+    "top_k_top_p_logits": lambda x, k: S.top_k_top_p_sampling_from_logits(x, 5, 0.9, key=k, backend="gpu"),
+    "joint_probs": lambda x, k: S.top_k_top_p_sampling_from_probs(x, 5, 0.9, filter_apply_order="joint", key=k,
+                                                                  backend="gpu"),
+    "min_p": lambda x, k: S.min_p_sampling_from_probs(x, 0.1, key=k, backend="gpu"),
+    "top_p": lambda x, k: S.top_p_sampling_from_probs(x, 0.9, key=k, backend="gpu"),
+    "top_p_renorm": lambda x, k: S.top_p_renorm_probs(x, 0.9, backend="gpu"),
+    "top_k_mask": lambda x, k: S.top_k_mask_logits(x, 5, backend="gpu"),
+}
+
+
+# By default every kind of kernel once (the race; draws from logits with top-k and top-p, in
+# bfloat16; joint top-k and top-p from probabilities; min-p; a threshold alone, renormalised and
+# masked); under slow the rest of the grid (top-p alone, and top-k + top-p logits in float32).
+@pytest.mark.parametrize("call, dtype", [
+    ("race", jnp.float32), ("top_k_top_p_logits", jnp.bfloat16), ("joint_probs", jnp.float32),
+    ("min_p", jnp.float32), ("top_p_renorm", jnp.float32), ("top_k_mask", jnp.float32),
+    pytest.param("top_k_top_p_logits", jnp.float32, marks=pytest.mark.slow),
+    pytest.param("top_p", jnp.float32, marks=pytest.mark.slow)])
+def test_gpu_kernels_lower_for_cuda_on_any_host(call, dtype):
+    """The compiled kernels (backend="gpu") lower to Triton IR for an H100 without a GPU (the
+    Pallas-Triton rules run; Triton does not)."""
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    calls = [
-        lambda x, k: S.sampling_from_logits(x, key=k, temperature=0.7, backend="gpu"),
-        lambda x, k: S.top_k_top_p_sampling_from_logits(x, 5, 0.9, key=k, backend="gpu"),
-        lambda x, k: S.top_k_top_p_sampling_from_probs(x, 5, 0.9, filter_apply_order="joint", key=k, backend="gpu"),
-        lambda x, k: S.min_p_sampling_from_probs(x, 0.1, key=k, backend="gpu"),
-        lambda x, k: S.top_p_sampling_from_probs(x, 0.9, key=k, backend="gpu"),
-        lambda x, k: S.top_p_renorm_probs(x, 0.9, backend="gpu"),
-        lambda x, k: S.top_k_mask_logits(x, 5, backend="gpu"),
-    ]
+    x = jnp.ones((4, 1000), dtype)  # concrete arrays are made outside the abstract mesh
     key = jax.random.key(0)
-    for dtype, call in [(jnp.float32, c) for c in calls] + [(jnp.bfloat16, calls[1])]:
-        x = jnp.ones((4, 1000), dtype)  # concrete arrays are made outside the abstract mesh
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(call).trace(x, key).lower(lowering_platforms=("cuda",)).as_text()
-        assert "__gpu$xla.gpu.triton" in text
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(GPU_CALLS[call]).trace(x, key).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text

@@ -26,11 +26,22 @@ def _builtin(name, hq=HQ, rng=None):
         "rope+soft_cap+window": (V.compose(V.rope(), V.soft_cap(), V.sliding_window()),
                                  {"rope_theta": jnp.float32(1e4), "rope_scale": jnp.float32(1.0),
                                   "logits_soft_cap": jnp.float32(30.0), "window_left": jnp.int32(33)}),
+        "rope+soft_cap+window+sinks": (V.compose(V.rope(), V.soft_cap(), V.sliding_window(), V.sinks()),
+                                       {"rope_theta": jnp.float32(1e4), "rope_scale": jnp.float32(1.0),
+                                        "logits_soft_cap": jnp.float32(30.0), "window_left": jnp.int32(33),
+                                        "sinks": jnp.asarray(rng.standard_normal(hq), jnp.float32)}),
+        "alibi+sigmoid": (V.compose(V.alibi(), V.sigmoid()),
+                          {"alibi_slopes": jnp.asarray(V.alibi_slopes(hq)), "sigmoid_scale": jnp.float32(1.5),
+                           "sigmoid_bias": jnp.float32(-2.0)}),
     }
     return table[name]
 
 
-NAMES = ("soft_cap", "window", "alibi", "rope", "sigmoid", "sinks", "rope+soft_cap+window")
+# Every built-in's kernel hooks run by default inside composed variants (RoPE's query and key
+# transforms, soft cap, the window's mask and bounds, the sinks' output transform; ALiBi's per-head
+# logits and sigmoid's sums); each built-in alone under slow.
+COMPOSED = ("rope+soft_cap+window+sinks", "alibi+sigmoid")
+NAMES = ("soft_cap", "window", "alibi", "rope", "sigmoid", "sinks", "rope+soft_cap+window") + COMPOSED
 
 
 def _decode_case(rng, lens, hq=HQ, hkv=HKV, dtype=jnp.float32):
@@ -40,9 +51,10 @@ def _decode_case(rng, lens, hq=HQ, hkv=HKV, dtype=jnp.float32):
     return q, cache, (indptr, indices, last), num_pages
 
 
-@pytest.mark.parametrize("name", [  # soft-cap, window and RoPE also run inside the composed case
-    pytest.param(n, marks=pytest.mark.slow) if n in ("soft_cap", "window", "rope") else n for n in NAMES])
+@pytest.mark.parametrize("name", [n if n in COMPOSED else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
 def test_decode_variant(rng, name):
+    """KV split across cells (kv 300), an empty request (with sinks: o = 0, lse = the sink, no
+    NaN). By default the two composed variants; each built-in alone under slow."""
     var, params = _builtin(name, rng=rng)
     q, cache, table, num_pages = _decode_case(rng, np.array([37, 0, 300, 5]))
     dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, variant=var, config=ji.DecodeConfig(block_kv=32))
@@ -53,12 +65,19 @@ def test_decode_variant(rng, name):
     assert rel_err(out.o if var.use_softmax else out, want.o) < TOL32
     if var.use_softmax:
         np.testing.assert_allclose(np.asarray(out.lse), np.asarray(want.lse), rtol=1e-4, atol=1e-4)
+    if "sinks" in params:  # request 1 has no keys
+        assert np.all(np.asarray(out.o[1]) == 0)
+        np.testing.assert_allclose(np.asarray(out.lse[1]), np.asarray(params["sinks"]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", [  # soft-cap, window and RoPE also run inside the composed case
-    pytest.param(n, marks=pytest.mark.slow) if n in ("soft_cap", "window", "rope") else n for n in NAMES])
+# The prefill kernel's hooks for ALiBi, sigmoid and sinks run by default in the ragged wrapper's
+# formula tests below (test_alibi_matches_formula, test_sigmoid_and_sinks_match_formula), sinks
+# also through test_cascade_variant_positions's paged levels.
+@pytest.mark.parametrize("name", [n if n == "rope+soft_cap+window" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in NAMES])
 def test_prefill_variant(rng, name):
-    """Paged, causal, with one request split across cells (kv 700)."""
+    """Paged, causal, with one request split across cells (kv 700). By default RoPE, soft cap and
+    window composed; the rest under slow."""
     var, params = _builtin(name, rng=rng)
     lens, qo = np.array([54, 700, 1, 97]), np.array([17, 37, 1, 5])
     q_unused, cache, table, num_pages = _decode_case(rng, lens)
@@ -96,11 +115,9 @@ def test_ragged_and_block_sparse_variant(rng, name):
     assert rel_err(o, want.o) < TOL32
 
 
-def test_cascade_variant_positions(rng):
-    """RoPE + window through a two-level cascade equal single format: the suffix level
-    sees its keys at their positions after the shared prefix."""
-    var, params = _builtin("rope+soft_cap+window", rng=rng)
-    batch, shared, unique = 5, 64, np.array([17, 37, 5, 20, 1])
+def _cascade_case(rng):
+    """Five requests sharing a 64-key prefix (four pages), unique suffixes of 17, 37, 5, 20, 1 keys."""
+    shared, unique = 64, np.array([17, 37, 5, 20, 1])
     pre_pages = rng.permutation(200)[: shared // PAGE + unique.size * 3].astype(np.int32)
     lists = [np.concatenate([pre_pages[: shared // PAGE], pre_pages[shared // PAGE + 3 * b: shared // PAGE + 3 * b
                                                                       + -(-u // PAGE)]])
@@ -108,7 +125,16 @@ def test_cascade_variant_positions(rng):
     indptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
     indices = np.concatenate(lists)
     last = ((unique - 1) % PAGE + 1).astype(np.int32)
-    cache = random_cache(rng, 200, PAGE, HKV, D, jnp.float32)
+    return random_cache(rng, 200, PAGE, HKV, D, jnp.float32), indptr, indices, last
+
+
+def test_cascade_variant_positions(rng):
+    """RoPE + window (+ soft cap, sinks) through a two-level cascade equal single format: the
+    suffix level sees its keys at their positions after the shared prefix; sinks apply once,
+    after the levels merge. The shared level runs the prefill kernel non-causal, the suffix
+    level causal; decode through a non-causal cascade (the same kernel) under slow."""
+    var, params = _builtin("rope+soft_cap+window+sinks", rng=rng)
+    cache, indptr, indices, last = _cascade_case(rng)
     qo = np.array([1, 3, 1, 2, 1])
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     q = randn(rng, (qo_indptr[-1], HQ, D), jnp.float32)
@@ -119,9 +145,19 @@ def test_cascade_variant_positions(rng):
     want = ref.paged_attention(q, cache, qo_indptr, indptr, indices, last, causal=True, variant=var,
                                params=params)
     assert rel_err(o, want.o) < TOL32
-    qd = q[qo_indptr[1:] - 1]  # decode: one query per request, at position kv_len - 1
-    levels, _ = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), indptr, indices, last, PAGE,
-                                     causal=False)
+
+
+@pytest.mark.slow  # the non-causal prefill kernel with these hooks runs in the default test's shared level
+def test_cascade_variant_positions_decode(rng):
+    """Decode (one query per request, at position kv_len - 1) through a non-causal two-level
+    cascade equals single format under RoPE + soft cap + window."""
+    var, params = _builtin("rope+soft_cap+window", rng=rng)
+    cache, indptr, indices, last = _cascade_case(rng)
+    batch = indptr.shape[0] - 1
+    qd = randn(rng, (batch, HQ, D), jnp.float32)
+    levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), indptr, indices, last, PAGE,
+                                         causal=False)
+    assert saved > 0
     cas = ji.MultiLevelCascadeAttention(2, HQ, HKV, D, PAGE, causal=False, num_ctas=8, variant=var)
     want = ref.decode(qd, cache, indptr, indices, last, variant=var, params=params)
     got = cas.run(qd, cache, cas.plan(levels, num_pages=200), variant_params=params)
@@ -155,11 +191,12 @@ def test_soft_cap_matches_formula(rng, cap):
     assert rel_err(o, _np_softmax_out(s, v, HQ)) < 1e-5
 
 
-@pytest.mark.parametrize("window", (pytest.param(3, marks=pytest.mark.slow), 13, pytest.param(33, marks=pytest.mark.slow)))
+@pytest.mark.parametrize("window", (pytest.param(3, marks=pytest.mark.slow), pytest.param(13, marks=pytest.mark.slow), 33))
 def test_window_matches_custom_mask(rng, window):
     """Sliding window == the equivalent custom mask (kv up to 1177, tiles skipped). By default 33
-    runs with the planner's window hint (tiles left of the window not planned) and 13 without it;
-    3 (hinted too, a window inside one 16-key page) under slow."""
+    with the planner's window hint (tiles left of the window not planned; the kernel skipping
+    them itself runs in test_prefill_variant's window of 33 over 700 keys); under slow 13 without
+    the hint and 3 (hinted, a window inside one 16-key page)."""
     kv, qo = np.array([1177, 50]), np.array([40, 50])
     indptr, indices, last, num_pages = page_table(rng, kv, PAGE)
     cache = random_cache(rng, num_pages, PAGE, HKV, D, jnp.float32)
@@ -180,7 +217,9 @@ def test_window_matches_custom_mask(rng, window):
     assert rel_err(o, want) < TOL32
 
 
-@pytest.mark.parametrize("hq", (7, 32))
+# 7 heads (not a power of two, one KV head); 32 under slow (the slopes are data: both of
+# alibi_slopes's branches are checked in test_alibi_slopes_standard).
+@pytest.mark.parametrize("hq", (7, pytest.param(32, marks=pytest.mark.slow)))
 def test_alibi_matches_formula(rng, hq):
     slopes = V.alibi_slopes(hq)
     assert slopes.shape == (hq,) and np.all(np.diff(slopes[: 1 << (hq.bit_length() - 1)]) < 0)
@@ -203,7 +242,7 @@ def test_alibi_slopes_standard():
 
 
 def test_fused_rope_equals_rotate_first(rng):
-    """Decode and prefill with fused RoPE == rotating q and k first, then plain attention."""
+    """Decode with fused RoPE == rotating q and k first (apply_rope), then float64 attention."""
     theta, scale = 5e5, 1.0
     lens = np.array([61, 130])
     q, cache, (indptr, indices, last), num_pages = _decode_case(rng, lens)
@@ -211,10 +250,11 @@ def test_fused_rope_equals_rotate_first(rng):
     dec = ji.BatchDecodeWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, variant=V.rope())
     o = dec.run(q, cache, dec.plan(indptr, indices, last, num_pages=num_pages),
                 variant_params={"rope_theta": theta, "rope_scale": scale})
+    rotate = jax.jit(lambda x, pos: V.apply_rope(x, pos, theta, scale))  # one program per shape, not per op
+    k = rotate(k, np.concatenate([np.arange(n) for n in lens]))
+    q = rotate(q, lens - 1)
     for b in range(2):
-        kb = V.apply_rope(k[tok[b]:tok[b + 1]], np.arange(lens[b]), theta, scale)
-        qb = V.apply_rope(q[b:b + 1], np.array([lens[b] - 1]), theta, scale)
-        o64, _ = np64_attention(qb, kb, v[tok[b]:tok[b + 1]])
+        o64, _ = np64_attention(q[b:b + 1], k[tok[b]:tok[b + 1]], v[tok[b]:tok[b + 1]])
         assert rel_err(o[b], o64[0]) < 1e-5
 
 
@@ -247,6 +287,7 @@ def test_sigmoid_and_sinks_match_formula(rng):
         assert rel_err(rag.run(q, k, v, rag.plan(qi, ki), variant_params=params), want) < 1e-5
 
 
+@pytest.mark.slow  # test_decode_variant checks the same on its empty request (the composed variant with sinks)
 def test_empty_rows_with_sinks(rng):
     """A request with no keys: o = 0, lse = sink (no NaN)."""
     var, params = _builtin("sinks", rng=rng)
@@ -276,14 +317,18 @@ def test_params_are_data_no_recompile(rng):
     assert rel_err(outs[0], outs[1]) > 1e-3  # the parameters did change the result
 
 
-@pytest.mark.parametrize("fp8, per_head", [  # every dtype and scale kind once; the rest under slow
-    (jnp.float8_e4m3fn, True), (jnp.float8_e5m2, False),
-    pytest.param(jnp.float8_e4m3fn, False, marks=pytest.mark.slow),
-    pytest.param(jnp.float8_e5m2, True, marks=pytest.mark.slow)])
-def test_fp8_kv(rng, fp8, per_head):
+# Every dtype and scale kind once by default: e4m3fn per head on decode and prefill, e5m2 scalar on
+# decode (fp8_pairs's widening per dtype is shared by both kernels, and checked on every byte value
+# in test_fp8_pairs_split_columns_exactly); e5m2 prefill and the other pairings under slow.
+@pytest.mark.parametrize("fp8, per_head, prefill", [
+    (jnp.float8_e4m3fn, True, True), (jnp.float8_e5m2, False, False),
+    pytest.param(jnp.float8_e5m2, False, True, marks=pytest.mark.slow),
+    pytest.param(jnp.float8_e4m3fn, False, True, marks=pytest.mark.slow),
+    pytest.param(jnp.float8_e5m2, True, True, marks=pytest.mark.slow)])
+def test_fp8_kv(rng, fp8, per_head, prefill):
     """fp8 pages against float16 on the same dequantized values (atol 1e-2, rtol 2e-2: the
-    reference over a float16 cache, so that each case compiles the two fp8 kernels only), and
-    prefill against the reference's own dequantization."""
+    reference over a float16 cache, so that each case compiles the fp8 kernels only), and
+    prefill (where `prefill`) also against the reference's own dequantization."""
     lens, qo = np.array([37, 0, 300, 5]), np.array([3, 1, 40, 5])
     indptr, indices, last, num_pages = page_table(rng, lens, PAGE)
     c16 = random_cache(rng, num_pages, PAGE, HKV, D, jnp.float16)
@@ -298,6 +343,8 @@ def test_fp8_kv(rng, fp8, per_head):
     np.testing.assert_allclose(np.asarray(dec.run(q, cache, plan, k_scale=ks, v_scale=vs), np.float32),
                                np.asarray(ref.decode(q, c_deq, indptr, indices, last).o, np.float32),
                                atol=1e-2, rtol=2e-2)
+    if not prefill:
+        return
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     qp = randn(rng, (qo_indptr[-1], HQ, D), jnp.float16)
     pre = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, num_ctas=8, config=ji.PrefillConfig(block_kv=32))
