@@ -401,32 +401,38 @@ def _check_merges(name, mesh, tp_axis, states, ref, merges=("psum", "all_gather"
             assert len(copies) == cp and all(np.array_equal(c, copies[0], equal_nan=True) for c in copies[1:])
 
 
-def _check_cp_scan(rng, cp, steps=3):
-    """A CP decode loop: one horizon plan, lax.scan over steps with plan.kv_lens_at-style lengths."""
+def _cp_scan_states(case, w, cp, steps, layout):
+    """A CP decode loop over case's page-sharded cache on cp devices: one horizon plan, lax.scan
+    over the steps (context_parallel with traced kv_lens = the final lengths less the steps to
+    come). Returns (states stacked over the steps, the ContextSplit)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
     from jax.lax import scan
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    case = _Case(rng, "decode", 4, 2, "NHD", cp, [1, 9, 23, 40], None, sharded=True)
     mesh = _mesh(1, cp)
-    w = case.wrapper(4, 2)
     split = sharding.split_page_table(*case.table, case.page, cp, pages_per_shard=case.pages_per_shard)
     plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, horizon=steps),
                         NamedSharding(mesh, P("cp")))
-    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp")))
+    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec(layout, cp_axis="cp")))
     run = sharding.context_parallel(w, mesh, return_lse=True)
     final = jnp.asarray(case.kv_lens)
 
     @jax.jit
     def loop(q, cache, plan):
         def step(carry, s):
-            lens = jnp.maximum(final - (steps - 1 - s), 0)
-            state = run(q * (1.0 + s), cache, plan, kv_lens=lens)
-            return carry, state
+            n = jnp.maximum(final - (steps - 1 - s), 0)
+            return carry, run(q * (1.0 + s), cache, plan, kv_lens=n)
         return scan(step, 0, jnp.arange(steps))[1]
 
-    states = loop(case.q, cache, plan)
+    return loop(case.q, cache, plan), split
+
+
+def _check_cp_scan(rng, cp, steps=3):
+    """A CP decode loop (_cp_scan_states) against one device's horizon plan, step by step."""
+    import jax
+    case = _Case(rng, "decode", 4, 2, "NHD", cp, [1, 9, 23, 40], None, sharded=True)
+    states, _ = _cp_scan_states(case, case.wrapper(4, 2), cp, steps, "NHD")
     one = case.wrapper(4, 2)
     one_plan = one.plan(*case.table, num_pages=case.num_pages, horizon=steps)
     one_step = jax.jit(lambda q, c, p, n: one.run(q, c, p, kv_lens=n, return_lse=True))  # one program, every step
@@ -443,8 +449,6 @@ def _check_decode_family(rng, steps=2, layout="HND"):
     merge auto: the all-gather), and TP x CP on (2, 4) (context_partial_states, then merge_over by
     psum, all-gather and all-to-all)."""
     import jax
-    import jax.numpy as jnp
-    from jax.lax import scan
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     cp, hq, hkv = 4, 8, 2
@@ -470,23 +474,7 @@ def _check_decode_family(rng, steps=2, layout="HND"):
         _compare(f"TP4 decode {layout} Hq{hq}/Hkv{hkv} step {s}", run(q, cache, plan, lens[s]), refs[s])
 
     # CP 4: a decode loop, one horizon plan, lax.scan over the steps.
-    mesh = _mesh(1, cp)
-    w = case.wrapper(hq, hkv)
-    split = sharding.split_page_table(*case.table, case.page, cp, pages_per_shard=case.pages_per_shard)
-    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages, horizon=steps),
-                        NamedSharding(mesh, P("cp")))
-    cache = sharding.put(case.cache(), NamedSharding(mesh, sharding.cache_spec(layout, cp_axis="cp")))
-    run = sharding.context_parallel(w, mesh, return_lse=True)
-    final = jnp.asarray(case.kv_lens)
-
-    @jax.jit
-    def loop(q, cache, plan):
-        def step(carry, s):
-            n = jnp.maximum(final - (steps - 1 - s), 0)
-            return carry, run(q * (1.0 + s), cache, plan, kv_lens=n)
-        return scan(step, 0, jnp.arange(steps))[1]
-
-    states = loop(case.q, cache, plan)
+    states, split = _cp_scan_states(case, case.wrapper(hq, hkv), cp, steps, layout)
     empty = int((split.share_lens == 0).sum())
     for s in range(steps):
         _compare(f"CP{cp} decode {layout} lax.scan step {s} ({empty} empty shares)",
