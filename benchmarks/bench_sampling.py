@@ -27,7 +27,7 @@ from benchmarks.common import bench, record, save
 from jaxinfer import sampling as S
 
 SHAPES = [(1, 128256), (64, 128256), (256, 128256), (64, 32000)]
-CONFIG = S.SamplingConfig()  # --block-v, --num-warps, --track replace its fields
+CONFIG = S.SamplingConfig()  # --block-v, --num-warps, --track, --band, ... replace its fields
 SMOKE_SHAPES = [(3, 1000)]
 K, P, MIN_P = 50, 0.9, 0.1
 
@@ -161,13 +161,16 @@ def main():
                     help="programs per row (default: two per SM in all; 1: pass 1 in the row's program)")
     ap.add_argument("--split-stages", type=int, default=CONFIG.split_stages,
                     help="pipeline stages of a split pass 1")
+    ap.add_argument("--band", type=int, default=CONFIG.band,
+                    help="most tracked values compacted for the exact thresholds (a power of two)")
     ap.add_argument("--ops", help="regular expression: run only the ops it matches")
     ap.add_argument("--shapes", help="B x V pairs to run, e.g. 1x128256,64x128256 (default: all)")
     ap.add_argument("--jaxinfer-only", action="store_true",
                     help="time jaxinfer alone (no distribution checks, FlashInfer or JAX baselines): config sweeps")
     args = ap.parse_args()
     CONFIG = S.SamplingConfig(block_v=args.block_v, num_warps=args.num_warps, num_stages=args.num_stages,
-                              track=args.track, splits=args.splits, split_stages=args.split_stages)
+                              track=args.track, splits=args.splits, split_stages=args.split_stages,
+                              band=args.band)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
         shapes = [tuple(int(n) for n in pair.split("x")) for pair in args.shapes.split(",")]

@@ -575,7 +575,7 @@ ROWS = [
           batch=b, vocab=v)
       for op, b, v in (("top-p 0.9 from probs", 64, 128256), ("top-p 0.9 from probs", 1, 128256),
                        ("min-p 0.1 from probs", 64, 128256), ("top-k 50 + top-p 0.9 from logits", 64, 128256),
-                       ("sampling from logits", 64, 128256))],
+                       ("top-k 50 + top-p 0.9 from logits", 1, 128256), ("sampling from logits", 64, 128256))],
     # RPA v3's fused cache read in place (against the NHD rows of the same names).
     *[row(f"{name} NHD_FUSED", build_paged, segs=segs, wrapper=wrapper, layout="NHD_FUSED", **kw)
       for name, segs, wrapper, kw in (

@@ -31,6 +31,7 @@ NUM_PIVOTS = 8     # the exact search evaluates its count or mass at 8 values pe
 MAX_PASSES = 12    # 8 ** 11 > 2 ** 32: the search reaches one distinct value within 11 passes
 SPLIT_LANES = 128  # the fewest lanes a program of a lane-split pass 1 takes
 WARP_LANES = 128   # a split pass 1 gives each warp this many lanes (4 a thread)
+BAND_ROWS = 64     # the exact thresholds' all-pairs counts: this many values x the band at a time
 LOG2E = _common.LOG2E
 
 
@@ -43,7 +44,8 @@ class SamplingConfig:
     split) and a filtered draw's pass 1 (its lanes split, rounded down to a power of two, at
     least SPLIT_LANES lanes each; 1: pass 1 in the row's program). None: jaxinfer.sampling gives
     every SM two programs. The draw is the same however a row is split. split_stages: pipeline
-    stages of a lane-split pass 1 (its programs load a few hundred lanes at a time)."""
+    stages of a lane-split pass 1 (its programs load a few hundred lanes at a time). band (a
+    power of two): the most tracked values compacted for the exact top-k / top-p thresholds."""
     block_v: int = 4096
     num_warps: int = 16
     num_stages: int = 3
@@ -51,6 +53,7 @@ class SamplingConfig:
     split_stages: int = 6
     track: int = 3
     max_rounds: int = 16
+    band: int = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,28 +152,85 @@ def _mass_at(keys, weights, v):
     return jnp.sum(functools.reduce(jnp.add, [jnp.where(k >= v, w, 0.0) for k, w in zip(keys, weights)]))
 
 
-def _select(keys, weights, target):
-    """The largest signed key v among the tracked values with _mass_at(v) >= target, and that
-    mass (v = INT_MIN when none reaches target): a 32-step bisection on the key bits, about 11 µs
-    on an H100 (two bits a step, the masses at four candidates in one [4, N] reduction, took
-    longer on an H200)."""
-    def bit(i, u):  # u: the answer's bits so far, as an unsigned key
-        cand = u | lax.shift_left(jnp.int32(1), 31 - i)
-        return jnp.where(_mass_at(keys, weights, cand ^ INT_MIN) >= target, cand, u)
-
-    v = lax.fori_loop(0, 32, bit, jnp.int32(0)) ^ INT_MIN
-    return v, _mass_at(keys, weights, v)
+def _count_at(keys, v):
+    """How many tracked keys are >= v (int32)."""
+    return jnp.sum(functools.reduce(jnp.add, [(k >= v).astype(jnp.int32) for k in keys]))
 
 
-def _select_above(keys, weights, target, s):
-    """_select where its answer can lie above s: when the tracked weight above s reaches target.
-    Else (INT_MIN, 0) for one block reduction: the caller's threshold is then <= s, uncertified
-    either way."""
-    ks = _to_key(jnp.where(s == 0, 0.0, s)) ^ INT_MIN  # signed, -0 as +0, as the tracked keys
-    reach = _mass_at(keys, weights, ks + 1) >= target
-    # the "none" branch derives its constants from operands: Triton yields values, not constants
-    return lax.cond(reach, lambda ks, tg: _select(keys, weights, tg),
-                    lambda ks, tg: ((ks ^ ks) | INT_MIN, tg * 0.0), ks, jnp.float32(target))
+def _band(keys, weights, target, lo, hi, cap, counts=False):
+    """Bisection of the signed keys [lo, hi), where G(>= hi) < target (G: the count of tracked
+    keys at or above, where counts (a bool, may be traced), else their weights summed): a key
+    L >= lo with G(>= L) >= target and at most cap tracked keys at or above it, or, when ties
+    leave more than cap, the threshold's own key (G(>= L + 1) < target). cap < 0: always the
+    threshold's key. One block reduction a step (two for a mass while the count exceeds cap), up
+    to 32 steps. Returns (L, count(>= L) (0 when cap < 0), reach: G(>= lo) >= target; else L is
+    meaningless)."""
+    def pick(if_count, if_mass):  # (a traced choice: one branch runs)
+        if isinstance(counts, bool):
+            return if_count() if counts else if_mass()
+        return lax.cond(counts, if_count, if_mass)
+
+    def goal_at(v):
+        return pick(lambda: _count_at(keys, v).astype(jnp.float32), lambda: _mass_at(keys, weights, v))
+
+    def count_at(v, g):
+        return v ^ v if cap < 0 else pick(lambda: g.astype(jnp.int32), lambda: _count_at(keys, v))
+
+    g_lo = goal_at(lo)
+    reach = g_lo >= target
+    c_lo = lax.cond(reach, lambda: count_at(lo, g_lo), lambda: lo ^ lo)
+
+    def cond(st):
+        it, lo, hi, c = st
+        return reach & (c > cap) & (lax.shift_right_logical(hi - lo, 1) != 0) & (it < 32)
+
+    def body(st):
+        it, lo, hi, c = st
+        mid = lo + lax.shift_right_logical(hi - lo, 1)  # hi - lo wraps to the unsigned width
+        g = goal_at(mid)
+        up = g >= target
+        c_mid = lax.cond(up, lambda: count_at(mid, g), lambda: c)
+        return it + 1, jnp.where(up, mid, lo), jnp.where(up, hi, mid), c_mid
+
+    _, lo, _, c_lo = lax.while_loop(cond, body, (jnp.int32(0), lo, hi, c_lo))
+    return lo, c_lo, reach
+
+
+def _band_thresholds(vals_ref, b, a, keys, real, weight, low, use_k, target1, p_target, *, band, fast):
+    """Exact thresholds from the n <= band tracked values at or above the signed key low: they are
+    compacted into vals_ref[b] (a prefix sum of the per-lane counts, then a masked scatter), and
+    every value's count and mass at or above it come from all pairs, BAND_ROWS x band at a time. t1: the
+    largest value with count >= target1 (use_k) or mass >= target1. With p_target (a function of
+    the mass at or above t1, or None), t_p: the largest value with mass >= p_target, found when
+    the compacted mass reaches it. Returns (t1, t_p, t_p found)."""
+    sel = [(ki >= low) & r for ki, r in zip(keys, real)]  # [N] each; per lane, sel[i + 1] implies sel[i]
+    per_lane = functools.reduce(jnp.add, [x.astype(jnp.int32) for x in sel])
+    start = jnp.cumsum(per_lane) - per_lane
+    n = jnp.sum(per_lane)
+    for i, (x, ai) in enumerate(zip(sel, a)):  # (masked lanes aim at the spare slot `band`: the
+        # interpreter's masked scatter writes them back, and must not over the compacted values)
+        plgpu.store(vals_ref.at[b, jnp.where(x, start + i, band)], ai, mask=x)
+    if fast:
+        plgpu.debug_barrier()  # the scattered values visible to every thread of the program
+    j = jnp.arange(band, dtype=jnp.int32)
+    v_all = plgpu.load(vals_ref.at[b, j], mask=j < n, other=-jnp.inf)  # [band]
+    w_all = jnp.where(j < n, weight(v_all), 0.0)
+    chunk = min(band, BAND_ROWS)
+    t1, rows = -jnp.inf, []
+    for r in range(0, band, chunk):
+        i = r + jnp.arange(chunk, dtype=jnp.int32)
+        v = plgpu.load(vals_ref.at[b, i], mask=i < n, other=-jnp.inf)  # [chunk]
+        ge = v_all[None, :] >= v[:, None]  # [chunk, band]
+        mass = jnp.sum(jnp.where(ge, w_all[None, :], 0.0), axis=1)  # [chunk]
+        goal = jnp.where(use_k, jnp.sum(ge.astype(jnp.int32), axis=1).astype(jnp.float32), mass)
+        t1 = jnp.maximum(t1, jnp.max(jnp.where((i < n) & (goal >= target1), v, -jnp.inf)))
+        rows.append((v, i, mass))
+    if p_target is None:
+        return t1, t1, n < 0
+    target = p_target(jnp.sum(jnp.where(v_all >= t1, w_all, 0.0)))
+    t_p = functools.reduce(jnp.maximum, [jnp.max(jnp.where((i < n) & (m >= target), v, -jnp.inf))
+                                         for v, i, m in rows])
+    return t1, t_p, jnp.sum(w_all) >= target
 
 
 def _load_block(x_ref, row, lanes, j, *, block_v, vocab, scale, logits):
@@ -268,13 +328,13 @@ def _pass1_kernel(rows_ref, x_ref, invt_ref, seed_ref, ta_ref, tc_ref, mass_ref,
 
 
 def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, *refs, filters, vocab,
-            block_v, track, max_rounds, fast, split):
+            block_v, track, max_rounds, band, fast, split):
     # rows_ref [B] int32: the input row of each output row; x_ref [R, V] probs or logits;
     # k_ref [B] int32; p_ref, minp_ref, invt_ref [B] f32; seed_ref [B, 2] int32;
     # refs: when split, pass 1's outputs (_pass1_kernel: ta, tc, mass, drop, key, col), then
     # tok_ref [B] int32 (the draw); thr_ref [B] f32 (tokens with y >= it are kept; a lower
-    # bound when sampling)
-    *state_refs, tok_ref, thr_ref = refs
+    # bound when sampling); vals_ref [B, band + 1] f32: scratch (the compacted tracked values, a spare slot)
+    *state_refs, tok_ref, thr_ref, vals_ref = refs
     b = pl.program_id(0)
     row = rows_ref[b]
     num_blocks = pl.cdiv(vocab, block_v)
@@ -335,20 +395,44 @@ def _kernel(rows_ref, x_ref, k_ref, p_ref, minp_ref, invt_ref, seed_ref, *refs, 
     p = p_ref[b]
     p_on = p < 1.0
     t_k = ninf
+    if filters.top_k or filters.top_p:
+        # The first goal (top-k; top-p on rows without top-k) by bisection of the keys above s.
+        # With top-k: down to at most `band` values, then exactly from those values compacted
+        # (more than `band` values at the threshold: the bisection runs to it); top-p alone:
+        # the bisection runs to its threshold.
+        low = (_to_key(jnp.where(s == 0, 0.0, s)) ^ INT_MIN) + 1  # the tracked keys above s
+        high = (_to_key(jnp.where(ymax == 0, 0.0, ymax)) ^ INT_MIN) + 1  # above every value
+        use_k = k_on if filters.top_k else false
+        two = filters.top_k and filters.top_p
+        target1 = jnp.where(use_k, k.astype(jnp.float32), jnp.where(p_on, p * total, inf) if filters.top_p else inf)
     if filters.top_k:
-        kv, kg = _select_above(tkeys, [r.astype(jnp.float32) for r in real], k.astype(jnp.float32), s)
-        t_k = _from_key(kv ^ INT_MIN)
-        k_cert = k_on & (kg >= k.astype(jnp.float32)) & (t_k > s)
+        key1, n1, reach = _band(tkeys, tmass, target1, low, high, band, counts=use_k if filters.top_p else True)
+        p_target = (lambda top_k_mass: p * top_k_mass) if filters.top_k_first else (lambda top_k_mass: p * total)
+        compacted = functools.partial(
+            _band_thresholds, vals_ref, b, a, tkeys, real, weight, key1, use_k, target1,
+            p_target if two else None, band=band, fast=fast)
+        # (the other branch derives its constants from operands: Triton yields values, not constants)
+        t1, t_p2, p2_found = lax.cond(reach & (n1 <= band), compacted,
+                                      lambda: (jnp.where(reach, _from_key(key1 ^ INT_MIN), ninf), ninf + 0 * p,
+                                               ~reach & reach))
+        k_cert = k_on & reach  # (t1 > s)
         k_unknown = k_on & ~k_cert
-        t_k = jnp.where(k_cert, t_k, ninf)
-        t_hi = t_k
+        t_k = t_hi = jnp.where(k_cert, t1, ninf)
+    elif filters.top_p:
+        key1, _, reach = _band(tkeys, tmass, target1, low, high, -1)
+        t1 = jnp.where(reach, _from_key(key1 ^ INT_MIN), ninf)
     if filters.top_p:
-        base = total
-        if filters.top_k_first:
-            base = jnp.where(k_on, _mass_at(tkeys, tmass, kv), total)
-        pv, pg = _select_above(tkeys, tmass, p * base, s)
-        t_p = _from_key(pv ^ INT_MIN)
-        p_cert = p_on & (pg >= p * base) & (t_p > s)
+        t_p, p_ok = t1, reach  # rows without top-k: top-p was the first goal
+        if two:  # rows with top-k: top-p from the compacted values, else by bisection
+            def bisect():
+                base = jnp.where(k_cert, _mass_at(tkeys, tmass, _to_key(t_k) ^ INT_MIN), total) \
+                    if filters.top_k_first else total
+                return _band(tkeys, tmass, p * base, low, high, -1)[::2]
+
+            pv, p_reach = lax.cond(use_k & p_on & ~p2_found, bisect, lambda: (low ^ low | INT_MIN, ~reach & reach))
+            t_p = jnp.where(use_k, jnp.where(p2_found, t_p2, _from_key(pv ^ INT_MIN)), t1)
+            p_ok = jnp.where(use_k, p2_found | p_reach, reach)
+        p_cert = p_on & p_ok  # (t_p > s)
         if filters.top_k_first:
             p_cert &= ~k_unknown
         p_unknown = p_on & ~p_cert
@@ -621,12 +705,15 @@ def filtered_sample(x, rows, top_k, top_p, min_p, inv_temp, seeds, *, filters, i
             name="jaxinfer_sampling_pass1",
         )(rows, x, inv_temp, seeds)
     kernel = functools.partial(_kernel, filters=filters, vocab=vocab, block_v=block_v, track=config.track,
-                               max_rounds=config.max_rounds, fast=not interpret, split=splits > 1)
-    return pl.pallas_call(
+                               max_rounds=config.max_rounds, band=config.band, fast=not interpret,
+                               split=splits > 1)
+    tokens, thresholds, _ = pl.pallas_call(
         kernel,
         grid=(batch,),
-        out_shape=(jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, config.band + 1), jnp.float32)),
         compiler_params=_common.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="jaxinfer_sampling",
     )(rows, x, top_k, top_p, min_p, inv_temp, seeds, *state)
+    return tokens, thresholds

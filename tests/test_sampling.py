@@ -24,9 +24,11 @@ ALPHA = 1e-4
 V = 37                      # not a multiple of the block: the tail block is masked
 # Three blocks per row (the last one 5 lanes). SMALL tracks one value per lane: most thresholds
 # lie below a dropped value, so rows draw by rejection; TRACKED keeps every value (the draw from
-# the tracked values); EXACT allows no rejection round (the exact search, then one race).
+# the tracked values) and compacts at most 4 of them for the thresholds (a bisection first, or
+# to the threshold itself when more are tied at it); EXACT allows no rejection round (the exact
+# search, then one race).
 SMALL = S.SamplingConfig(block_v=16, track=1)
-TRACKED = S.SamplingConfig(block_v=16, track=3)
+TRACKED = S.SamplingConfig(block_v=16, track=3, band=4)
 EXACT = S.SamplingConfig(block_v=16, track=1, max_rounds=0)
 CONFIGS = {"small": SMALL, "tracked": TRACKED, "exact": EXACT}
 ROWS = 4                    # distinct input rows per distribution test
@@ -155,7 +157,8 @@ def test_reference_semantics_on_ties():
 
 def test_renorm_and_mask_match_reference(rng):
     """top_k_renorm_probs, top_p_renorm_probs and top_k_mask_logits: exact per-row thresholds,
-    mixed per-row parameters, ties (a 0.5 grid) and bfloat16 logits."""
+    mixed per-row parameters, ties (a 0.5 grid) and bfloat16 logits; the renormalisations also
+    with a band of 4 compacted values (TRACKED)."""
     logits = _rows(3)
     probs = jax.nn.softmax(logits, axis=1)
     ks = jnp.asarray([3, 0, 36, 37])
@@ -167,11 +170,14 @@ def test_renorm_and_mask_match_reference(rng):
         return ((S.top_k_renorm_probs(probs, ks, config=SMALL), S._reference_top_k_renorm_probs(probs, ks)),
                 (S.top_p_renorm_probs(probs, ps, config=SMALL), S._reference_top_p_renorm_probs(probs, ps)),
                 (S.top_k_mask_logits(logits, ks, config=SMALL), S._reference_top_k_mask_logits(logits, ks)),
-                (S.top_k_mask_logits(lb, 5), S._reference_top_k_mask_logits(lb, 5)))
+                (S.top_k_mask_logits(lb, 5), S._reference_top_k_mask_logits(lb, 5)),
+                (S.top_k_renorm_probs(probs, ks, config=TRACKED), S.top_p_renorm_probs(probs, ps, config=TRACKED)))
 
-    (k_got, k_want), (p_got, p_want), (masked, m_want), (out, b_want) = both(probs, logits, lb, ks, ps)
+    (k_got, k_want), (p_got, p_want), (masked, m_want), (out, b_want), (k_band, p_band) = both(probs, logits, lb, ks, ps)
     np.testing.assert_allclose(k_got, k_want, atol=1e-6)
     np.testing.assert_allclose(p_got, p_want, atol=1e-6)
+    np.testing.assert_allclose(k_band, k_want, atol=1e-6)
+    np.testing.assert_allclose(p_band, p_want, atol=1e-6)
     np.testing.assert_array_equal(masked, m_want)
     kept = np.isfinite(np.asarray(masked)).sum(1)
     assert kept[1] == V and kept[2] >= 36 and kept[0] >= 3  # 0 and >= V keep all; ties may add
