@@ -55,6 +55,17 @@ class SamplingConfig:
     max_rounds: int = 16
     band: int = 64
 
+    def __post_init__(self):
+        for name in ("block_v", "num_warps", "band"):  # (Triton's block shapes)
+            n = getattr(self, name)
+            if not isinstance(n, int) or n < 1 or n & (n - 1):
+                raise ValueError(f"SamplingConfig: {name} must be a power of two, got {n!r}")
+        for name, least in (("num_stages", 1), ("split_stages", 1), ("track", 1), ("max_rounds", 0)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+                raise ValueError(f"SamplingConfig: {name} must be an int >= {least}, got {getattr(self, name)!r}")
+        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
+            raise ValueError(f"SamplingConfig: splits must be None or an int >= 1, got {self.splits!r}")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Filters:

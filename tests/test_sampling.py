@@ -365,6 +365,9 @@ def test_bad_inputs_raise_when_concrete_and_are_documented_under_jit():
         S.sampling_from_probs(probs, key=3)
     with pytest.raises(ValueError, match="logits"):
         S.sampling_from_logits(x[0], key=key)
+    for field, value in (("band", 48), ("block_v", 0), ("num_warps", 6), ("track", 0), ("splits", 0)):
+        with pytest.raises(ValueError, match=f"SamplingConfig: {field}"):
+            S.SamplingConfig(**{field: value})
     # Under jit nothing is checked: a row with no finite logit gives token 0, the others sample.
     bad = x.at[2].set(-jnp.inf)
     tok = jax.jit(lambda v, k: S.sampling_from_logits(v, key=k, config=SMALL))(bad, key)
