@@ -185,6 +185,32 @@ def test_renorm_and_mask_match_reference(rng):
     np.testing.assert_array_equal(np.asarray(out, np.float32), b_want)
 
 
+@pytest.mark.parametrize("band,track,block_v,vocab", [(8, 2, 32, 70), (4, 3, 16, V), (64, 3, 32, 90)])
+def test_top_k_thresholds_at_the_band_edges(band, track, block_v, vocab):
+    """The compacted band's edges: k = 1, band - 1, band, band + 1, beyond the tracked values,
+    V - 1, on continuous rows and on rows tied on a 0.5 grid: top_k_mask_logits exactly,
+    top_k_renorm_probs and top_p_renorm_probs (p = 0.5 and 0.95) to 1e-6 of the references."""
+    rng = np.random.default_rng(band)
+    ks = np.asarray([1, band - 1, band, band + 1, min(track * block_v + 3, vocab - 1), vocab - 1])
+    cont = rng.normal(size=(len(ks), vocab)) * 2
+    logits = jnp.asarray(np.concatenate([cont, np.round(cont * 2) / 2]), jnp.float32)  # [2 x 6, V]
+    probs = jax.nn.softmax(logits, axis=1)
+    top_k = jnp.asarray(np.concatenate([ks, ks]), jnp.int32)
+    top_p = jnp.asarray(np.resize([0.5, 0.95], logits.shape[0]), jnp.float32)
+    cfg = S.SamplingConfig(block_v=block_v, track=track, band=band)
+
+    @jax.jit  # the kernels and the references in one program
+    def run(logits, probs, top_k, top_p):
+        return ((S.top_k_mask_logits(logits, top_k, config=cfg), _ref_top_k_mask(logits, top_k)),
+                (S.top_k_renorm_probs(probs, top_k, config=cfg), _ref_top_k_renorm(probs, top_k)),
+                (S.top_p_renorm_probs(probs, top_p, config=cfg), _ref_top_p_renorm(probs, top_p)))
+
+    (masked, m_want), (k_got, k_want), (p_got, p_want) = run(logits, probs, top_k, top_p)
+    np.testing.assert_array_equal(masked, m_want)
+    np.testing.assert_allclose(k_got, k_want, atol=1e-6)
+    np.testing.assert_allclose(p_got, p_want, atol=1e-6)
+
+
 def test_large_vocab_non_multiple_of_block():
     """V = 50_000 (13 blocks of 4096, the last partial): the exact top-k mask (k = 50 from the
     tracked values, k = 1000 by the search), and top-k + top-p draws inside the kept set."""
