@@ -629,6 +629,30 @@ def test_decode_boundaries_full(rng, cfg):
     assert seen <= REACHABLE["BatchDecodeWithPagedKVCache"]
 
 
+
+# ---------------------------------------------------------------- other head dims and groups
+OTHER_HEADS = {3: (12, 4), 7: (28, 4), 16: (16, 1)}  # groups the grid above does not hold
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim, group, page, layout, causal", [
+    (128, 3, 4, "NHD", True), (256, 16, 64, "HND", False), (64, 7, 32, "NHD", False)])
+def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, group, page, layout, causal):
+    """The paged wrappers (every length alone and mixed), ragged_paged_attention and decode at head
+    dims 64-256 and groups 3, 7 and 16: the kernels' tiles and the classes' edges follow both."""
+    monkeypatch.setitem(globals(), "D", head_dim)
+    monkeypatch.setitem(HEADS, group, OTHER_HEADS[group])
+    cfg = Cfg(group, page, layout, causal)
+    for entry in PAGED_PREFILL:
+        fails, seen, _ = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=True), rng, False)
+        fails.check(f"{entry} {cfg} head_dim {head_dim}")
+        assert seen <= REACHABLE[entry], seen
+    fails, taken, classes, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
+    fails.check(f"ragged_paged_attention {cfg} head_dim {head_dim}")
+    assert {(c.min_q, c.max_q) for c in classes} == {t[:2] for t in taken}, (classes, taken)
+    fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
+    fails.check(f"BatchDecodeWithPagedKVCache {cfg} head_dim {head_dim}")
+
 # ---------------------------------------------------------------- ragged (contiguous) K/V prefill
 def _ragged_plan(w, step, kcap):
     """Plans with a trailing qo_len 0 request holding the keys up to kcap (plans are specialized
