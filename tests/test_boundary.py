@@ -638,8 +638,9 @@ OTHER_HEADS = {3: (12, 4), 7: (28, 4), 16: (16, 1)}  # groups the grid above doe
 @pytest.mark.parametrize("head_dim, group, page, layout, causal", [
     (128, 3, 4, "NHD", True), (256, 16, 64, "HND", False), (64, 7, 32, "NHD", False)])
 def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, group, page, layout, causal):
-    """The paged wrappers (every length alone and mixed), ragged_paged_attention and decode at head
-    dims 64-256 and groups 3, 7 and 16: the kernels' tiles and the classes' edges follow both."""
+    """The paged and ragged prefill wrappers and the cascade (every length alone and mixed),
+    ragged_paged_attention and decode at head dims 64-256 and groups 3, 7 and 16: the kernels'
+    tiles and the classes' edges follow both."""
     monkeypatch.setitem(globals(), "D", head_dim)
     monkeypatch.setitem(HEADS, group, OTHER_HEADS[group])
     cfg = Cfg(group, page, layout, causal)
@@ -652,6 +653,10 @@ def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, gr
     assert {(c.min_q, c.max_q) for c in classes} == {t[:2] for t in taken}, (classes, taken)
     fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
     fails.check(f"BatchDecodeWithPagedKVCache {cfg} head_dim {head_dim}")
+    fails, _, _ = run_ragged(cfg, ragged_steps(cfg, slow=True), rng)
+    fails.check(f"BatchPrefillWithRaggedKVCache {cfg} head_dim {head_dim}")
+    fails, _, _ = run_cascade(cfg, cascade_steps(cfg, slow=True), rng)
+    fails.check(f"MultiLevelCascadeAttention {cfg} head_dim {head_dim}")
 
 # ---------------------------------------------------------------- ragged (contiguous) K/V prefill
 def _ragged_plan(w, step, kcap):
