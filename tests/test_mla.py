@@ -525,6 +525,24 @@ def test_gpu_kernel_lowers_for_cuda():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_heads, page_size, causal", [(3, 3, True), (24, 64, False), (96, 4, True), (1, 1, False)])
+def test_other_head_counts_and_requests_over_several_tiles(rng, num_heads, page_size, causal):
+    """Head counts outside the grid below (tiles that cut a token's heads at 3 and 24, two tiles a
+    token at 96) and requests of 15-33 tokens over several tiles, causal rows masked on their own
+    diagonals; no capacities; NaN in unlisted pages and stale slots."""
+    qo_lens, kv_lens = [17, 31, 0, 5, 1], [40, 31, 9, 200, 1]
+    mla = BatchMLAPagedAttention(num_heads, CKV, KPE, page_size, causal=causal, sm_scale=SCALE,
+                                 config=MLAConfig(num_cells=3, min_chunk=64))
+    table = step(rng, qo_lens, kv_lens, page_size)
+    q_nope, q_pe, ckv, kpe = inputs(rng, sum(qo_lens), num_heads, page_size, jnp.float32)
+    want = oracle(q_nope, q_pe, ckv, kpe, *table, causal)
+    _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size)
+    plan = mla.plan(*table, num_pages=ckv.shape[0])
+    assert plan.impl == "mla_triton"
+    check(mla.run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan, return_lse=True), want, 2e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("num_heads", [8, 16, 128])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("causal", [False, True])
