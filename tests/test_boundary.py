@@ -641,7 +641,7 @@ def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, gr
     """The paged and ragged prefill wrappers and the cascade (every length alone and mixed),
     ragged_paged_attention and decode at head dims 64-256 and groups 3, 7 and 16: the kernels'
     tiles and the classes' edges follow both."""
-    monkeypatch.setitem(globals(), "D", head_dim)
+    monkeypatch.setitem(globals(), "D", head_dim)  # the runners above read this module's D and HEADS
     monkeypatch.setitem(HEADS, group, OTHER_HEADS[group])
     cfg = Cfg(group, page, layout, causal)
     for entry in PAGED_PREFILL:
