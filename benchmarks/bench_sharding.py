@@ -60,7 +60,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Config:
     """One benchmark row; prefill rows have qo_len = kv_len (whole prompts, causal)."""
     name: str
-    mode: str      # "cp" or "tp"
+    mode: str      # "cp", "tp" or "cp_ragged" (ragged_paged_attention, its KV write included)
     kind: str      # "decode" or "prefill"
     batch: int
     kv_len: int
@@ -77,7 +77,11 @@ def configs(smoke):
                 Config(name="CP prefill B1 S64", mode="cp", kind="prefill", batch=1, kv_len=64, calls=1, iters=1, reps=1),
                 Config(name="TP decode B4 kv64", mode="tp", kind="decode", batch=4, kv_len=64, calls=2, iters=1, reps=1),
                 Config(name="TP prefill B2 S32", mode="tp", kind="prefill", batch=2, kv_len=32, calls=1, iters=1,
-                       reps=1)]
+                       reps=1),
+                Config(name="CP ragged decode B2 kv256", mode="cp_ragged", kind="decode", batch=2, kv_len=256,
+                       calls=2, iters=1, reps=1),
+                Config(name="CP ragged prefill B1 S64", mode="cp_ragged", kind="prefill", batch=1, kv_len=64, calls=1,
+                       iters=1, reps=1)]
     return [Config(name="CP decode B8 kv131072", mode="cp", kind="decode", batch=8, kv_len=131072, calls=10,
                    iters=3, reps=7),
             Config(name="CP prefill B1 S65536", mode="cp", kind="prefill", batch=1, kv_len=65536, calls=1, iters=2,
@@ -85,7 +89,11 @@ def configs(smoke):
             Config(name="TP decode B64 kv4096", mode="tp", kind="decode", batch=64, kv_len=4096, calls=10, iters=5,
                    reps=7),
             Config(name="TP prefill B4 S8192", mode="tp", kind="prefill", batch=4, kv_len=8192, calls=1, iters=5,
-                   reps=7)]
+                   reps=7),
+            Config(name="CP ragged decode B8 kv131072", mode="cp_ragged", kind="decode", batch=8, kv_len=131072,
+                   calls=10, iters=3, reps=7),
+            Config(name="CP ragged prefill B1 S65536", mode="cp_ragged", kind="prefill", batch=1, kv_len=65536,
+                   calls=1, iters=2, reps=5)]
 
 
 def _wrapper(cfg, hq, hkv, pages, capacities, smoke, impl):
@@ -135,7 +143,7 @@ def _cp_table(batch, kv_len, n, qo_indptr, causal):
 def _table(cfg, n, rng):
     """(page table, num_pages, pages per device or None): CP tables device by device (_cp_table),
     TP and one-device tables a random permutation of the pages."""
-    if cfg.mode == "cp":
+    if cfg.mode != "tp":
         table, per = _cp_table(cfg.batch, cfg.kv_len, n, _qo_indptr(cfg), cfg.kind == "prefill")
         return table, n * per, per
     npages = -(-cfg.kv_len // PAGE)
@@ -233,6 +241,58 @@ def _program(run, calls, chained):
     return jax.jit(program)
 
 
+def _ragged_row(cfg, n, table, num_pages, cache, qs, k_logical, v_logical, smoke, merge):
+    """ragged_paged_attention (n = 1) or context_parallel_ragged over n devices: (program of
+    (qs, keys, values, cache, *meta) making cfg.calls chained calls, the cache threaded and
+    donated, its args placed). The step's keys / values are the cache's own rows at the new
+    positions (decode: each request's last token; prefill: every token), so the write leaves the
+    K/V as they were and every device count attends the same values."""
+    npages = -(-cfg.kv_len // PAGE)
+    q_lens = np.ones(cfg.batch, np.int32) if cfg.kind == "decode" else np.full(cfg.batch, cfg.kv_len, np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    decode = cfg.batch if cfg.kind == "decode" else 0
+    meta = (np.full(cfg.batch, cfg.kv_len, np.int32), table[1], cu, np.array([decode, cfg.batch, cfg.batch], np.int32))
+    rows = k_logical.reshape(cfg.batch, npages * PAGE, HKV, D)[:, cfg.kv_len - q_lens[0]:cfg.kv_len]
+    keys = rows.reshape(-1, HKV, D)
+    values = v_logical.reshape(cfg.batch, npages * PAGE, HKV, D)[:, cfg.kv_len - q_lens[0]:cfg.kv_len].reshape(-1, HKV, D)
+    ctas = 8 if smoke else None
+    if n == 1:
+        run = functools.partial(ji.ragged_paged_attention, num_ctas=ctas)
+        args = (qs, keys, values, cache) + tuple(jnp.asarray(x) for x in meta)
+    else:
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("cp",))
+        run = sharding.context_parallel_ragged(mesh, num_ctas=ctas, merge=merge)
+        rep = NamedSharding(mesh, P())
+        args = (jax.device_put(qs, rep), jax.device_put(keys, rep), jax.device_put(values, rep),
+                jax.device_put(cache, NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp")))) + tuple(
+            jax.device_put(jnp.asarray(x), rep) for x in meta)
+
+    def many(qs, keys, values, cache, *meta):
+        outs = []
+        for i in range(cfg.calls):
+            q = qs[i] + 0 * outs[-1][0, 0, 0] if outs else qs[i]
+            o, cache = run(q, keys, values, cache, *meta)
+            outs.append(o)
+        return outs, cache
+    return jax.jit(many, donate_argnums=(3,)), args
+
+
+def _time_threaded(fn, args, iters, reps):
+    """Median seconds per program of fn(*args) -> (outs, cache), the cache (args[3]) fed back."""
+    args = list(args)
+    for _ in range(2):
+        outs, args[3] = fn(*args)
+    jax.block_until_ready(outs)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            outs, args[3] = fn(*args)
+        jax.block_until_ready((outs, args[3]))
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts))
+
+
 def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto"):
     """One device count's row (checked, then timed: cfg.calls attention calls in one jitted
     program, one per q of qs) and the output of qs[0]. CP on several devices: also the
@@ -240,10 +300,19 @@ def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto")
     row = dict(config=cfg.name, devices=n, device=jax.devices()[0].device_kind, calls=cfg.calls)
     table, num_pages, per = _table(cfg, n, rng)
     cache = _physical(k_logical, v_logical, jnp.asarray(table[1]), num_pages)
-    run, args, row["kernels"], local = _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl, merge)
-    f = _program(run, cfg.calls, chained=cfg.mode == "cp")
-    t = time.perf_counter()
-    got = jax.block_until_ready(f(*args))[0]
+    local = None
+    if cfg.mode == "cp_ragged":
+        f, args = _ragged_row(cfg, n, table, num_pages, cache, qs, k_logical, v_logical, smoke, merge)
+        row["kernels"] = "ragged_paged_attention" if n == 1 else "context_parallel_ragged"
+        t = time.perf_counter()
+        outs, cache = f(*args)
+        args = args[:3] + (cache,) + args[4:]
+        got = jax.block_until_ready(outs)[0]
+    else:
+        run, args, row["kernels"], local = _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl, merge)
+        f = _program(run, cfg.calls, chained=cfg.mode == "cp")
+        t = time.perf_counter()
+        got = jax.block_until_ready(f(*args))[0]
     row["first_call_s"] = time.perf_counter() - t  # compile included
     if want is None:
         row["check"] = "vs float32 dense, first and last request"
@@ -253,7 +322,10 @@ def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto")
         row["rel_err"] = float(_rel_err(jax.device_put(got, want.sharding), want))
     if not row["rel_err"] <= 2e-2:
         raise RuntimeError(f"o relative error {row['rel_err']:.2e} > 2e-2 ({row['check']})")
-    row["ms"] = bench(f, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
+    if cfg.mode == "cp_ragged":
+        row["ms"] = _time_threaded(f, args, cfg.iters, cfg.reps) / cfg.calls * 1e3
+    else:
+        row["ms"] = bench(f, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
     if local is not None:
         row["merge"] = (sharding.merge_choice(n, DTYPE, got.size * got.dtype.itemsize) if merge == "auto"
                         else merge)

@@ -20,6 +20,7 @@ from jaxinfer import _backend, dispatch, ragged_plan, variants
 from jaxinfer.formats import (PagedKVCache, check_int32, check_kv_dtype, check_q, default_sm_scale, is_concrete,
                               kv_scales)
 from jaxinfer.page import write_slots
+from jaxinfer.state import AttentionState
 from pallas_kernels import decode as decode_kernels
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import prefill as prefill_kernels
@@ -29,10 +30,12 @@ from planner.work_items import DECODE_MULTI, MIXED, PREFILL
 MOSAIC_CTAS_PER_SM = 1  # the Mosaic class's grid (Hq, cells): its shared memory holds one CTA per SM
 
 
-def check_metadata(kv_lens, page_indices, cu_q_lens, distribution, *, num_tokens, num_pages, page_size):
+def check_metadata(kv_lens, page_indices, cu_q_lens, distribution, *, num_tokens, num_pages, page_size,
+                   kv_covers_q=True):
     """RPA v3's metadata (kv_lens i32[S], page_indices i32[S * pages_per_seq], cu_q_lens i32[S + 1],
     distribution i32[3]) for num_tokens query rows over a cache of num_pages pages of page_size:
-    shapes and dtypes always; when concrete, the values (a ValueError naming the argument)."""
+    shapes and dtypes always; when concrete, the values (a ValueError naming the argument).
+    kv_covers_q: each kv_len counts its sequence's q rows (so kv_len >= q_len)."""
     t = num_tokens
     for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
                     ("distribution", distribution)):
@@ -58,8 +61,9 @@ def check_metadata(kv_lens, page_indices, cu_q_lens, distribution, *, num_tokens
     if np.any(q_len[: dist[0]] != 1):
         raise ValueError("cu_q_lens: sequences [0, distribution[0]) must have q_len 1")
     pages_per_seq = pi.shape[0] // s
-    if np.any(kv[:n] < q_len) or np.any(kv[:n] > pages_per_seq * page_size):
-        raise ValueError(f"kv_lens must lie in [q_len, pages_per_seq * page_size = "
+    low = q_len if kv_covers_q else 0
+    if np.any(kv[:n] < low) or np.any(kv[:n] > pages_per_seq * page_size):
+        raise ValueError(f"kv_lens must lie in [{'q_len' if kv_covers_q else 0}, pages_per_seq * page_size = "
                          f"{pages_per_seq * page_size}] for the valid sequences")
     used = np.arange(pages_per_seq)[None, :] < -(-kv[:n, None] // page_size)
     ids = pi[: n * pages_per_seq].reshape(n, pages_per_seq)[used]
@@ -68,7 +72,7 @@ def check_metadata(kv_lens, page_indices, cu_q_lens, distribution, *, num_tokens
 
 
 def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
-           soft_cap, sinks):
+           soft_cap, sinks, causal):
     check_q(queries, "queries")
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, Hq, D], got shape {queries.shape}")
@@ -80,8 +84,10 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
         raise ValueError(f"kv_cache (num_kv_heads {hkv}, head_dim {kv_cache.head_dim}) does not fit "
                          f"queries [T, {hq}, {d}] (Hq must be a multiple of num_kv_heads)")
     check_kv_dtype(queries.dtype, kv_cache.dtype, "kv_cache")
+    if (keys is None) != (values is None):
+        raise ValueError("keys and values must both be arrays or both be None")
     for name, x in (("keys", keys), ("values", values)):
-        if tuple(x.shape) != (t, hkv, d):
+        if x is not None and tuple(x.shape) != (t, hkv, d):
             raise ValueError(f"{name} must have shape {(t, hkv, d)}, got {tuple(x.shape)}")
     if sliding_window is not None and is_concrete(sliding_window) and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1, got {int(sliding_window)}")
@@ -91,12 +97,13 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
         raise ValueError(f"sinks must be a float array of shape [{hq}] (one logit per query head), got "
                          f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
     check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=t, num_pages=kv_cache.num_pages,
-                   page_size=kv_cache.page_size)
+                   page_size=kv_cache.page_size, kv_covers_q=keys is not None or causal)
 
 
 def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
                            causal=True, sm_scale=None, sliding_window=None, soft_cap=None, sinks=None,
-                           k_scale=None, v_scale=None, num_ctas=None, backend=None, impl="auto", config=None):
+                           k_scale=None, v_scale=None, num_ctas=None, backend=None, impl="auto", config=None,
+                           return_lse=False):
     """One serving step: writes the new K/V, then ragged attention over the paged cache.
 
     queries [T, Hq, D]; keys, values [T, Hkv, D] (row-aligned with queries); kv_cache: a
@@ -106,7 +113,10 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     distribution[0] have q_len 1): its new rows keys/values[cu_q_lens[i] + j] land at token
     position kv_len - q_len + j (cast to the cache dtype, not rescaled), then its q rows attend
     over its kv_len keys, causal bottom-right if causal. Rows from cu_q_lens[distribution[2]] on
-    are padding: they write nothing and give o = 0.
+    are padding: they write nothing and give o = 0. keys = values = None: nothing is written (the
+    cache holds the step's rows already: KV sharing, or context parallel, where each row is
+    written on the device that holds its page); without causal, kv_lens may then be shorter than
+    q_len.
 
     sm_scale: a static float (default 1 / sqrt(D); RPA v3's own default is 1.0).
     sliding_window W (int, may be traced; needs causal): the query at position p sees keys
@@ -120,19 +130,22 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     decides: the mixed launch where it can run, compiled on a Hopper GPU with 16-bit q and K/V
     and no window, soft cap or sinks; else the Mosaic GPU prefill kernel for steps without them;
     else the Triton kernel, faster with them), "mixed" or "mosaic" (forced; interpret mode too) or
-    "triton".
+    "triton". return_lse: also each row's log-sum-exp (natural log; -inf for padding rows and rows
+    that see no key), for merging with other states; the mixed launch returns none, so "auto"
+    leaves it out.
     num_ctas: grid size (default 2 x SMs for the decode and Triton launches, MOSAIC_CTAS_PER_SM
     x SMs for the Mosaic one); backend, config (a DecodeConfig, PrefillConfig and/or
     MosaicPrefillConfig, or a tuple of them): as the wrappers.
 
-    Returns (out [T, Hq, D] in queries' dtype, the updated PagedKVCache). Metadata are checked
+    Returns (out [T, Hq, D] in queries' dtype, or AttentionState(out, lse [T, Hq]) with return_lse;
+    the updated PagedKVCache). Metadata are checked
     when concrete; under jax.jit (one compilation for all compositions of the same shapes, cache
     donated for an in-place write) inputs that break the contract give undefined results. The
     mixed launch reads queries as they are: a slice of a larger array (q split from a fused qkv
     with no op after it) is first copied to a buffer of its own (H100, a 2108-row step: ~15 µs).
     """
     _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
-           soft_cap, sinks)
+           soft_cap, sinks, causal)
     if sliding_window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
     hq, d = queries.shape[1:]
@@ -150,7 +163,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     sm_scale = default_sm_scale(d, sm_scale)
     long_problem = dataclasses.replace(problem, family="prefill")
     long_impl = dispatch.ragged_long_impl(long_problem, impl, queries.dtype, kv_cache.dtype, scales is not None,
-                                          sm_scale)
+                                          sm_scale, need_lse=return_lse)
     ctas = num_ctas or 2 * _backend.num_sms()
     long_config = dispatch.config_for(long_impl, long_problem, configs)
     mosaic_cells, mixed = 0, None
@@ -161,7 +174,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
                              num_ctas or _backend.num_sms())
     return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap,
                 sink, scales, causal=causal, sm_scale=sm_scale, num_cells=max(1, ctas // hkv),
-                mosaic_cells=mosaic_cells, mixed=mixed, interpret=interpret,
+                mosaic_cells=mosaic_cells, mixed=mixed, interpret=interpret, return_lse=bool(return_lse),
                 decode_config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"], problem, configs),
                 long_config=long_config)
 
@@ -174,11 +187,12 @@ def _variant(has_window, has_cap, has_sinks):
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "mosaic_cells", "mixed",
-                                             "interpret", "decode_config", "long_config"))
+                                             "interpret", "return_lse", "decode_config", "long_config"))
 def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, sink, scales,
-         *, causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, decode_config, long_config):
-    """ragged_paged_attention after its checks (window, cap: 0-d arrays or None; sink: f32[Hq] or
-    None; mixed: the mixed launch's sizes, or None for the class launches alone)."""
+         *, causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, return_lse, decode_config, long_config):
+    """ragged_paged_attention after its checks (keys, values: arrays, or None to write nothing;
+    window, cap: 0-d arrays or None; sink: f32[Hq] or None; mixed: the mixed launch's sizes, or
+    None for the class launches alone)."""
     t, hq, d = queries.shape
     hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
     s = kv_lens.shape[0]
@@ -203,7 +217,7 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     page, slot, q_pos = ragged_plan.token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live,
                                      pages_per_seq=pages_per_seq, page_size=page_size,
                                      num_pages=kv_cache.num_pages)
-    new_cache = write_slots(kv_cache, page, slot, keys, values, interpret=interpret)
+    new_cache = kv_cache if keys is None else write_slots(kv_cache, page, slot, keys, values, interpret=interpret)
 
     # Every class's work list first (device plans: no launch depends on another's plan) ...
     kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
@@ -244,10 +258,10 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
     if mosaic_plan is not None:
         from pallas_kernels import prefill_mosaic
-        items, cell_indptr, src, pos = mosaic_plan
+        items, cell_indptr, src, pos, lse_src = mosaic_plan
         # (sinks in the kernel: its rows' (o, lse) come out final)
         in_kernel = _variant(window is not None, cap is not None, False)
-        o_sub, _, _ = prefill_mosaic.prefill_mosaic(
+        o_sub, lse_items, _ = prefill_mosaic.prefill_mosaic(
             queries[src], k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, causal=causal,
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
             q_pos=q_pos[src] if in_kernel is not None else None, row_stores=True, persistent=True, columns=PREFILL,
@@ -255,7 +269,10 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         mine = pos >= 0
         final_rows = mine if sink is not None else None
         o = jnp.where(mine[:, None, None], o_sub[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
-        out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
+        lse = jnp.zeros((t, hq), jnp.float32)  # (without return_lse: written by the classes below, never read)
+        if return_lse:  # lse_items [Hq, items * tile]: row r's at lse_src[r]
+            lse = jnp.where(mine[:, None], lse_items[:, jnp.maximum(lse_src, 0)].T, -jnp.inf)
+        out = (o, lse)
     kw.update(scales=scales)
     for group, (sec, block_kv_lens) in zip(groups, group_plans):
         part_cap = sum(c.part_cap for c in group)
@@ -284,7 +301,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     # the written cache runs before any later in-place write to it: without the tie XLA copied the
     # whole K cache before the next call's write (H100, q4 B64 kv4096, 10 chained calls: 852 ->
     # 416 us per call).
-    o = variants.finish(variant, params, out[0], out[1], False)
+    o, lse = variants.finish(variant, params, out[0], out[1], True)
     if final_rows is not None:  # the Mosaic class applied the sinks itself
         o = jnp.where(final_rows[:, None, None], out[0], o)
-    return jax.lax.optimization_barrier((o, new_cache))
+        lse = jnp.where(final_rows[:, None], out[1], lse)
+    return jax.lax.optimization_barrier((AttentionState(o, lse) if return_lse else o, new_cache))

@@ -361,7 +361,8 @@ def plan_mosaic(kv_lens, cu_q_lens, distribution, row_seq, row_live, *, pages_pe
     Returns (items int32[W, PREFILL.width] (one unsplit KV range each),
     cell_indptr int32[cells + 1] (contiguous runs of about equal cost), src int32[sub_rows] (the
     q row of each sub-buffer row; rows past a sequence repeat its last), pos int32[T] (each
-    output row's sub-buffer row, -1 when it is not the class's))."""
+    output row's sub-buffer row, -1 when it is not the class's), lse_src int32[T] (each output row's
+    column of the kernel's lse_items [Hq, W * MOSAIC_TILE], -1 when it is not the class's))."""
     s = kv_lens.shape[0]
     q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     mine = (jnp.arange(s) < distribution[2]) & (q_len >= cls.min_q) & (q_len <= cls.max_q)
@@ -371,7 +372,8 @@ def plan_mosaic(kv_lens, cu_q_lens, distribution, row_seq, row_live, *, pages_pe
     sub_start = excl_cumsum(span)  # [S]
 
     # Tiles of MOSAIC_TILE tokens, KV never split.
-    seq, j, ok = owner(-(-q_len // MOSAIC_TILE), cls.items)  # [W]
+    tiles = -(-q_len // MOSAIC_TILE)  # [S]
+    seq, j, ok = owner(tiles, cls.items)  # [W]
     tile_tok = j * MOSAIC_TILE
     qo, kv = q_len[seq], kv_len[seq]
     first_pos = kv - qo
@@ -397,8 +399,11 @@ def plan_mosaic(kv_lens, cu_q_lens, distribution, row_seq, row_live, *, pages_pe
     src = cu_q_lens[sseq] + jnp.maximum(jnp.minimum(t, q_len[sseq] - 1), 0)
     src = jnp.clip(src, 0, row_seq.shape[0] - 1).astype(jnp.int32)
     row = jnp.arange(row_seq.shape[0], dtype=jnp.int32)
-    pos = jnp.where(row_live & mine[row_seq], sub_start[row_seq] + row - cu_q_lens[row_seq], -1)
-    return items, cell_indptr, src, pos.astype(jnp.int32)
+    tok = row - cu_q_lens[row_seq]
+    pos = jnp.where(row_live & mine[row_seq], sub_start[row_seq] + tok, -1)
+    # item w holds tile j of its sequence (owner: a sequence's tiles in order); its tokens' lse at w * T + i
+    lse_src = jnp.where(pos >= 0, (excl_cumsum(tiles)[row_seq] + tok // MOSAIC_TILE) * MOSAIC_TILE + tok % MOSAIC_TILE, -1)
+    return items, cell_indptr, src, pos.astype(jnp.int32), lse_src.astype(jnp.int32)
 
 
 def token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live, *, pages_per_seq, page_size, num_pages):
@@ -409,3 +414,68 @@ def token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live, *, pages_pe
     pos = jnp.clip(pos, 0, pages_per_seq * page_size - 1)
     page = page_indices[seq * pages_per_seq + pos // page_size]
     return jnp.where(row_live, page, num_pages), pos % page_size, pos
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContextShare:
+    """One device's part of a ragged step whose cache is split on pages (context parallel),
+    device arrays. Sequence i's q rows [0, q_len) split into: rows before `diag_start` see none
+    of the device's keys; rows [diag_start, full_start) see part of them (causal, bottom-right
+    aligned to the share: the last such row sits at the share's last key); rows from full_start
+    see all of them (no mask)."""
+    page_indices: jax.Array  # int32[S * pages_per_seq]: the device's pages of each sequence, local ids, first
+    share_lens: jax.Array    # int32[S]: the sequence's keys on this device
+    diag_start: jax.Array    # int32[S]
+    full_start: jax.Array    # int32[S]
+    full_lens: jax.Array     # int32[S]: rows from full_start (0 where the share is empty)
+
+
+def context_share(kv_lens, page_indices, cu_q_lens, distribution, *, shard, pages_per_shard, page_size, causal):
+    """Device `shard`'s share of each sequence: it holds global pages [shard N, (shard + 1) N)
+    (N = pages_per_shard), and each sequence lists its pages device by device, so its keys on
+    the device are one contiguous range [offset, offset + share) (offset: the keys on pages of
+    earlier devices). Query row j of sequence i sits at kv_len - q_len + j. Returns a ContextShare."""
+    s = kv_lens.shape[0]
+    pages_per_seq = page_indices.shape[0] // s
+    live = jnp.arange(s) < distribution[2]
+    kv = jnp.where(live, jnp.clip(kv_lens, 0, pages_per_seq * page_size), 0)  # [S]
+    q_len = jnp.where(live, jnp.clip(cu_q_lens[1:] - cu_q_lens[:-1], 0, kv if causal else None), 0)
+    table = page_indices.reshape(s, pages_per_seq)
+    col = jnp.arange(pages_per_seq, dtype=jnp.int32)[None, :]
+    used = col < -(-kv[:, None] // page_size)  # [S, pages_per_seq]
+    device = table // pages_per_shard
+    before = jnp.sum(used & (device < shard), axis=1, dtype=jnp.int32)  # [S]
+    count = jnp.sum(used & (device == shard), axis=1, dtype=jnp.int32)
+    local = jnp.take_along_axis(table, jnp.minimum(before[:, None] + col, pages_per_seq - 1), axis=1)
+    local = jnp.where(col < count[:, None], jnp.clip(local - shard * pages_per_shard, 0, pages_per_shard - 1), 0)
+    offset = before * page_size
+    share = jnp.clip(kv - offset, 0, count * page_size)
+    if causal:  # row j's position first + j against the share's keys [offset, offset + share)
+        first = kv - q_len
+        diag_start = jnp.clip(offset - first, 0, q_len)
+        full_start = jnp.maximum(jnp.clip(offset + share - first, 0, q_len), diag_start)
+        # One row past the share and none cut by it (a decode row): the causal launch sees the
+        # share whole for it too, so a decode step leaves the unmasked launch empty.
+        one = (full_start == diag_start) & (q_len - full_start == 1) & (share > 0)
+        full_start = jnp.where(one, q_len, full_start)
+    else:
+        diag_start = full_start = jnp.zeros_like(q_len)
+    full_lens = jnp.where(share > 0, q_len - full_start, 0)
+    return ContextShare(page_indices=local.reshape(-1).astype(jnp.int32), share_lens=share.astype(jnp.int32),
+                        diag_start=diag_start.astype(jnp.int32), full_start=full_start.astype(jnp.int32),
+                        full_lens=full_lens.astype(jnp.int32))
+
+
+def sub_step_rows(cu_q_lens, distribution, starts, lens, num_rows):
+    """The rows of a sub-step that takes rows [starts[i], starts[i] + lens[i]) of each sequence i
+    of a step (cu_q_lens, distribution; num_rows rows). Returns (cu int32[S + 1]: the sub-step's
+    cu_q_lens, src int32[T]: each sub-step row's step row (padding rows: clipped), pos int32[T]:
+    each step row's sub-step row, -1 when the sub-step does not take it)."""
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), cumsum(lens).astype(jnp.int32)])
+    sub_seq, sub_live = row_seqs(cu, distribution, num_rows)
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    src = jnp.clip(cu_q_lens[sub_seq] + starts[sub_seq] + row - cu[sub_seq], 0, num_rows - 1)
+    seq, live = row_seqs(cu_q_lens, distribution, num_rows)
+    j = row - cu_q_lens[seq] - starts[seq]
+    pos = jnp.where(live & (j >= 0) & (j < lens[seq]), cu[seq] + j, -1)
+    return cu, jnp.where(sub_live, src, num_rows - 1).astype(jnp.int32), pos.astype(jnp.int32)
