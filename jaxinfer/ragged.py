@@ -103,7 +103,7 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
 def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
                            causal=True, sm_scale=None, sliding_window=None, soft_cap=None, sinks=None,
                            k_scale=None, v_scale=None, num_ctas=None, backend=None, impl="auto", config=None,
-                           return_lse=False):
+                           return_lse=False, read_kv_lens=None):
     """One serving step: writes the new K/V, then ragged attention over the paged cache.
 
     queries [T, Hq, D]; keys, values [T, Hkv, D] (row-aligned with queries); kv_cache: a
@@ -116,7 +116,9 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     are padding: they write nothing and give o = 0. keys = values = None: nothing is written (the
     cache holds the step's rows already: KV sharing, or context parallel, where each row is
     written on the device that holds its page); without causal, kv_lens may then be shorter than
-    q_len.
+    q_len. read_kv_lens i32[S] (may be traced): sequence i reads only its first read_kv_lens[i]
+    keys (at most kv_lens[i]) while its rows keep their positions, so a causal row sees the keys
+    below min(its position + 1, read_kv_lens[i]); context parallel passes each device's share so.
 
     sm_scale: a static float (default 1 / sqrt(D); RPA v3's own default is 1.0).
     sliding_window W (int, may be traced; needs causal): the query at position p sees keys
@@ -131,8 +133,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     and no window, soft cap or sinks; else the Mosaic GPU prefill kernel for steps without them;
     else the Triton kernel, faster with them), "mixed" or "mosaic" (forced; interpret mode too) or
     "triton". return_lse: also each row's log-sum-exp (natural log; -inf for padding rows and rows
-    that see no key), for merging with other states; the mixed launch returns none, so "auto"
-    leaves it out.
+    that see no key), for merging with other states. The mixed launch returns no lse and reads
+    every key, so "auto" leaves it out under return_lse or read_kv_lens.
     num_ctas: grid size (default 2 x SMs for the decode and Triton launches, MOSAIC_CTAS_PER_SM
     x SMs for the Mosaic one); backend, config (a DecodeConfig, PrefillConfig and/or
     MosaicPrefillConfig, or a tuple of them): as the wrappers.
@@ -146,6 +148,11 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     """
     _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window,
            soft_cap, sinks, causal)
+    if read_kv_lens is not None:
+        check_int32("read_kv_lens", read_kv_lens)
+        if jnp.shape(read_kv_lens) != kv_lens.shape:
+            raise ValueError(f"read_kv_lens must have shape {kv_lens.shape} (one per sequence), got "
+                             f"{jnp.shape(read_kv_lens)}")
     if sliding_window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
     hq, d = queries.shape[1:]
@@ -163,7 +170,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     sm_scale = default_sm_scale(d, sm_scale)
     long_problem = dataclasses.replace(problem, family="prefill")
     long_impl = dispatch.ragged_long_impl(long_problem, impl, queries.dtype, kv_cache.dtype, scales is not None,
-                                          sm_scale, need_lse=return_lse)
+                                          sm_scale, need_lse=return_lse, bounded_reads=read_kv_lens is not None)
     ctas = num_ctas or 2 * _backend.num_sms()
     long_config = dispatch.config_for(long_impl, long_problem, configs)
     mosaic_cells, mixed = 0, None
@@ -172,8 +179,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     elif long_impl.name == "batch_mosaic":
         mixed = ragged_plan.mixed_sizes(queries.shape[0], kv_lens.shape[0], hq // hkv, long_config.tile_tokens,
                              num_ctas or _backend.num_sms())
-    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap,
-                sink, scales, causal=causal, sm_scale=sm_scale, num_cells=max(1, ctas // hkv),
+    return _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, read_kv_lens,
+                window, cap, sink, scales, causal=causal, sm_scale=sm_scale, num_cells=max(1, ctas // hkv),
                 mosaic_cells=mosaic_cells, mixed=mixed, interpret=interpret, return_lse=bool(return_lse),
                 decode_config=dispatch.config_for(dispatch.IMPLEMENTATIONS_BY_NAME["decode_triton"], problem, configs),
                 long_config=long_config)
@@ -188,10 +195,10 @@ def _variant(has_window, has_cap, has_sinks):
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "num_cells", "mosaic_cells", "mixed",
                                              "interpret", "return_lse", "decode_config", "long_config"))
-def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, sink, scales,
-         *, causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, return_lse, decode_config, long_config):
+def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, read_lens, window, cap,
+         sink, scales, *, causal, sm_scale, num_cells, mosaic_cells, mixed, interpret, return_lse, decode_config, long_config):
     """ragged_paged_attention after its checks (keys, values: arrays, or None to write nothing;
-    window, cap: 0-d arrays or None; sink: f32[Hq] or None; mixed: the mixed launch's sizes, or
+    read_lens: int32[S] or None; window, cap: 0-d arrays or None; sink: f32[Hq] or None; mixed: the mixed launch's sizes, or
     None for the class launches alone)."""
     t, hq, d = queries.shape
     hkv, page_size = kv_cache.num_kv_heads, kv_cache.page_size
@@ -203,6 +210,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     kv_lens = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
     cu_q_lens = jnp.clip(cu_q_lens, 0, t)
     distribution = jnp.clip(distribution, 0, s)
+    if read_lens is not None:
+        read_lens = jnp.clip(read_lens, 0, kv_lens)
     variant = _variant(window is not None, cap is not None, sink is not None)
     params = {}
     if window is not None:  # keys p - W < k <= p: window_left W - 1
@@ -230,14 +239,14 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     if classes[0].mosaic:  # the base: its rows through a sub-buffer and back by a gather + select
         mosaic_plan = ragged_plan.plan_mosaic(
             kv_lens, cu_q_lens, distribution, row_seq, row_live, pages_per_seq=pages_per_seq, cls=classes[0],
-            causal=causal, window_left=params.get("window_left"))
+            causal=causal, window_left=params.get("window_left"), read_lens=read_lens)
         classes = classes[1:]
     # The Triton prefill class (the base when present) alone, then the decode classes together:
     # one plan, their partial states in one buffer, one merge.
     groups = [g for g in [(c,) for c in classes if c.prefill] + [tuple(c for c in classes if not c.prefill)] if g]
     group_plans = [ragged_plan.plan_classes(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq,
                                             classes=group, causal=causal, window_left=params.get("window_left"),
-                                            num_rows=t, taken=taken) for group in groups]
+                                            num_rows=t, taken=taken, read_lens=read_lens) for group in groups]
 
     # ... then the launches, each writing into the base's output.
     k_rows, v_rows = new_cache.rows()

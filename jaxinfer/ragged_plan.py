@@ -110,12 +110,15 @@ def owner(counts, n):
     return owner, slot - (ends - counts)[owner], slot < ends[-1]
 
 
-def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, causal, window_left, num_rows, taken=None):
+def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, causal, window_left, num_rows, taken=None,
+                 read_lens=None):
     """The device prologue of a group of classes that share one partial buffer and one merge (the
     decode classes, or the Triton prefill class alone): work items (the decode kernel's
     work_items.DECODE_MULTI or PREFILL), class by class, one cell_indptr per
     class (into the shared item list), the merge groups, and the per-block kv_lens the decode
     kernel reads. All int32 jnp. taken (bool[S], optional): sequences the mixed launch runs.
+    read_lens (int32[S], optional): each sequence reads only its first read_lens keys, its mask
+    still aligned to kv_lens (the block ends returned).
 
     Returns (dict(items [IC, cols], cell_indptr [K * cells + 1], merge_indptr
     [G + 1], merge_dest [G], merge_live (0-d: groups past it write nothing)), block ends [NB]).
@@ -140,10 +143,11 @@ def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, ca
     qo = jnp.where(blk_ok, jnp.minimum(q_b - t0, t_item), 0)
     first_pos = kv_b - q_b + t0
     end = first_pos + qo if causal else kv_b  # the block's keys end here (its kernel kv_len)
+    read_end = end if read_lens is None else jnp.minimum(end, read_lens[seq])  # ... and its reads here
     lo = jnp.zeros_like(end)
     if window_left is not None:  # keys left of the first token's window are never seen
         lo = jnp.where(window_left < 0, 0, jnp.maximum(first_pos - window_left, 0)) // CHUNK_UNIT * CHUNK_UNIT
-    units = jnp.where(blk_ok, -(-(end - lo) // CHUNK_UNIT), 0)
+    units = jnp.where(blk_ok, -(-jnp.maximum(read_end - lo, 0) // CHUNK_UNIT), 0)
     one_hot = k_blk[:, None] == jnp.arange(len(classes))[None, :]  # [NB, K]
     class_units = jnp.sum(jnp.where(one_hot, units[:, None], 0), axis=0)  # [K]
     max_chunk = jnp.maximum(-(-class_units // (CHUNKS_PER_CELL * cells)), MIN_CHUNK_UNITS)[k_blk]  # units
@@ -156,7 +160,7 @@ def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, ca
     # Items: block b's n_chunks KV chunks.
     blk, c, item_ok = owner(n_chunks, sum(c.items for c in classes))  # [IC]
     tok_start = lo[blk] + c * chunk[blk]
-    tok_end = jnp.minimum(tok_start + chunk[blk], end[blk])
+    tok_end = jnp.minimum(tok_start + chunk[blk], read_end[blk])
     sb = seq[blk]
     if classes[0].prefill:  # (no mask, no tails)
         zero = jnp.zeros_like(blk)
@@ -354,10 +358,11 @@ def row_seqs(cu_q_lens, distribution, num_tokens):
 
 
 def plan_mosaic(kv_lens, cu_q_lens, distribution, row_seq, row_live, *, pages_per_seq, cls, causal,
-                 window_left):
+                 window_left, read_lens=None):
     """The device prologue of the Mosaic class. Its sequences' rows are gathered into a
     sub-buffer where each starts at an 8-aligned row (the kernel's TMA copies rows in groups of
     8), so every tile starts at its sequence's first row or 128 after, and no tile is a tail.
+    read_lens (int32[S], optional): as plan_classes'.
     Returns (items int32[W, PREFILL.width] (one unsplit KV range each),
     cell_indptr int32[cells + 1] (contiguous runs of about equal cost), src int32[sub_rows] (the
     q row of each sub-buffer row; rows past a sequence repeat its last), pos int32[T] (each
@@ -377,16 +382,17 @@ def plan_mosaic(kv_lens, cu_q_lens, distribution, row_seq, row_live, *, pages_pe
     tile_tok = j * MOSAIC_TILE
     qo, kv = q_len[seq], kv_len[seq]
     first_pos = kv - qo
+    read = kv if read_lens is None else jnp.minimum(kv, read_lens[seq])
     tok_end = jnp.minimum(tile_tok + MOSAIC_TILE, qo)
     zero = jnp.zeros_like(seq)
     cols = PREFILL.ordered(
         q_row_start=sub_start[seq], tile_tok=tile_tok, qo_len=qo, page_base=seq * pages_per_seq, kv_len=kv,
-        kv_start=zero, kv_end=kv, part_base=zero - 1, num_chunks=zero + 1, chunk=zero, mask_base=zero - 1,
+        kv_start=zero, kv_end=read, part_base=zero - 1, num_chunks=zero + 1, chunk=zero, mask_base=zero - 1,
         kv_pos_offset=zero, tail=zero - 1, kv_first=zero, q_pos_min=first_pos + tile_tok,
         q_pos_max=first_pos + jnp.maximum(tok_end, 1) - 1)
     items = jnp.stack(cols, axis=1).astype(jnp.int32)
 
-    keys = first_pos + tok_end if causal else kv  # keys the tile's last token sees
+    keys = jnp.minimum(first_pos + tok_end if causal else kv, read)  # keys the tile's last token sees
     if window_left is not None:
         keys = jnp.where(window_left < 0, keys, jnp.minimum(keys, window_left + 1 + MOSAIC_TILE))
     cost = jnp.where(ok, TILE_COST * MOSAIC_TILE + keys, 0).astype(jnp.float32)
@@ -418,23 +424,25 @@ def token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live, *, pages_pe
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ContextShare:
-    """One device's part of a ragged step whose cache is split on pages (context parallel),
-    device arrays. Sequence i's q rows [0, q_len) split into: rows before `diag_start` see none
-    of the device's keys; rows [diag_start, full_start) see part of them (causal, bottom-right
-    aligned to the share: the last such row sits at the share's last key); rows from full_start
-    see all of them (no mask)."""
+    """One device's part of a ragged step whose cache is split on pages (context parallel), as a
+    sub-step of the same sequences over the device's pages (device arrays). Sequence i's rows
+    before row_start see none of the device's keys; the sub-step attends its rows from there."""
     page_indices: jax.Array  # int32[S * pages_per_seq]: the device's pages of each sequence, local ids, first
-    share_lens: jax.Array    # int32[S]: the sequence's keys on this device
-    diag_start: jax.Array    # int32[S]
-    full_start: jax.Array    # int32[S]
-    full_lens: jax.Array     # int32[S]: rows from full_start (0 where the share is empty)
+    read_lens: jax.Array     # int32[S]: the sequence's keys on this device (its share)
+    kv_lens: jax.Array       # int32[S]: the share's keys as positions: row j at kv_lens - q_lens + j
+    row_start: jax.Array     # int32[S]: the first row the sub-step takes
+    q_lens: jax.Array        # int32[S]: its rows (0 where the share is empty)
 
 
 def context_share(kv_lens, page_indices, cu_q_lens, distribution, *, shard, pages_per_shard, page_size, causal):
     """Device `shard`'s share of each sequence: it holds global pages [shard N, (shard + 1) N)
     (N = pages_per_shard), and each sequence lists its pages device by device, so its keys on
     the device are one contiguous range [offset, offset + share) (offset: the keys on pages of
-    earlier devices). Query row j of sequence i sits at kv_len - q_len + j. Returns a ContextShare."""
+    earlier devices). Row j of sequence i sits at position p = kv_len - q_len + j and sees keys
+    <= p (causal): on the device those are its first p - offset + 1 keys, read up to the share.
+    So the sub-step keeps the rows at p >= offset, reads the share, and places its rows with
+    kv_lens = kv_len - offset: rows past the share see all of it, the others their causal part.
+    Without causal every row sees the whole share. Returns a ContextShare."""
     s = kv_lens.shape[0]
     pages_per_seq = page_indices.shape[0] // s
     live = jnp.arange(s) < distribution[2]
@@ -450,20 +458,15 @@ def context_share(kv_lens, page_indices, cu_q_lens, distribution, *, shard, page
     local = jnp.where(col < count[:, None], jnp.clip(local - shard * pages_per_shard, 0, pages_per_shard - 1), 0)
     offset = before * page_size
     share = jnp.clip(kv - offset, 0, count * page_size)
-    if causal:  # row j's position first + j against the share's keys [offset, offset + share)
-        first = kv - q_len
-        diag_start = jnp.clip(offset - first, 0, q_len)
-        full_start = jnp.maximum(jnp.clip(offset + share - first, 0, q_len), diag_start)
-        # One row past the share and none cut by it (a decode row): the causal launch sees the
-        # share whole for it too, so a decode step leaves the unmasked launch empty.
-        one = (full_start == diag_start) & (q_len - full_start == 1) & (share > 0)
-        full_start = jnp.where(one, q_len, full_start)
+    if causal:
+        row_start = jnp.clip(offset - (kv - q_len), 0, q_len)  # rows before the share's first key see none of it
+        positions = kv - offset
     else:
-        diag_start = full_start = jnp.zeros_like(q_len)
-    full_lens = jnp.where(share > 0, q_len - full_start, 0)
-    return ContextShare(page_indices=local.reshape(-1).astype(jnp.int32), share_lens=share.astype(jnp.int32),
-                        diag_start=diag_start.astype(jnp.int32), full_start=full_start.astype(jnp.int32),
-                        full_lens=full_lens.astype(jnp.int32))
+        row_start, positions = jnp.zeros_like(q_len), share
+    rows = jnp.where(share > 0, q_len - row_start, 0)
+    as32 = lambda x: x.astype(jnp.int32)
+    return ContextShare(page_indices=as32(local.reshape(-1)), read_lens=as32(share), kv_lens=as32(positions),
+                        row_start=as32(row_start), q_lens=as32(rows))
 
 
 def sub_step_rows(cu_q_lens, distribution, starts, lens, num_rows):

@@ -232,25 +232,27 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
                             backend=None, impl="auto", merge="auto", return_lse=False):
     """ragged_paged_attention with the context split on mesh axis cp_axis (heads on tp_axis, if
     given): run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-    soft_cap=None) -> (out, kv_cache), or (AttentionState, kv_cache) with return_lse.
+    sliding_window=None, soft_cap=None) -> (out, kv_cache), or (AttentionState, kv_cache) with
+    return_lse.
 
     The cache is sharded on pages over cp_axis: device k holds global pages [k N, (k + 1) N),
     and each sequence lists its pages device by device (its first pages on the first device it
     uses; it may skip devices). Metadata are global and replicated (RPA v3's, page ids global);
     queries, keys, values are replicated over cp_axis (heads on tp_axis). Each device writes the
     step's rows whose pages it holds, attends every row over its share of the sequence's keys
-    (ragged_plan.context_share: under causal two launches, the rows whose mask cuts the share
-    causal, the rows past it with no mask), and the partial states merge exactly (merge_over;
-    merge: as context_parallel's). Positions are share-local, so there is no sliding window and
-    no sinks; soft_cap (may be traced) is per logit and merges exactly. causal, sm_scale,
-    num_ctas, backend, impl: as ragged_paged_attention's, on every device."""
+    (ragged_plan.context_share: one ragged_paged_attention call reading the share, global
+    positions kept through read_kv_lens), and the partial states merge exactly (merge_over;
+    merge: as context_parallel's). A sliding window (a distance between positions) and a soft cap
+    (per logit) hold on every share and merge exactly; both may be traced. Attention sinks, which
+    enter each row's softmax once, are not taken. causal, sm_scale, num_ctas, backend, impl: as
+    ragged_paged_attention's, on every device."""
     _check_merge(merge)
     _check_axis(mesh, "cp_axis", cp_axis)
     _check_axis(mesh, "tp_axis", tp_axis)
     spec_q = head_spec(tp_axis)
     n = mesh.shape[cp_axis]
 
-    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, cap):
+    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
         t, pages = queries.shape[0], kv_cache.num_pages
         shard = lax.axis_index(cp_axis)
         share = ragged_plan.context_share(kv_lens, page_indices, cu_q_lens, distribution, shard=shard,
@@ -263,25 +265,21 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
         local = page - shard * pages
         kv_cache = write_slots(kv_cache, jnp.where((local >= 0) & (local < pages), local, pages), slot, keys, values,
                                interpret=_backend.use_interpret(backend))
-        sub_distribution = jnp.stack([0, 0, distribution[2]]).astype(jnp.int32)
-        o = jnp.zeros(queries.shape, queries.dtype)
-        lse = jnp.full(queries.shape[:2], -jnp.inf, jnp.float32)
-        parts = [(share.full_start, share.full_lens, False)]
-        if causal:
-            parts.append((share.diag_start, share.full_start - share.diag_start, True))
-        for starts, lens, masked in parts:  # each sub-step's rows gathered, attended, placed back
-            cu, src, pos = ragged_plan.sub_step_rows(cu_q_lens, distribution, starts, lens, t)
-            state, _ = ragged_paged_attention(
-                queries[src], None, None, kv_cache, share.share_lens, share.page_indices, cu, sub_distribution,
-                causal=masked, sm_scale=sm_scale, soft_cap=cap, num_ctas=num_ctas, backend=backend, impl=impl,
-                return_lse=True)
-            mine = pos >= 0
-            o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], o)
-            lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], lse)
+        # One sub-step over the device's share: its rows gathered, attended, placed back.
+        cu, src, pos = ragged_plan.sub_step_rows(cu_q_lens, distribution, share.row_start, share.q_lens, t)
+        state, _ = ragged_paged_attention(
+            queries[src], None, None, kv_cache, share.kv_lens, share.page_indices, cu,
+            jnp.stack([0, 0, distribution[2]]).astype(jnp.int32), causal=causal, sm_scale=sm_scale,
+            sliding_window=window, soft_cap=cap,
+            num_ctas=num_ctas, backend=backend, impl=impl, return_lse=True, read_kv_lens=share.read_lens)
+        mine = pos >= 0
+        o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
+        lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], -jnp.inf)
         state = merge_over(AttentionState(o, lse), cp_axis, merge=merge)
         return (state if return_lse else state.o), kv_cache
 
-    def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, soft_cap=None):
+    def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None,
+            soft_cap=None):
         if not isinstance(kv_cache, PagedKVCache):
             raise ValueError("kv_cache must be a PagedKVCache")
         if kv_cache.num_pages % n:
@@ -291,8 +289,9 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
         _check_device_order(kv_lens, page_indices, distribution, kv_cache.page_size, kv_cache.num_pages // n)
         spec_c = cache_spec(kv_cache.layout, tp_axis=tp_axis, cp_axis=cp_axis)
         out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
-        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 5, (out, spec_c))
+        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6, (out, spec_c))
         return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                       None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32),
                        None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32))
     return run
 

@@ -470,7 +470,7 @@ def test_mosaic_plan_matches_numpy(rng):
         kv_lens, dist = np.zeros(s, np.int32), jnp.asarray([0, 0, n], jnp.int32)
         kv_lens[:n] = kv
         row_seq, row_live = ragged_plan.row_seqs(jnp.asarray(pad_cu), dist, t)
-        items, cell_indptr, src, pos = mosaic_plan(
+        items, cell_indptr, src, pos, lse_src = mosaic_plan(
             jnp.asarray(kv_lens), jnp.asarray(pad_cu), dist, row_seq, row_live, pages_per_seq=pps, cls=cls,
             causal=True, window_left=None)
         mine = q_lens >= cls.min_q
@@ -490,8 +490,66 @@ def test_mosaic_plan_matches_numpy(rng):
             np.testing.assert_array_equal(pos[rows], sub[i] + rows - cu[i] if mine[i] else -1)
             if mine[i]:
                 np.testing.assert_array_equal(src[pos[rows]], rows)
+                first_item = int(np.sum(np.where(mine, -(-q_lens // 128), 0)[:i]))
+                tok = rows - cu[i]
+                np.testing.assert_array_equal(np.asarray(lse_src)[rows], (first_item + tok // 128) * 128 + tok % 128)
         assert np.all(pos[cu[-1]:] == -1)
     assert len(traces) == 1
+
+
+def _np64_read(args, want_cache, table, read, causal):
+    """float64 (o, lse) of each valid row when sequence i reads only its first read[i] keys (its
+    rows keep their positions), from the written cache."""
+    q, nnz = np.asarray(args[0], np.float64), int(table[0][-1])
+    cu, kv_indptr, indices = table[0], table[1], table[2]
+    kv_lens, page = np.asarray(args[4]), want_cache.page_size
+    k_all, v_all = (np.asarray(x, np.float64) for x in (want_cache.k_pages, want_cache.v_pages))
+    o, lse = np.zeros((nnz,) + q.shape[1:]), np.zeros((nnz, q.shape[1]))
+    for i in range(len(cu) - 1):
+        pages = indices[kv_indptr[i]:kv_indptr[i + 1]]
+        kv = int(kv_lens[i])
+        k, v = (x[pages].reshape(-1, *x.shape[2:])[:kv] for x in (k_all, v_all))  # NHD: [kv, Hkv, D]
+        qo = int(cu[i + 1] - cu[i])
+        mask = np.broadcast_to(np.arange(kv)[None, :] < read[i], (qo, kv))
+        o[cu[i]:cu[i + 1]], lse[cu[i]:cu[i + 1]] = np64_attention(q[cu[i]:cu[i + 1]], k, v, causal=causal, mask=mask)
+    return o, lse
+
+
+@pytest.mark.parametrize("impl", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)])
+def test_return_lse_read_kv_lens_and_no_write(rng, impl):
+    """return_lse, read_kv_lens (sequences reading part of their keys, rows keeping their
+    positions: context parallel's shares) and keys = values = None, on every class (the
+    Mosaic one in its interpreter), against float64 NumPy: o and lse, padding rows o = 0 and
+    lse = -inf, the cache untouched by the call without keys."""
+    if impl == "mosaic":
+        args, want_cache, table = _mosaic_step(rng, [1, 1, 0, 4, 12, 20, 140], [300, 8, 5, 60, 20, 30, 10],
+                                               (2, 2, 7), heads=(1, 1, 64), tok_cap=216, seq_cap=8, num_pages=None)
+        kw, tol = dict(num_ctas=1, impl="mosaic"), 2e-2
+    else:
+        args, want_cache, table = _step(rng, QO, CACHED, page=8, dist=(2, 2, 7), seq_cap=9, tok_cap=64,
+                                        pages_per_seq=-(-760 // 8))
+        kw, tol = dict(num_ctas=NUM_CTAS), TOL[jnp.float32]
+    nnz, kv_lens = int(table[0][-1]), np.asarray(args[4])
+    n = len(table[0]) - 1
+    # reads: all, none, fewer than the first query's position, one key, into the rows' range
+    read = np.array([kv_lens[0], 0, kv_lens[2] // 3, 1, kv_lens[4] - 2, kv_lens[5] // 2, kv_lens[6] - 1][:n]
+                    + [0] * (len(kv_lens) - n), np.int32)
+    for causal in (True, False):
+        state, cache = ji.ragged_paged_attention(*args, causal=causal, return_lse=True,
+                                                 read_kv_lens=jnp.asarray(read), **kw)
+        np.testing.assert_array_equal(np.asarray(cache.k_pages, np.float32), np.asarray(want_cache.k_pages, np.float32))
+        want_o, want_lse = _np64_read(args, want_cache, table, read, causal)
+        got_lse = np.asarray(state.lse)
+        assert rel_err(np.asarray(state.o)[:nnz], want_o) < tol
+        np.testing.assert_array_equal(np.isneginf(got_lse[:nnz]), np.isneginf(want_lse))
+        fin = np.isfinite(want_lse)
+        np.testing.assert_allclose(got_lse[:nnz][fin], want_lse[fin], atol=1e-2 if impl == "mosaic" else 1e-4)
+        np.testing.assert_array_equal(np.asarray(state.o)[nnz:], 0.0)
+        assert np.all(np.isneginf(got_lse[nnz:]))
+    out, same = ji.ragged_paged_attention(args[0], None, None, want_cache, *args[4:], **kw)
+    want_o, _ = _np64_read(args, want_cache, table, kv_lens, True)
+    assert rel_err(np.asarray(out)[:nnz], want_o) < tol
+    np.testing.assert_array_equal(np.asarray(same.v_pages, np.float32), np.asarray(want_cache.v_pages, np.float32))
 
 
 def test_long_impl_dispatch(monkeypatch):

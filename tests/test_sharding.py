@@ -541,11 +541,12 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2):
 
 def _ragged_cp_step(rng, devices, pages_per_shard, hkv, d, page, q_lens, kv_lens, *, skip=()):
     """An RPA step over a page-sharded cache: sequence i's pages spread evenly over the devices in
-    device order (sequences in `skip` leave out device 1), ids from device k's block; two padding
-    sequences and three padding rows. Returns (kv_lens, page_indices, cu_q_lens, distribution) as
+    device order (sequences in `skip` leave out device 1), ids from device k's block, never its
+    first page (a device-local id 0, unlisted: a read past a share shows); two padding sequences
+    and three padding rows. Returns (kv_lens, page_indices, cu_q_lens, distribution) as
     host arrays and the cache arrays' shape."""
     s, pages_per_seq = len(q_lens) + 2, -(-max(kv_lens) // page)
-    free = [list(k * pages_per_shard + rng.permutation(pages_per_shard)) for k in range(devices)]
+    free = [list(k * pages_per_shard + 1 + rng.permutation(pages_per_shard - 1)) for k in range(devices)]
     page_indices = np.full((s, pages_per_seq), 10 ** 6, np.int32)  # never read: out of range
     for i, kv in enumerate(kv_lens):
         n = -(-kv // page)
@@ -559,7 +560,7 @@ def _ragged_cp_step(rng, devices, pages_per_shard, hkv, d, page, q_lens, kv_lens
     return (kv, page_indices.reshape(-1), cu, dist), (devices * pages_per_shard, page, hkv, d)
 
 
-def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, soft_cap=None):
+def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, window=None, soft_cap=None):
     """CP (x TP) ragged_paged_attention against one device: o and lse, and the written cache bit for
     bit. Decode rows on long sequences, a chunk whose rows straddle shares, a whole prompt, an
     empty q, a sequence that skips device 1, one shorter than a share; NaN in every page no
@@ -570,7 +571,7 @@ def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, soft_cap=None):
     d, page = 32, 4
     q_lens = [1, 1, 0, 13, 30, 2, 5]
     kv_lens = [61, 9, 20, 40, 30, 3, 44]
-    meta, shape = _ragged_cp_step(rng, cp, 40, hkv, d, page, q_lens, kv_lens, skip=(0, 6))
+    meta, shape = _ragged_cp_step(rng, cp, 48, hkv, d, page, q_lens, kv_lens, skip=(0, 6))
     t = int(meta[2][-1]) + 3
     mk = lambda shape: rng.standard_normal(shape).astype(np.float32)
     q, kn, vn = jnp.asarray(mk((t, hq, d))), jnp.asarray(mk((t, hkv, d))), jnp.asarray(mk((t, hkv, d)))
@@ -580,19 +581,19 @@ def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, soft_cap=None):
     k_pages[~listed], v_pages[~listed] = np.nan, np.nan
     cache = ji.PagedKVCache(jnp.asarray(k_pages), jnp.asarray(v_pages))
     meta = tuple(jnp.asarray(x) for x in meta)
-    ref, ref_cache = ji.ragged_paged_attention(q, kn, vn, cache, *meta, causal=causal, soft_cap=soft_cap,
-                                               return_lse=True)
+    ref, ref_cache = ji.ragged_paged_attention(q, kn, vn, cache, *meta, causal=causal, sliding_window=window,
+                                               soft_cap=soft_cap, return_lse=True)
     mesh = _mesh(tp, cp)
     heads = NamedSharding(mesh, sharding.head_spec("tp" if tp > 1 else None))
     spec_c = sharding.cache_spec("NHD", tp_axis="tp" if tp > 1 else None, cp_axis="cp")
-    run = jax.jit(sharding.context_parallel_ragged(mesh, tp_axis="tp" if tp > 1 else None, causal=causal,
-                                                   return_lse=True))
-    state, new_cache = run(sharding.put(q, heads), sharding.put(kn, heads), sharding.put(vn, heads),
-                           sharding.put(cache, NamedSharding(mesh, spec_c)), *meta, soft_cap=soft_cap)
-    _compare(f"CP{cp} x TP{tp} ragged (causal {causal})", state, ref)
+    run = sharding.context_parallel_ragged(mesh, tp_axis="tp" if tp > 1 else None, causal=causal, return_lse=True)
+    state, new_cache = jax.jit(run)(sharding.put(q, heads), sharding.put(kn, heads), sharding.put(vn, heads),
+                           sharding.put(cache, NamedSharding(mesh, spec_c)), *meta, sliding_window=window,
+                           soft_cap=soft_cap)
+    _compare(f"CP{cp} x TP{tp} ragged (causal {causal}, window {window}, soft cap {soft_cap})", state, ref)
     for got, want in ((new_cache.k_pages, ref_cache.k_pages), (new_cache.v_pages, ref_cache.v_pages)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # NaN == NaN
-    if cp > 1:  # a sequence whose pages are not listed device by device
+    if cp > 1:  # a sequence whose pages are not listed device by device (checked where concrete)
         kv_lens, page_indices = meta[0], np.asarray(meta[1]).copy()
         row = page_indices.reshape(kv_lens.shape[0], -1)[3]
         row[: -(-int(kv_lens[3]) // page)] = row[: -(-int(kv_lens[3]) // page)][::-1]
@@ -719,7 +720,7 @@ def _main_grid():
     _check_cp(_Case(rng, "batch", 4, 2, "NHD", 4, [10], [7], sharded=True), 1, 4, merge="all_gather", base="diag")
     for tp, cp, causal in ((1, 2, True), (1, 4, False), (2, 2, True), (1, 8, True)):
         _check_ragged_cp(rng, tp, cp, causal)
-    _check_ragged_cp(rng, 1, 2, soft_cap=5.0)
+    _check_ragged_cp(rng, 1, 2, window=11, soft_cap=5.0)
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
         _check_tp_cascade(rng, n)
