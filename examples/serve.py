@@ -36,8 +36,9 @@ the step's other inputs replicated. The host side (allocator, prefix cache, plan
 request's pages are spread evenly over the devices at admission, listed device by device (a
 shared prefix's pages first, then each sample's own on the same or later devices), and prefill
 and decode attend through jaxinfer.sharding.context_parallel with one plan per device
-(context_plan(fixed_shapes=True): the steps compile once, as without CP). Decode steps run
-without cascade; --cp runs without --tp and --chunk.
+(context_plan(fixed_shapes=True): the steps compile once, as without CP), the --chunk step
+through sharding.context_parallel_ragged (device-planned: each device writes the rows of its
+pages and attends over its share). Decode steps run without cascade; --cp runs without --tp.
 """
 import argparse
 import dataclasses
@@ -95,7 +96,9 @@ class RaggedAttention:
     """One mixed step's attention for every layer: ji.ragged_paged_attention writes the step's
     K/V and attends (the arguments as RPA v3's; page ids of one layer). pages_per_layer: a
     stacked cache (scan) holds layer l's page p at l * pages_per_layer + p. mesh: tensor
-    parallel over its "tp" axis (sharding.head_parallel_ragged; q, k, v and the cache on heads)."""
+    parallel over its "tp" axis (sharding.head_parallel_ragged; q, k, v and the cache on heads),
+    or context parallel over its "cp" axis (sharding.context_parallel_ragged; the cache on pages,
+    each sequence's pages device by device)."""
     kv_lens: Any
     page_indices: Any
     cu_q_lens: Any
@@ -108,6 +111,8 @@ class RaggedAttention:
         pages = self.page_indices if layer is None else self.page_indices + layer * self.pages_per_layer
         if self.mesh is None:
             run = functools.partial(ji.ragged_paged_attention, num_ctas=self.num_ctas)
+        elif "cp" in self.mesh.axis_names:
+            run = sharding.context_parallel_ragged(self.mesh, num_ctas=self.num_ctas)
         else:
             run = sharding.head_parallel_ragged(self.mesh, num_ctas=self.num_ctas)
         return run(q, k, v, kv_cache, self.kv_lens, pages, self.cu_q_lens, self.distribution)
@@ -148,8 +153,9 @@ class Engine:
             raise ValueError(f"cfg.tp must lie in [1, {len(jax.devices())}] (the devices there are), got {cfg.tp}")
         if not 1 <= cp <= len(jax.devices()):
             raise ValueError(f"cp must lie in [1, {len(jax.devices())}] (the devices there are), got {cp}")
-        if cp > 1 and (cfg.tp > 1 or chunk is not None):
-            raise ValueError("cp > 1 runs with cfg.tp = 1 and chunk None")
+        if cp > 1 and (cfg.tp > 1 or cfg.layer_loop != "unroll"):
+            raise ValueError("cp > 1 runs with cfg.tp = 1 and cfg.layer_loop 'unroll' (a stacked cache's layers "
+                             "would not keep each device's pages)")
         if num_pages % cp:
             raise ValueError(f"num_pages ({num_pages}) must be a multiple of cp ({cp}): each device holds a share")
         self.cp, self.local_pages = cp, num_pages // cp  # a device's pages (all of them without CP)

@@ -7,7 +7,9 @@ the mesh axis); each device computes its partial AttentionState and the states a
 in float32: by a psum-based log-sum-exp merge (pmax of lse, psum of the weighted o), by an
 all-gather of the states and the same merge on every device, or by an all-to-all (each device
 merges a slice of the rows) and an all-gather of the merged slices, whichever moves fewer bytes
-(merge_choice). Both together on a 2-D mesh ("tp", "cp"). The runners are shard_map'd functions:
+(merge_choice). ragged_paged_attention has both too (head_parallel_ragged, and
+context_parallel_ragged, which plans each device's share on the device). Both together on a 2-D
+mesh ("tp", "cp"). The runners are shard_map'd functions:
 they work under jax.jit, lax.scan and jax.distributed alike. Usage and the choice of merge:
 docs/sharding.md.
 """
@@ -226,87 +228,6 @@ def head_parallel_ragged(mesh, *, tp_axis="tp", causal=True, sm_scale=None, num_
         return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                        sliding_window, soft_cap)
     return run
-
-
-def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm_scale=None, num_ctas=None,
-                            backend=None, impl="auto", merge="auto", return_lse=False):
-    """ragged_paged_attention with the context split on mesh axis cp_axis (heads on tp_axis, if
-    given): run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-    sliding_window=None, soft_cap=None) -> (out, kv_cache), or (AttentionState, kv_cache) with
-    return_lse.
-
-    The cache is sharded on pages over cp_axis: device k holds global pages [k N, (k + 1) N),
-    and each sequence lists its pages device by device (its first pages on the first device it
-    uses; it may skip devices). Metadata are global and replicated (RPA v3's, page ids global);
-    queries, keys, values are replicated over cp_axis (heads on tp_axis). Each device writes the
-    step's rows whose pages it holds, attends every row over its share of the sequence's keys
-    (ragged_plan.context_share: one ragged_paged_attention call reading the share, global
-    positions kept through read_kv_lens), and the partial states merge exactly (merge_over;
-    merge: as context_parallel's). A sliding window (a distance between positions) and a soft cap
-    (per logit) hold on every share and merge exactly; both may be traced. Attention sinks, which
-    enter each row's softmax once, are not taken. causal, sm_scale, num_ctas, backend, impl: as
-    ragged_paged_attention's, on every device."""
-    _check_merge(merge)
-    _check_axis(mesh, "cp_axis", cp_axis)
-    _check_axis(mesh, "tp_axis", tp_axis)
-    spec_q = head_spec(tp_axis)
-    n = mesh.shape[cp_axis]
-
-    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
-        t, pages = queries.shape[0], kv_cache.num_pages
-        shard = lax.axis_index(cp_axis)
-        share = ragged_plan.context_share(kv_lens, page_indices, cu_q_lens, distribution, shard=shard,
-                                          pages_per_shard=pages, page_size=kv_cache.page_size, causal=causal)
-        # The step's rows whose pages this device holds (global page ids -> local; others dropped).
-        row_seq, row_live = ragged_plan.row_seqs(cu_q_lens, distribution, t)
-        page, slot, _ = ragged_plan.token_slots(
-            kv_lens, cu_q_lens, page_indices, row_seq, row_live, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0],
-            page_size=kv_cache.page_size, num_pages=n * pages)
-        local = page - shard * pages
-        kv_cache = write_slots(kv_cache, jnp.where((local >= 0) & (local < pages), local, pages), slot, keys, values,
-                               interpret=_backend.use_interpret(backend))
-        # One sub-step over the device's share: its rows gathered, attended, placed back.
-        cu, src, pos = ragged_plan.sub_step_rows(cu_q_lens, distribution, share.row_start, share.q_lens, t)
-        state, _ = ragged_paged_attention(
-            queries[src], None, None, kv_cache, share.kv_lens, share.page_indices, cu,
-            jnp.stack([0, 0, distribution[2]]).astype(jnp.int32), causal=causal, sm_scale=sm_scale,
-            sliding_window=window, soft_cap=cap,
-            num_ctas=num_ctas, backend=backend, impl=impl, return_lse=True, read_kv_lens=share.read_lens)
-        mine = pos >= 0
-        o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
-        lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], -jnp.inf)
-        state = merge_over(AttentionState(o, lse), cp_axis, merge=merge)
-        return (state if return_lse else state.o), kv_cache
-
-    def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None,
-            soft_cap=None):
-        if not isinstance(kv_cache, PagedKVCache):
-            raise ValueError("kv_cache must be a PagedKVCache")
-        if kv_cache.num_pages % n:
-            raise ValueError(f"kv_cache: its {kv_cache.num_pages} pages do not split over {n} devices of {cp_axis!r}")
-        ragged_check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=queries.shape[0],
-                              num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
-        _check_device_order(kv_lens, page_indices, distribution, kv_cache.page_size, kv_cache.num_pages // n)
-        spec_c = cache_spec(kv_cache.layout, tp_axis=tp_axis, cp_axis=cp_axis)
-        out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
-        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6, (out, spec_c))
-        return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                       None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32),
-                       None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32))
-    return run
-
-
-def _check_device_order(kv_lens, page_indices, distribution, page_size, pages_per_shard):
-    """When concrete: every valid sequence lists its pages device by device (context_parallel_ragged)."""
-    if not is_concrete(kv_lens, page_indices, distribution):
-        return
-    kv, table = np.asarray(kv_lens), np.asarray(page_indices).reshape(kv_lens.shape[0], -1)
-    for i in range(int(np.asarray(distribution)[2])):
-        device = table[i, : -(-int(kv[i]) // page_size)] // pages_per_shard
-        if np.any(np.diff(device) < 0):
-            raise ValueError(f"page_indices: sequence {i} lists its pages out of device order (devices "
-                             f"{device.tolist()}; device k holds pages [k {pages_per_shard}, (k + 1) {pages_per_shard}))")
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -774,3 +695,83 @@ def context_partial_states(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_p
     out = AttentionState(spec_o, P(cp_axis, None, tp_axis))
     return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages,
                             lambda state: jax.tree.map(lambda x: x[None], state), out)
+
+
+def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm_scale=None, num_ctas=None,
+                            backend=None, impl="auto", merge="auto", return_lse=False):
+    """ragged_paged_attention with the context split on mesh axis cp_axis (heads on tp_axis, if
+    given): run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+    sliding_window=None, soft_cap=None) -> (out, kv_cache), or (AttentionState, kv_cache) with
+    return_lse.
+
+    The cache is sharded on pages over cp_axis: device k holds global pages [k N, (k + 1) N),
+    and each sequence lists its pages device by device (its first pages on the first device it
+    uses; it may skip devices). Metadata are global and replicated (RPA v3's, page ids global);
+    queries, keys, values are replicated over cp_axis (heads on tp_axis). Each device writes the
+    step's rows whose pages it holds, attends every row over its share of the sequence's keys
+    (ragged_plan.context_share: one ragged_paged_attention call reading the share, global
+    positions kept through read_kv_lens), and the partial states merge exactly (merge_over;
+    merge: as context_parallel's). A sliding window (a distance between positions) and a soft cap
+    (per logit) hold on every share and merge exactly; both may be traced. Attention sinks, which
+    enter each row's softmax once, are not taken. causal, sm_scale, num_ctas, backend, impl: as
+    ragged_paged_attention's, on every device."""
+    _check_merge(merge)
+    _check_axis(mesh, "cp_axis", cp_axis)
+    _check_axis(mesh, "tp_axis", tp_axis)
+    spec_q = head_spec(tp_axis)
+    n = mesh.shape[cp_axis]
+
+    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
+        t, pages = queries.shape[0], kv_cache.num_pages
+        shard = lax.axis_index(cp_axis)
+        share = ragged_plan.context_share(kv_lens, page_indices, cu_q_lens, distribution, shard=shard,
+                                          pages_per_shard=pages, page_size=kv_cache.page_size, causal=causal)
+        # The step's rows whose pages this device holds (global page ids -> local; others dropped).
+        row_seq, row_live = ragged_plan.row_seqs(cu_q_lens, distribution, t)
+        page, slot, _ = ragged_plan.token_slots(
+            kv_lens, cu_q_lens, page_indices, row_seq, row_live, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0],
+            page_size=kv_cache.page_size, num_pages=n * pages)
+        local = page - shard * pages
+        kv_cache = write_slots(kv_cache, jnp.where((local >= 0) & (local < pages), local, pages), slot, keys, values,
+                               interpret=_backend.use_interpret(backend))
+        # One sub-step over the device's share: its rows gathered, attended, placed back.
+        cu, src, pos = ragged_plan.sub_step_rows(cu_q_lens, distribution, share.row_start, share.q_lens, t)
+        state, _ = ragged_paged_attention(
+            queries[src], None, None, kv_cache, share.kv_lens, share.page_indices, cu,
+            jnp.stack([0, 0, distribution[2]]).astype(jnp.int32), causal=causal, sm_scale=sm_scale,
+            sliding_window=window, soft_cap=cap,
+            num_ctas=num_ctas, backend=backend, impl=impl, return_lse=True, read_kv_lens=share.read_lens)
+        mine = pos >= 0
+        o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
+        lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], -jnp.inf)
+        state = merge_over(AttentionState(o, lse), cp_axis, merge=merge)
+        return (state if return_lse else state.o), kv_cache
+
+    def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None,
+            soft_cap=None):
+        if not isinstance(kv_cache, PagedKVCache):
+            raise ValueError("kv_cache must be a PagedKVCache")
+        if kv_cache.num_pages % n:
+            raise ValueError(f"kv_cache: its {kv_cache.num_pages} pages do not split over {n} devices of {cp_axis!r}")
+        ragged_check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=queries.shape[0],
+                              num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
+        _check_device_order(kv_lens, page_indices, distribution, kv_cache.page_size, kv_cache.num_pages // n)
+        spec_c = cache_spec(kv_cache.layout, tp_axis=tp_axis, cp_axis=cp_axis)
+        out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
+        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6, (out, spec_c))
+        return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                       None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32),
+                       None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32))
+    return run
+
+
+def _check_device_order(kv_lens, page_indices, distribution, page_size, pages_per_shard):
+    """When concrete: every valid sequence lists its pages device by device (context_parallel_ragged)."""
+    if not is_concrete(kv_lens, page_indices, distribution):
+        return
+    kv, table = np.asarray(kv_lens), np.asarray(page_indices).reshape(kv_lens.shape[0], -1)
+    for i in range(int(np.asarray(distribution)[2])):
+        device = table[i, : -(-int(kv[i]) // page_size)] // pages_per_shard
+        if np.any(np.diff(device) < 0):
+            raise ValueError(f"page_indices: sequence {i} lists its pages out of device order (on devices "
+                             f"{device.tolist()}; device k holds pages [{pages_per_shard} k, {pages_per_shard} (k + 1)))")

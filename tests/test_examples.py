@@ -408,27 +408,32 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
     """serve.Engine with cfg.tp = 2 on two forced host devices, in another process (weights and the
     cache split on heads; prefill, decode and two-level cascade attention through
     jaxinfer.sharding.head_parallel; with chunk, the mixed step through head_parallel_ragged), and
-    (chunk None) with cp = 3 on three (the cache split on pages, one plan per device and step),
-    serves shared-prefix requests with n > 1 samples to the tokens of one device (the engine of
-    the serving tests above, same weights and shapes). Under CP the
-    greedy step compiles once for prefill and once for decode, and a request's pages lie on its
-    even-split devices, device by device (after a cached prefix, never before its last device).
-    tp or cp past the devices is refused."""
+    with cp = 3 on three (the cache split on pages: one plan per device and step, or with chunk
+    the mixed step through context_parallel_ragged), serves shared-prefix requests with n > 1
+    samples to the tokens of one device (the engine of the serving tests above, same weights and
+    shapes). Under CP the greedy step compiles once for prefill and once for decode (with chunk:
+    once), and a request's pages lie on its even-split devices, device by device (after a cached
+    prefix, never before its last device). tp or cp past the devices, and cp with a stacked
+    (scan) cache, are refused."""
     scenario = "serve.make_requests(cfg.vocab_size, np.random.default_rng(7), 3, max_new_tokens=(2, 4), arrivals=2)"
     code = ("import numpy as np, llama, serve; cfg = llama.get_config('tiny', num_layers=1, tp=2); "
             f"engine = serve.Engine(cfg, seed={SERVE_SEED}, page_size=8, num_pages=96, max_batch=6, chunk={chunk}); "
             f"out = [engine.run({scenario})]; stats = [engine.stats['cascade_steps']]\n"
-            f"if {chunk} is None:\n"
-            "    import jax, logging; jax.config.update('jax_log_compiles', True); compiles = []\n"
-            "    handler = logging.Handler(); handler.emit = lambda r: compiles.append(r.getMessage())\n"
-            "    logging.getLogger('jax').addHandler(handler)\n"
-            "    cfg = llama.get_config('tiny', num_layers=1)\n"
-            f"    engine = serve.Engine(cfg, seed={SERVE_SEED}, page_size=8, num_pages=96, max_batch=6, cp=3)\n"
-            f"    out.append(engine.run({scenario}))\n"
-            "    stats.append(sum('XLA compilation of jit(step)' in m for m in compiles))\n"
-            "    engine.allocator = serve.PageAllocator(96, num_shards=3)\n"
-            "    stats.append(engine._place(np.zeros(0, np.int32), 2, 3, 2))\n"
-            "    stats.append(engine._place(np.array([33], np.int32), 2, 3, 1))\n"
+            "import jax, logging; jax.config.update('jax_log_compiles', True); compiles = []\n"
+            "handler = logging.Handler(); handler.emit = lambda r: compiles.append(r.getMessage())\n"
+            "logging.getLogger('jax').addHandler(handler)\n"
+            "cfg = llama.get_config('tiny', num_layers=1)\n"
+            f"engine = serve.Engine(cfg, seed={SERVE_SEED}, page_size=8, num_pages=96, max_batch=6, chunk={chunk}, cp=3)\n"
+            f"out.append(engine.run({scenario}))\n"
+            "stats.append(sum('XLA compilation of jit(step)' in m for m in compiles))\n"
+            "engine.allocator = serve.PageAllocator(96, num_shards=3)\n"
+            "stats.append(engine._place(np.zeros(0, np.int32), 2, 3, 2))\n"
+            "stats.append(engine._place(np.array([33], np.int32), 2, 3, 1))\n"
+            "try:\n"
+            "    serve.Engine(llama.get_config('tiny', num_layers=1, layer_loop='scan'), num_pages=96, cp=3)\n"
+            "    stats.append('accepted')\n"
+            "except ValueError as err:\n"
+            "    stats.append(str(err))\n"
             "print('RESULT', json.dumps([[{str(k): v for k, v in o.items()} for o in out], stats]))")
     result = _host_devices_subprocess(code, 3)
     cfg = SERVE_CFG
@@ -438,12 +443,13 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
     for run in got:
         assert run == {str(k): v for k, v in want.items()}
     assert stats[0] > 0 or chunk  # TP ran cascade steps
-    if chunk is None:
-        assert len(got) == 2 and stats[1] == 2  # CP: one prefill and one decode program
-        # 5 pages on 3 devices (2, 2, 1): the 2 shared ones on device 0, each sample's 3 on 1, 1, 2;
-        # after a cached page on device 1, all on devices 1 and 2.
-        assert stats[2] == [[0, 0], [1, 1, 2], [1, 1, 2]]
-        assert stats[3] == [[1], [1, 1, 2]]
+    # CP: one prefill and one decode program, or one mixed step program with chunk
+    assert len(got) == 2 and stats[1] == (2 if chunk is None else 1)
+    # 5 pages on 3 devices (2, 2, 1): the 2 shared ones on device 0, each sample's 3 on 1, 1, 2;
+    # after a cached page on device 1, all on devices 1 and 2.
+    assert stats[2] == [[0, 0], [1, 1, 2], [1, 1, 2]]
+    assert stats[3] == [[1], [1, 1, 2]]
+    assert "layer_loop" in stats[4]
     with pytest.raises(ValueError, match="cfg.tp"):
         serve.Engine(llama.get_config("tiny", tp=2))  # one device in this process
     with pytest.raises(ValueError, match="cp must lie"):
