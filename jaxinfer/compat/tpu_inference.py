@@ -346,23 +346,18 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         causal=causal, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         v_scale=v_scale, num_ctas=num_ctas, backend=backend)
     view = fused_view(kv_cache, hkv, d)
+    # KV sharing (update_kv_cache=False): the rows are in the cache already, nothing is written
+    k_new, v_new = (keys, values) if update_kv_cache else (None, None)
     if view is not None:  # in place: ragged_paged_attention writes the new rows into this very buffer
-        k_new, v_new = keys, values
-        if not update_kv_cache:  # KV sharing: the rows are in the cache already; rewritten unchanged
-            rows = view.kv_pages[jnp.clip(page, 0, num_pages - 1), slot]  # [T, Hkv, 2, D]
-            k_new, v_new = rows[:, :, 0], rows[:, :, 1]
         out, cache = attend(k_new, v_new, view, page_indices=page_indices)
         return out.astype(queries.dtype if out_dtype is None else out_dtype), cache.kv_pages.reshape(kv_cache.shape)
     split = (lambda c: split_kv_hd64(c, hkv)) if hd64 else (lambda c: split_kv(c, hkv, d))
     if s * pages_per_seq < num_pages:  # split only the listed pages, renumbered in listing order
         cache = split(kv_cache[jnp.clip(page_indices, 0, num_pages - 1)])
-        table, view_page = jnp.arange(s * pages_per_seq, dtype=jnp.int32), entry
+        table = jnp.arange(s * pages_per_seq, dtype=jnp.int32)
     else:
         cache = split(kv_cache)
-        table, view_page = page_indices, jnp.clip(page, 0, num_pages - 1)
-    k_new, v_new = keys, values
-    if not update_kv_cache:  # KV sharing: the rows are in the cache already; written back unchanged
-        k_new, v_new = cache.k_pages[view_page, slot], cache.v_pages[view_page, slot]
+        table = page_indices
     out, _ = attend(k_new, v_new, cache, page_indices=table)
     out = out.astype(queries.dtype if out_dtype is None else out_dtype)
     if not update_kv_cache:
