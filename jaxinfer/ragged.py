@@ -133,7 +133,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     and no window, soft cap or sinks; else the Mosaic GPU prefill kernel for steps without them;
     else the Triton kernel, faster with them), "mixed" or "mosaic" (forced; interpret mode too) or
     "triton". return_lse: also each row's log-sum-exp (natural log; -inf for padding rows and rows
-    that see no key), for merging with other states. The mixed launch returns no lse and reads
+    that see no key; with sinks every row's includes its sink's term, so those rows give the
+    sink), for merging with other states. The mixed launch returns no lse and reads
     every key, so "auto" leaves it out under return_lse or read_kv_lens.
     num_ctas: grid size (default 2 x SMs for the decode and Triton launches, MOSAIC_CTAS_PER_SM
     x SMs for the Mosaic one); backend, config (a DecodeConfig, PrefillConfig and/or

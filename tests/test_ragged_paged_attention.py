@@ -515,8 +515,9 @@ def _np64_read(args, want_cache, table, read, causal):
     return o, lse
 
 
-@pytest.mark.parametrize("impl", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)])
-def test_return_lse_read_kv_lens_and_no_write(rng, impl):
+@pytest.mark.parametrize("impl, causals", [("triton", (True,)), pytest.param("triton", (False,), marks=pytest.mark.slow),
+                                           pytest.param("mosaic", (True, False), marks=pytest.mark.slow)])
+def test_return_lse_read_kv_lens_and_no_write(rng, impl, causals):
     """return_lse, read_kv_lens (sequences reading part of their keys, rows keeping their
     positions: context parallel's shares) and keys = values = None, on every class (the
     Mosaic one in its interpreter), against float64 NumPy: o and lse, padding rows o = 0 and
@@ -534,7 +535,7 @@ def test_return_lse_read_kv_lens_and_no_write(rng, impl):
     # reads: all, none, fewer than the first query's position, one key, into the rows' range
     read = np.array([kv_lens[0], 0, kv_lens[2] // 3, 1, kv_lens[4] - 2, kv_lens[5] // 2, kv_lens[6] - 1][:n]
                     + [0] * (len(kv_lens) - n), np.int32)
-    for causal in (True, False):
+    for causal in causals:
         state, cache = ji.ragged_paged_attention(*args, causal=causal, return_lse=True,
                                                  read_kv_lens=jnp.asarray(read), **kw)
         np.testing.assert_array_equal(np.asarray(cache.k_pages, np.float32), np.asarray(want_cache.k_pages, np.float32))
