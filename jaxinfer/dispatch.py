@@ -692,7 +692,7 @@ def batch_tries_mixed(both, dtypes, is_short, live, *, fixed_shapes):
     return (dtypes is not None or both == "mixed") and 0 < np.count_nonzero(is_short & live) < np.count_nonzero(live)
 
 
-def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale, need_lse=False, bounded_reads=False):
+def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     """The kernel of ragged_paged_attention's long sequences (q_len past the decode tiles): its
     lengths live on the device, so no cost model. "auto": the mixed launch (batch_mosaic: the long
     sequences' query tiles and the short ones' packed tiles in one persistent Mosaic launch,
@@ -709,9 +709,7 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale, need_ls
     against 484.9); without a variant it was 0.94-1.15x Triton's time (B4 S2048 d128 527.6
     against 550.1, d64 621.8 against 539.0).
     impl "mixed" or "mosaic" forces that kernel (ValueError naming what it lacks), "triton" the
-    Triton kernel. need_lse (return_lse) and bounded_reads (read_kv_lens) leave the mixed launch
-    out: it leaves its rows' lse in slots that ragged_paged_attention does not map back, and its
-    device plan reads every key."""
+    Triton kernel."""
     if impl not in ("auto", "mixed", "mosaic", "triton"):
         raise ValueError(f"impl must be 'auto', 'mixed', 'mosaic' or 'triton', got {impl!r}")
     if impl == "triton":
@@ -720,10 +718,6 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale, need_ls
     def why_not(name):
         row = IMPLEMENTATIONS_BY_NAME[name]
         why = row.unsupported(problem, impl != "auto") or row.dtypes_unsupported(q_dtype, kv_dtype)
-        if why is None and need_lse and name == "batch_mosaic":
-            why = "the mixed launch returns no lse to ragged_paged_attention (return_lse)"
-        if why is None and bounded_reads and name == "batch_mosaic":
-            why = "the mixed launch reads every key (read_kv_lens)"
         if why is None and scaled and not row.takes_scales:
             why = "fp8 K/V scales run on Triton only"
         if (why is None and problem.variant is not None and problem.variant.output_transforms

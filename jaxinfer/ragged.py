@@ -134,8 +134,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     else the Triton kernel, faster with them), "mixed" or "mosaic" (forced; interpret mode too) or
     "triton". return_lse: also each row's log-sum-exp (natural log; -inf for padding rows and rows
     that see no key; with sinks every row's includes its sink's term, so those rows give the
-    sink), for merging with other states. The mixed launch returns no lse and reads
-    every key, so "auto" leaves it out under return_lse or read_kv_lens.
+    sink), for merging with other states.
     num_ctas: grid size (default 2 x SMs for the decode and Triton launches, MOSAIC_CTAS_PER_SM
     x SMs for the Mosaic one); backend, config (a DecodeConfig, PrefillConfig and/or
     MosaicPrefillConfig, or a tuple of them): as the wrappers.
@@ -171,7 +170,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     sm_scale = default_sm_scale(d, sm_scale)
     long_problem = dataclasses.replace(problem, family="prefill")
     long_impl = dispatch.ragged_long_impl(long_problem, impl, queries.dtype, kv_cache.dtype, scales is not None,
-                                          sm_scale, need_lse=return_lse, bounded_reads=read_kv_lens is not None)
+                                          sm_scale)
     ctas = num_ctas or 2 * _backend.num_sms()
     long_config = dispatch.config_for(long_impl, long_problem, configs)
     mosaic_cells, mixed = 0, None
@@ -235,7 +234,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     mixed_plan = mosaic_plan = taken = final_rows = None
     if mixed is not None:  # the base: the long sequences and the packed short ones in one launch
         mixed_plan = ragged_plan.plan_mixed(kv_lens, cu_q_lens, distribution, pages_per_seq=pages_per_seq,
-                                            page_size=page_size, causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mixed, num_rows=t)
+                                            page_size=page_size, causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mixed, num_rows=t,
+                                            read_lens=read_lens)
         taken = mixed_plan[2]
     if classes[0].mosaic:  # the base: its rows through a sub-buffer and back by a gather + select
         mosaic_plan = ragged_plan.plan_mosaic(
@@ -256,8 +256,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     out = None
     if mixed_plan is not None:
         from pallas_kernels import prefill_mosaic
-        items, cell_indptr, _ = mixed_plan
-        o, _, _ = prefill_mosaic.prefill_mosaic(  # (no tail slots: its o_tail is ROW_ALIGN unused rows)
+        items, cell_indptr, _, lse_src = mixed_plan
+        o, lse_items, _ = prefill_mosaic.prefill_mosaic(  # (no tail slots: its o_tail is ROW_ALIGN unused rows)
             queries, k_rows, v_rows, kv_indices, items, cell_indptr, ROW_ALIGN, page_size=page_size,
             num_kv_heads=hkv, layout=kv_cache.layout, sm_scale=sm_scale, causal=causal,
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
@@ -265,7 +265,15 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0], columns=MIXED,
             last_pages=ragged_plan.last_pages(kv_lens, kv_indices, distribution, pages_per_seq=pages_per_seq,
                                               page_size=page_size))
-        out = (o, jnp.zeros((t, hq), jnp.float32))  # (lse: written by the classes below, never read)
+        lse = jnp.zeros((t, hq), jnp.float32)  # (without return_lse: written by the classes below, never read)
+        if return_lse:  # [T, Hq] from the slots (plan_mixed's lse_src: head 0's; rows it runs)
+            heads = jnp.arange(hq, dtype=jnp.int32)
+            group = hq // hkv
+            packed = (lse_src >= mixed.tiles * hq * mixed.tile_tokens)[:, None]
+            idx = lse_src[:, None] + jnp.where(packed, heads // group * mixed.tile_tokens + heads % group,
+                                               heads * mixed.tile_tokens)
+            lse = jnp.where((lse_src >= 0)[:, None], lse_items[0, jnp.maximum(idx, 0)], -jnp.inf)
+        out = (o, lse)
     if mosaic_plan is not None:
         from pallas_kernels import prefill_mosaic
         items, cell_indptr, src, pos, lse_src = mosaic_plan

@@ -241,7 +241,7 @@ def order_desc(cost):
 
 
 def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, page_size, causal, num_qo_heads, num_kv_heads,
-               mix, num_rows):
+               mix, num_rows, read_lens=None):
     """The device prologue of the mixed launch (planner.batch.plan_mixed's work list, planned in
     XLA): sequences of q_len >= mix.long_min are query tiles of tile_tokens tokens x each query
     head, from their first row; when the step has such a tile, a sequence of q_len <=
@@ -256,13 +256,19 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, page_size, ca
     loop. Within a cell, even cells run their query tiles first, odd cells their packed tiles
     (plan_mixed's order), each kind in lse-slot order (tiles by sequence and position, packed
     tiles by sequence: on the H100's mixed step 10 µs faster than largest first).
+    read_lens (int32[S], optional): as plan_classes'; a sequence that does not read to its
+    kv_len reads no partly filled last page, so it needs no sanitized copy.
 
     Returns (items int32[N, MIXED.width], cell_indptr
-    int32[cells + 1], taken bool[S] (the sequences this launch runs))."""
+    int32[cells + 1], taken bool[S] (the sequences this launch runs), lse_src int32[num_rows]: each
+    row's lse index of query head 0 in the kernel's lse_items [1, slots * tile_tokens], -1 for rows
+    it does not run (query head h adds h * tile_tokens in a query tile; in a packed tile
+    (h // group) * tile_tokens + h % group, its rows token-major))."""
     s, hq, hkv, T, C = kv_lens.shape[0], num_qo_heads, num_kv_heads, mix.tile_tokens, mix.cells
     q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     valid = (jnp.arange(s) < distribution[2]) & (q_len > 0)
     q_len, kv = jnp.where(valid, q_len, 0), jnp.where(valid, kv_lens, 0)
+    read = kv if read_lens is None else jnp.minimum(kv, read_lens)
     long_ = q_len >= mix.long_min
 
     # Query tiles of the long sequences, then of the padding rows (sequence S: no key, no page).
@@ -270,14 +276,16 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, page_size, ca
     start_x = jnp.concatenate([cu_q_lens[:s], pad_start[None]])  # [S + 1]
     q_x = jnp.concatenate([q_len, jnp.maximum(num_rows - pad_start, 0)[None]])
     kv_x = jnp.concatenate([kv, jnp.zeros((1,), kv.dtype)])
+    read_x = jnp.concatenate([read, jnp.zeros((1,), kv.dtype)])
     tseq, j, t_ok = owner(jnp.where(jnp.concatenate([long_, jnp.ones((1,), bool)]), -(-q_x // T), 0), mix.tiles)
     tile_tok = j * T
     qo_t, kv_t = q_x[tseq], kv_x[tseq]
     kv_hi = jnp.clip(kv_t - qo_t + jnp.minimum(tile_tok + T, qo_t), 0, kv_t) if causal else kv_t
+    kv_hi = jnp.minimum(kv_hi, read_x[tseq])
     tile_cost = jnp.where(t_ok, kv_hi + batch_planner.MIXED_ITEM_COST, 0)
     # Packed short sequences: only beside query tiles, and only those no longer than a cell's mean.
     short = valid & (q_len <= mix.packed_tokens)
-    short_cost = jnp.where(short, kv + batch_planner.MIXED_ITEM_COST, 0)
+    short_cost = jnp.where(short, read + batch_planner.MIXED_ITEM_COST, 0)
     mean = (jnp.sum(tile_cost.astype(jnp.float32)) * hq + jnp.sum(short_cost.astype(jnp.float32)) * hkv) / C
     packed = short & jnp.any(long_) & (short_cost <= mean)
 
@@ -316,8 +324,9 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, page_size, ca
     cols = MIXED.ordered(
         q_row_start=start_x[seq], tile_tok=jnp.where(is_packed, 0, tile_tok[tile]), qo_len=q_x[seq],
         page_base=jnp.minimum(seq, s - 1) * pages_per_seq, kv_len=kv_x[seq], kv_start=zero,
-        kv_end=jnp.where(is_packed, kv_x[seq], kv_hi[tile]), head=within, lse_slot=lse_slot,
-        packed=is_packed.astype(jnp.int32), last_row=jnp.where((seq < s) & (kv_x[seq] % page_size != 0), seq, -1),
+        kv_end=jnp.where(is_packed, read_x[seq], kv_hi[tile]), head=within, lse_slot=lse_slot,
+        packed=is_packed.astype(jnp.int32),
+        last_row=jnp.where((seq < s) & (kv_x[seq] % page_size != 0) & (read_x[seq] == kv_x[seq]), seq, -1),
         kv_pos_offset=zero, tail=zero - 1, kv_first=zero, q_pos_min=zero, q_pos_max=zero)
     items = jnp.stack(cols, axis=1).astype(jnp.int32)  # [N, MIXED.width]
 
@@ -332,7 +341,15 @@ def plan_mixed(kv_lens, cu_q_lens, distribution, *, pages_per_seq, page_size, ca
     rank = jnp.sum(key[:, None, :] < key[:, :, None], axis=2, dtype=jnp.int32)  # (keys are distinct)
     dest = jnp.where(live, cell_indptr[:-1, None] + rank, cap)
     items = jnp.zeros_like(items).at[dest.reshape(-1)].set(items[at.reshape(-1)], mode="drop", unique_indices=True)
-    return items, cell_indptr, long_ | packed
+
+    # Each row's lse index: sequence i's query tiles are tiles first_tile[i], ... (owner: in order).
+    row_seq, row_live = row_seqs(cu_q_lens, distribution, num_rows)
+    tok = jnp.arange(num_rows, dtype=jnp.int32) - cu_q_lens[row_seq]
+    first_tile = excl_cumsum(jnp.where(long_, -(-q_len // T), 0))[row_seq]
+    in_tile = ((first_tile + tok // T) * hq * T + tok % T).astype(jnp.int32)
+    in_packed = ((mix.tiles * hq + row_seq * hkv) * T + tok * (hq // hkv)).astype(jnp.int32)
+    lse_src = jnp.where(row_live & long_[row_seq], in_tile, jnp.where(row_live & packed[row_seq], in_packed, -1))
+    return items, cell_indptr, long_ | packed, lse_src
 
 
 def last_pages(kv_lens, kv_indices, distribution, *, pages_per_seq, page_size):

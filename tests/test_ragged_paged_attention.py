@@ -516,16 +516,21 @@ def _np64_read(args, want_cache, table, read, causal):
 
 
 @pytest.mark.parametrize("impl, causals", [("triton", (True,)), pytest.param("triton", (False,), marks=pytest.mark.slow),
-                                           pytest.param("mosaic", (True, False), marks=pytest.mark.slow)])
+                                           pytest.param("mosaic", (True, False), marks=pytest.mark.slow),
+                                           pytest.param("mixed", (True, False), marks=pytest.mark.slow)])
 def test_return_lse_read_kv_lens_and_no_write(rng, impl, causals):
     """return_lse, read_kv_lens (sequences reading part of their keys, rows keeping their
     positions: context parallel's shares) and keys = values = None, on every class (the
-    Mosaic one in its interpreter), against float64 NumPy: o and lse, padding rows o = 0 and
+    Mosaic class and the mixed launch in their interpreter), against float64 NumPy: o and lse, padding rows o = 0 and
     lse = -inf, the cache untouched by the call without keys."""
     if impl == "mosaic":
         args, want_cache, table = _mosaic_step(rng, [1, 1, 0, 4, 12, 20, 140], [300, 8, 5, 60, 20, 30, 10],
                                                (2, 2, 7), heads=(1, 1, 64), tok_cap=216, seq_cap=8, num_pages=None)
         kw, tol = dict(num_ctas=1, impl="mosaic"), 2e-2
+    elif impl == "mixed":  # query tiles (70, 140: two tiles), packed tiles (1, 1, 4), the 64-row class (12)
+        args, want_cache, table = _mosaic_step(rng, [1, 1, 0, 4, 12, 70, 140], [300, 8, 5, 60, 20, 100, 10],
+                                               (2, 2, 7))
+        kw, tol = dict(num_ctas=4, impl="mixed"), 2e-2
     else:
         args, want_cache, table = _step(rng, QO, CACHED, page=8, dist=(2, 2, 7), seq_cap=9, tok_cap=64,
                                         pages_per_seq=-(-760 // 8))
@@ -600,7 +605,8 @@ def test_mixed_plan_matches_numpy(rng):
     """The mixed launch's device prologue (ragged_plan.plan_mixed) against a NumPy derivation for random
     compositions of one shape under one compilation (per causal): each long sequence's rows x
     query heads in exactly one query tile, the padding rows too (tiles of no key), each packed
-    sequence x KV head in one packed tile (only beside query tiles), unique lse slots, cells
+    sequence x KV head in one packed tile (only beside query tiles), unique lse slots and each
+    row's lse index, cells
     partitioning the items with their preferred kind first (each kind in slot order), and every
     cell's load within one item of the mean. (No kernel runs: cheap.)"""
     s, t, pps, hq, hkv, cells = 10, 700, 8, 4, 2, 5
@@ -622,7 +628,7 @@ def test_mixed_plan_matches_numpy(rng):
         kv_lens = np.zeros(s, np.int32)
         kv_lens[:n] = kv
         causal = trial % 3 != 2
-        items, cell_indptr, taken = (np.asarray(x) for x in plan(
+        items, cell_indptr, taken, lse_src = (np.asarray(x) for x in plan(
             jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray([0, 0, n], jnp.int32), pages_per_seq=pps,
             page_size=16, causal=causal, num_qo_heads=hq, num_kv_heads=hkv, mix=mix, num_rows=t))
         long_ = q_lens >= mix.long_min
@@ -638,6 +644,17 @@ def test_mixed_plan_matches_numpy(rng):
                 ) / cells
         packed = short & long_.any() & (cost(kv) <= mean)
         np.testing.assert_array_equal(taken[:n], long_ | packed)
+        # each row's lse index (query head 0): query tile g's token j at g Hq 128 + j, a packed
+        # sequence's token j at (its slot) 128 + j x the group; -1 for rows the launch does not run
+        want_src = np.full(t, -1)
+        first_tile = np.cumsum(np.where(long_, -(-q_lens // 128), 0)) - np.where(long_, -(-q_lens // 128), 0)
+        for i in range(n):
+            tok = np.arange(q_lens[i])
+            if long_[i]:
+                want_src[cu[i] + tok] = (first_tile[i] + tok // 128) * hq * 128 + tok % 128
+            elif packed[i]:
+                want_src[cu[i] + tok] = (mix.tiles * hq + i * hkv) * 128 + tok * (hq // hkv)
+        np.testing.assert_array_equal(lse_src, want_src)
         live = int(cell_indptr[-1])
         got = items[:live]
         tiles = got[got[:, 9] == 0]
