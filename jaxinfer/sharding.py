@@ -734,9 +734,11 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
         local = page - shard * pages
         kv_cache = write_slots(kv_cache, jnp.where((local >= 0) & (local < pages), local, pages), slot, keys, values,
                                interpret=_backend.use_interpret(backend))
-        # One sub-step over the device's share: its rows gathered, attended, placed back.
+        # One sub-step over the device's share: its rows gathered, attended, placed back. The cache
+        # returned is the call's, tied to its output: every kernel reading it runs before the next
+        # step's in-place write (as in ragged_paged_attention; without the tie XLA may copy it).
         cu, src, pos = ragged_plan.sub_step_rows(cu_q_lens, distribution, share.row_start, share.q_lens, t)
-        state, _ = ragged_paged_attention(
+        state, kv_cache = ragged_paged_attention(
             queries[src], None, None, kv_cache, share.kv_lens, share.page_indices, cu,
             jnp.stack([0, 0, distribution[2]]).astype(jnp.int32), causal=causal, sm_scale=sm_scale,
             sliding_window=window, soft_cap=cap,
