@@ -699,8 +699,8 @@ def ragged_long_impl(problem, impl, q_dtype, kv_dtype, scaled, sm_scale):
     planned on the device) wherever it can run, else the Mosaic prefill kernel for steps with no
     variant, else Triton. The Mosaic kernels need (with "auto") a Hopper GPU, compiled; the
     problem's limits as _mosaic_unsupported (the mixed launch: no variant either), 16-bit q and
-    K/V of one dtype, no fp8 scales, sm_scale > 0, and no output transform (they need each row's
-    lse, which ragged_paged_attention's Mosaic launches do not return), except sinks on the
+    K/V of one dtype, no fp8 scales, sm_scale > 0, and no output transform (it needs each row's
+    lse, which ragged_paged_attention maps back from the Mosaic launches only for return_lse), except sinks on the
     prefill kernel (it holds them in its softmax state). Steps with a variant (sliding window,
     soft cap, sinks) run on Triton with "auto": on an H200 the Mosaic prefill kernel was 1.08-1.88x
     slower on 13 of 14 such steps (B4 S2048 with a 128-token window 489.0 against 262.5 µs, with
