@@ -54,7 +54,7 @@ def rng(request):
 # tests' runs, the serve tests share one engine) run on one worker; a name here that no longer
 # matches a test loses both.
 LONG_TESTS = {
-    "test_sharded_equals_one_device": 57,
+    "test_sharded_equals_one_device": 70,
     "test_generate_tensor_and_context_parallel_on_host_devices": 43,
     "test_serve_tensor_and_context_parallel_on_host_devices": 32, "test_fuzz_400": 31,
     "test_mosaic_class_holds_the_sinks": 17, "test_decode_only_and_prefill_only": 14,
@@ -71,6 +71,7 @@ LONG_TESTS = {
     "test_property_ragged_reference_matches_float64": 9,
     "test_jit_with_donation_compiles_once_and_matches": 9,
     "test_mosaic_192_128_matches_reference": 8, "test_fp8_kv": 8, "test_decode_auto_cascade": 8,
+    "test_return_lse_read_kv_lens_and_no_write": 8,
     "test_paged_prefill_boundaries": 8, "test_custom_mask_tril_is_causal_and_packed_form": 7,
     "test_jit_donated_one_compilation": 7, "test_smoke_two_rows": 7,
     "test_eager_calls_compile_each_kernel_once": 7,
