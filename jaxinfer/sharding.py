@@ -722,6 +722,7 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
     n = mesh.shape[cp_axis]
 
     def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
+        # queries [T, Hq, D], keys / values [T, Hkv, D] (heads: this device's); kv_cache: its pages
         t, pages = queries.shape[0], kv_cache.num_pages
         shard = lax.axis_index(cp_axis)
         share = ragged_plan.context_share(kv_lens, page_indices, cu_q_lens, distribution, shard=shard,
@@ -743,9 +744,9 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
             jnp.stack([0, 0, distribution[2]]).astype(jnp.int32), causal=causal, sm_scale=sm_scale,
             sliding_window=window, soft_cap=cap,
             num_ctas=num_ctas, backend=backend, impl=impl, return_lse=True, read_kv_lens=share.read_lens)
-        mine = pos >= 0
-        o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))
-        lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], -jnp.inf)
+        mine = pos >= 0  # [T]: rows of the sub-step; the others see none of this device's keys
+        o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))  # [T, Hq, D]
+        lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], -jnp.inf)  # [T, Hq]
         state = merge_over(AttentionState(o, lse), cp_axis, merge=merge)
         return (state if return_lse else state.o), kv_cache
 
