@@ -153,6 +153,9 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
         if jnp.shape(read_kv_lens) != kv_lens.shape:
             raise ValueError(f"read_kv_lens must have shape {kv_lens.shape} (one per sequence), got "
                              f"{jnp.shape(read_kv_lens)}")
+        if is_concrete(read_kv_lens, kv_lens) and np.any(
+                (np.asarray(read_kv_lens) < 0) | (np.asarray(read_kv_lens) > np.asarray(kv_lens))):
+            raise ValueError("read_kv_lens must lie in [0, kv_lens] for every sequence")
     if sliding_window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
     hq, d = queries.shape[1:]

@@ -334,6 +334,11 @@ def test_bad_inputs_raise(rng):
     for sinks in (jnp.zeros((HQ + 1,), jnp.float32), jnp.zeros((HQ,), jnp.int32)):
         with pytest.raises(ValueError, match="sinks"):
             ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, sinks=sinks)
+    for read in (kv_lens[:1], kv_lens + 1, kv_lens - 10, kv_lens.astype(jnp.float32)):  # shape, range, dtype
+        with pytest.raises(ValueError, match="read_kv_lens"):
+            ji.ragged_paged_attention(q, k, v, cache, kv_lens, pi, cu, dist, read_kv_lens=read)
+    with pytest.raises(ValueError, match="keys and values"):
+        ji.ragged_paged_attention(q, k, None, cache, kv_lens, pi, cu, dist)
 
 
 # The Mosaic class (long sequences on the Mosaic GPU kernel, forced with impl="mosaic": its

@@ -115,6 +115,28 @@ def test_context_parallel_merge_option():
         sharding.context_parallel(dec, mesh, merge="allgather")
 
 
+def test_context_parallel_ragged_rejects_bad_arguments():
+    """context_parallel_ragged: a merge, an axis or a cache it cannot take is a ValueError naming it
+    (pages out of device order: the subprocess check)."""
+    import jax
+    import jax.numpy as jnp
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
+    with pytest.raises(ValueError, match="merge"):
+        sharding.context_parallel_ragged(mesh, merge="allgather")
+    for axes in ({"cp_axis": "seq"}, {"tp_axis": "tp"}):
+        with pytest.raises(ValueError, match=next(iter(axes))):
+            sharding.context_parallel_ragged(mesh, **axes)
+    run = sharding.context_parallel_ragged(mesh)
+    q, kv = jnp.zeros((2, 4, 32)), jnp.zeros((2, 2, 32))
+    meta = (jnp.array([1, 1], jnp.int32), jnp.zeros(2, jnp.int32), jnp.array([0, 1, 2], jnp.int32),
+            jnp.array([2, 2, 2], jnp.int32))
+    with pytest.raises(ValueError, match="kv_cache"):
+        run(q, kv, kv, jnp.zeros((4, 4, 2, 32)), *meta)
+    cache = ji.PagedKVCache(jnp.zeros((4, 4, 2, 32)), jnp.zeros((4, 4, 2, 32)))
+    with pytest.raises(ValueError, match="page_indices"):
+        run(q, kv, kv, cache, meta[0], jnp.array([0, 4], jnp.int32), *meta[2:])
+
+
 def test_context_plan_fixed_shapes_one_structure():
     """context_plan(fixed_shapes=True) under the wrapper's capacities: one pytree structure and one
     set of shapes for a one-prompt step (which without it takes base "diag" and no full launch)
