@@ -148,8 +148,9 @@ def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, ca
     if window_left is not None:  # keys left of the first token's window are never seen
         lo = jnp.where(window_left < 0, 0, jnp.maximum(first_pos - window_left, 0)) // CHUNK_UNIT * CHUNK_UNIT
     units = jnp.where(blk_ok, -(-jnp.maximum(read_end - lo, 0) // CHUNK_UNIT), 0)
-    one_hot = k_blk[:, None] == jnp.arange(len(classes))[None, :]  # [NB, K]
-    class_units = jnp.sum(jnp.where(one_hot, units[:, None], 0), axis=0)  # [K]
+    # (sums over the minor axis: XLA runs a column sum of [NB, K] on a few threads, ~6 µs)
+    one_hot = jnp.arange(len(classes))[:, None] == k_blk[None, :]  # [K, NB]
+    class_units = jnp.sum(jnp.where(one_hot, units[None, :], 0), axis=1)  # [K]
     max_chunk = jnp.maximum(-(-class_units // (CHUNKS_PER_CELL * cells)), MIN_CHUNK_UNITS)[k_blk]  # units
     n_chunks = jnp.where(blk_ok, jnp.maximum(-(-units // max_chunk), 1), 0)
     chunk = -(-units // jnp.maximum(n_chunks, 1)) * CHUNK_UNIT  # [NB] keys per item: the block cut evenly
@@ -180,7 +181,7 @@ def plan_classes(kv_lens, cu_q_lens, distribution, *, pages_per_seq, classes, ca
     # Cells of each class: contiguous runs of its items of about its total / cells cost each.
     k_item = k_blk[blk]
     cost = jnp.where(item_ok, TILE_COST * t_item[blk] + tok_end - tok_start, 0).astype(jnp.float32)
-    class_cost = jnp.sum(jnp.where(k_item[:, None] == jnp.arange(len(classes))[None, :], cost[:, None], 0), axis=0)
+    class_cost = jnp.sum(jnp.where(jnp.arange(len(classes))[:, None] == k_item[None, :], cost[None, :], 0), axis=1)
     start = excl_cumsum(cost) - (jnp.cumsum(class_cost) - class_cost)[k_item]  # within the class
     cell_of = jnp.floor(start / jnp.maximum(class_cost[k_item], 1.0) * cells) + k_item * cells
     cell_of = jnp.where(item_ok, cell_of, len(classes) * cells)
