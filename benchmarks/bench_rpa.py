@@ -2,11 +2,12 @@
 the GPU, on serving rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), speculative verify of
 8 tokens (ragged_paged_attention's class of 64-row decode tiles) and prefill only (B4 S8192).
 
-    PYTHONPATH=. python3 benchmarks/bench_rpa.py [--rows q4,mixed,...] [--triton] [--mosaic-ctas 1,2]
+    PYTHONPATH=. python3 benchmarks/bench_rpa.py [--rows q4,mixed,...] [--triton] [--cp1] [--mosaic-ctas 1,2]
 
 --triton also times ragged_paged_attention with impl="triton" (its long sequences on the Triton
-prefill kernel); --mosaic-ctas times the Mosaic class with that many CTAs per SM (default: the
-module's MOSAIC_CTAS_PER_SM). Each row first checks both outputs against jaxinfer.reference
+prefill kernel); --cp1 also times sharding.context_parallel_ragged on a one-device mesh (its
+share is the whole cache: the cost of its row gather, placement and merge); --mosaic-ctas times
+the Mosaic class with that many CTAs per SM (default: the module's MOSAIC_CTAS_PER_SM). Each row first checks both outputs against jaxinfer.reference
 (rows over 16384 tokens: the last 256 rows of the first and last sequences). The new K/V given to
 ragged_paged_attention are the values already in the cache at those positions, so its write
 leaves the cache as the reference and BatchAttention see it. Times are per call, CALLS calls in
@@ -19,10 +20,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 import jaxinfer as ji
 from benchmarks.common import bench, random_paged_cache, record, rel_err, rpa_inputs, save
-from jaxinfer import ragged
+from jaxinfer import ragged, sharding
 from jaxinfer import reference as ref
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -43,12 +45,13 @@ def rows(rng):
     ]
 
 
-def time_rpa(qs, ks, vs, cache, meta, iters=20, reps=7, **kw):
-    """Median seconds per call of CALLS ragged_paged_attention calls in one program, the cache donated."""
+def time_rpa(qs, ks, vs, cache, meta, iters=20, reps=7, attention=ji.ragged_paged_attention, **kw):
+    """Median seconds per call of CALLS attention calls (ragged_paged_attention's arguments) in one
+    program, the cache donated."""
     def many(qs, ks, vs, cache, *meta):
         outs = []
         for i in range(CALLS):
-            o, cache = ji.ragged_paged_attention(qs[i], ks[i], vs[i], cache, *meta, **kw)
+            o, cache = attention(qs[i], ks[i], vs[i], cache, *meta, **kw)
             outs.append(o)
         return outs, cache
 
@@ -88,11 +91,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="", help="comma-separated name prefixes (default: every row)")
     parser.add_argument("--triton", action="store_true", help='also time impl="triton"')
+    parser.add_argument("--cp1", action="store_true", help="also time context_parallel_ragged on one device")
     parser.add_argument("--mosaic-ctas", default="", help="Mosaic CTAs per SM to time, e.g. 1,2")
     args = parser.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
     wanted = [x for x in args.rows.split(",") if x]
+    cp1 = sharding.context_parallel_ragged(Mesh(np.array(jax.devices()[:1]), ("cp",)), cp_axis="cp")
     for name, q_lens, kv_lens in rows(rng):
         if wanted and not any(name.startswith(w) for w in wanted):
             continue
@@ -106,10 +111,12 @@ def main():
         attn = ji.BatchAttention(HQ, HKV, D, PAGE)
         plan = attn.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages)
         err_ba = rel_err(jax.jit(attn.run)(q, cache, plan)[check_rows], want)
-        variants = [("rpa", {})] + ([("rpa_triton", {"impl": "triton"})] if args.triton else [])
+        rpa = ji.ragged_paged_attention
+        variants = [("rpa", rpa, {})] + ([("rpa_triton", rpa, {"impl": "triton"})] if args.triton else []) \
+            + ([("cp1", cp1, {})] if args.cp1 else [])
         res = {}
-        for label, kw in variants:
-            o, new_cache = jax.jit(lambda *a, kw=kw: ji.ragged_paged_attention(*a, **kw))(q, keys, values, cache, *meta)
+        for label, attention, kw in variants:
+            o, new_cache = jax.jit(lambda *a, f=attention, kw=kw: f(*a, **kw))(q, keys, values, cache, *meta)
             res["rel_err_" + label] = rel_err(o[check_rows], want)
             finite = bool(jnp.all(jnp.isfinite(o)))
             cache_same = bool(jnp.array_equal(new_cache.k_pages, cache.k_pages)
@@ -125,8 +132,8 @@ def main():
         t_ba = bench(jax.jit(lambda qs, c, p: [attn.run(qs[i], c, p) for i in range(CALLS)]), qs, cache, plan,
                      iters=iters) / CALLS
         times = {}
-        for label, kw in variants:
-            t, cache = time_rpa(qs, ks, vs, cache, meta, iters=iters, **kw)
+        for label, attention, kw in variants:
+            t, cache = time_rpa(qs, ks, vs, cache, meta, iters=iters, attention=attention, **kw)
             times[label + "_us"] = t * 1e6
         default_ctas = ragged.MOSAIC_CTAS_PER_SM
         for n in [int(x) for x in args.mosaic_ctas.split(",") if x]:
