@@ -15,7 +15,8 @@ cut, the SHORT_TOKENS choices, the tile heights, ragged_paged_attention's q_len 
 dispatch's flips: test_boundary.edge_classes, derived from their constants), with key lengths at
 page edges. BatchAttention's edge cases, and GROUP1_SHARE of the paged prefill wrapper's, run
 group 1 (Hq == Hkv: HQ1 query heads over the same cache; one more program each).
-Fuzzer.drawn counts the edge lengths that ran, by (group, boundary kind).
+Fuzzer.drawn counts the edge lengths that ran, by (group, boundary kind); Fuzzer.rpa_options the
+ragged_paged_attention options that valid steps ran with (in turn: each of them in every run).
 """
 import collections
 import time
@@ -38,6 +39,7 @@ BSR_M, BSR_N, BSR_R, BSR_C, BSR_PER_ROW = 16, 32, 2, 4, 3
 ATOL = 2e-5
 VALID_SHARE = 0.3                       # cases whose input stays valid (they run kernels)
 EDGE_SHARE = 0.6                        # valid cases with ragged q: lengths at the boundaries
+RPA_OPTIONS = ("plain", "read", "no_write", "non_causal")  # how a valid ragged_paged_attention step runs
 GROUP1_SHARE = 0.5                      # edge cases of the paged prefill wrapper: group 1
 HQ1 = HKV                               # group 1: one query head per KV head (same cache)
 EDGE_KINDS = ("short_cut", "short_tokens", "tile_rows", "ragged_class", "dispatch")
@@ -78,6 +80,31 @@ def ref_ragged(q, k, v, qo_indptr, kv_indptr, causal, mask=None):
     pad = lambda x, n: np.concatenate([x, np.zeros((n - x.shape[0],) + x.shape[1:], np.float32)])
     o, lse = _ref_attention(pad(q, TCAP), pad(k, KCAP), pad(v, KCAP), full)
     return np.asarray(o)[:t], np.asarray(lse)[:t]
+
+
+def ref_rpa_rows(q, k_pages, v_pages, page_indices, kv, read, cu, n_valid, causal):
+    """ragged_paged_attention's rows in float64 NumPy: row j of sequence i (position kv - q_len +
+    j) sees keys below min(position + 1, read[i]) (causal) or read[i]. Returns (o [rows, HQ, D],
+    lse [rows, HQ]: natural log, -inf where a row sees no key, with o 0)."""
+    rows = int(cu[n_valid])
+    o, lse = np.zeros((rows, HQ, D)), np.full((rows, HQ), -np.inf)
+    group = HQ // HKV
+    for i in range(n_valid):
+        q_len = cu[i + 1] - cu[i]
+        pages = page_indices[i, :-(-kv[i] // P)]
+        keys = k_pages[pages].reshape(-1, HKV, D)[:kv[i]].astype(np.float64)
+        values = v_pages[pages].reshape(-1, HKV, D)[:kv[i]].astype(np.float64)
+        for j in range(q_len):
+            end = min(kv[i] - q_len + j + 1, read[i]) if causal else read[i]
+            if end <= 0:
+                continue
+            for h in range(HQ):
+                logits = keys[:end, h // group] @ q[cu[i] + j, h].astype(np.float64) / np.sqrt(D)  # [end]
+                top = logits.max()
+                w = np.exp(logits - top)
+                o[cu[i] + j, h] = w @ values[:end, h // group] / w.sum()
+                lse[cu[i] + j, h] = top + np.log(w.sum())
+    return o, lse
 
 
 def gather(cache_np, kv_indptr, kv_indices, last):
@@ -260,6 +287,7 @@ class Fuzzer:
         self.run_pre, self.run_cas, self.run_ba = (lse(w) for w in (self.pre, self.cas, self.ba))
         self.run_pre1, self.run_ba1 = lse(self.pre1), lse(self.ba1)
         self.drawn = collections.Counter()  # (group, boundary kind) of the edge lengths that ran
+        self.rpa_options = collections.Counter()  # RPA_OPTIONS that valid ragged_paged_attention steps ran
         # decode: one program, kv_lens always passed (the planned lengths unless a case shortens them)
         self.run_dec_lens = jax.jit(lambda q, c, p, n: self.dec.run(q, c, p, kv_lens=n, return_lse=True))
         self.run_dec = lambda q, c, p: self.run_dec_lens(q, c, p, p.kv_lens)
@@ -877,12 +905,14 @@ class Fuzzer:
 
     def rpa(self, rng):
         """One step of 4 sequences over MAXT rows: a decode prefix, then q_len 0..12 (or at the
-        edges), padding rows after the valid ones. Valid steps: the written cache slots exact, every
-        other slot (NaN in pages no valid sequence uses) unchanged, o equal to the reference,
-        padding rows 0."""
+        edges), padding rows after the valid ones. Valid steps run as they are or with one of
+        RPA_OPTIONS (each with return_lse and read_kv_lens: every sequence reads its first 0..kv_len
+        keys). Valid steps: the written cache slots exact, every other slot (NaN in pages no valid
+        sequence uses) unchanged, o (and lse) equal to the reference, padding rows 0 (lse -inf)."""
         corrs = ("none", "all_padding", "kv_lens_int64", "page_oob", "page_neg", "cu_nonmono", "cu_start",
                  "cu_past_rows", "dist_order", "dist_shape", "decode_not_1", "kv_under_q", "kv_past_pages",
-                 "keys_shape", "page_indices_len", "window0", "not_cache", "q_ndim")
+                 "keys_shape", "page_indices_len", "window0", "not_cache", "q_ndim", "read_past_kv", "read_shape",
+                 "values_only")
         corr = self.pick(rng, corrs, 2)
         s, pps = self.RPA_SEQS, self.RPA_PAGES
         n_valid = 0 if corr == "all_padding" else int(rng.integers(1, s + 1))
@@ -923,7 +953,11 @@ class Fuzzer:
                                     "page_indices"),
                "window0": (lambda: call(sliding_window=0), "sliding_window"),
                "not_cache": (lambda: call(kv_cache=(cache.k_pages, cache.v_pages)), "kv_cache"),
-               "q_ndim": (lambda: call(queries=jnp.asarray(q[:, 0])), "queries")}
+               "q_ndim": (lambda: call(queries=jnp.asarray(q[:, 0])), "queries"),
+               "read_past_kv": (lambda: call(read_kv_lens=jnp.asarray(i32(kv + (np.arange(s) == rng.integers(s))))),
+                                "read_kv_lens"),
+               "read_shape": (lambda: call(read_kv_lens=jnp.asarray(i32(kv[:-1]))), "read_kv_lens"),
+               "values_only": (lambda: call(keys=None), "keys")}
         if corr in bad:
             thunk, name = bad[corr]
             return corr, rejected(thunk, (name,))
@@ -953,9 +987,19 @@ class Fuzzer:
                 return corr, "inapplicable"
             return corr, rejected(lambda: call(distribution=jnp.asarray(i32([r + 1, r + 1, n_valid]))),
                                   ("q_len 1",))
-        out, new_cache = call()
+        option = RPA_OPTIONS[sum(self.rpa_options.values()) % len(RPA_OPTIONS)]
+        self.rpa_options[option] += 1
+        read = rng.integers(0, kv + 1) if option != "plain" else kv
+        kw = {} if option == "plain" else dict(return_lse=True, read_kv_lens=jnp.asarray(i32(read)))
+        if option == "no_write":  # the cache holds the rows: attend without writing
+            kw.update(keys=None, values=None)
+        causal = option != "non_causal"
+        out, new_cache = call(**kw, causal=causal)
+        lse = None
+        if option != "plain":
+            out, lse = out
         want_k, want_v = ck.copy(), cv.copy()
-        for i in range(n_valid):  # the new rows land at positions kv - q_len .. kv - 1
+        for i in range(n_valid if option != "no_write" else 0):  # the new rows land at kv - q_len .. kv - 1
             for j in range(q_len[i]):
                 pos = kv[i] - q_len[i] + j
                 page = page_indices[i, pos // P]
@@ -964,7 +1008,12 @@ class Fuzzer:
         np.testing.assert_array_equal(np.asarray(new_cache.v_pages), want_v)
         rows = int(cu[n_valid])
         np.testing.assert_array_equal(np.asarray(out)[rows:], 0.0)  # padding rows
-        if rows:
+        if lse is not None:
+            np.testing.assert_array_equal(np.asarray(lse)[rows:], -np.inf)
+            want_o, want_lse = ref_rpa_rows(q, want_k, want_v, page_indices, kv, read, cu, n_valid, causal)
+            close(np.asarray(out)[:rows], want_o)
+            close(np.asarray(lse)[:rows], want_lse, what="lse")
+        elif rows:
             pages = [page_indices[i, :used[i]] for i in range(n_valid)]
             keys = np.concatenate([want_k[p].reshape(-1, HKV, D)[:kv[i]] for i, p in enumerate(pages)])
             values = np.concatenate([want_v[p].reshape(-1, HKV, D)[:kv[i]] for i, p in enumerate(pages)])
@@ -1014,8 +1063,7 @@ ENTRY_POINTS = {
 def fuzz(num_cases, seed):
     """Runs num_cases cases round-robin over ENTRY_POINTS. Returns (counts {entry: Counter of
     outcomes}, corruptions {entry: Counter}, failures [(entry, case seed, corruption, error type,
-    message)], seconds {entry: time spent}, edges: Counter of (group, boundary kind) of the edge
-    lengths that ran)."""
+    message)], seconds {entry: time spent}, the Fuzzer: its drawn and rpa_options count what ran)."""
     fz = Fuzzer()
     counts = {name: collections.Counter() for name in ENTRY_POINTS}
     corrs = {name: collections.Counter() for name in ENTRY_POINTS}
@@ -1036,7 +1084,7 @@ def fuzz(num_cases, seed):
             seconds[name] += time.perf_counter() - start
         counts[name][outcome] += 1
         corrs[name][corr] += 1
-    return counts, corrs, failures, seconds, fz.drawn
+    return counts, corrs, failures, seconds, fz
 
 
 def _report(counts, corrs, failures, seconds, edges):
@@ -1051,8 +1099,10 @@ def _report(counts, corrs, failures, seconds, edges):
 
 
 def _check(num_cases, seed):
-    counts, corrs, failures, seconds, edges = fuzz(num_cases, seed)
+    counts, corrs, failures, seconds, fz = fuzz(num_cases, seed)
+    edges = fz.drawn
     _report(counts, corrs, failures, seconds, edges)
+    print("  ragged_paged_attention options run: " + ", ".join(f"{k} {v}" for k, v in sorted(fz.rpa_options.items())))
     assert not failures, f"{len(failures)} failing cases (first: {failures[0]})"
     per_entry = num_cases // len(ENTRY_POINTS)
     for name, c in counts.items():
@@ -1066,6 +1116,7 @@ def _check(num_cases, seed):
     for group in (1, HQ // HKV):  # every kind of boundary drawn on purpose, group 1 (Hq == Hkv) too
         for kind in EDGE_KINDS:
             assert edges[group, kind] > 0, (group, kind, edges)
+    assert all(fz.rpa_options[o] > 0 for o in RPA_OPTIONS), fz.rpa_options
 
 
 def test_fuzz_400():
