@@ -56,7 +56,7 @@ def rng(request):
 LONG_TESTS = {
     "test_sharded_equals_one_device": 70,
     "test_generate_tensor_and_context_parallel_on_host_devices": 43,
-    "test_serve_tensor_and_context_parallel_on_host_devices": 32, "test_fuzz_400": 31,
+    "test_serve_tensor_and_context_parallel_on_host_devices": 32, "test_fuzz_448": 31,
     "test_mosaic_class_holds_the_sinks": 17, "test_decode_only_and_prefill_only": 14,
     "test_unpadded_cache_runs_in_place": 13, "test_mixed_kernel_matches_reference": 13,
     "test_generate_end_to_end_and_scan_horizon": 12, "test_ragged_paged_attention": 12,

@@ -43,6 +43,8 @@ RPA_OPTIONS = ("plain", "read", "no_write", "non_causal")  # how a valid ragged_
 GROUP1_SHARE = 0.5                      # edge cases of the paged prefill wrapper: group 1
 HQ1 = HKV                               # group 1: one query head per KV head (same cache)
 EDGE_KINDS = ("short_cut", "short_tokens", "tile_rows", "ragged_class", "dispatch")
+MH, DC, DR, MLA_SCALE = 4, 16, 16, 0.3   # MLA: heads, latent (ckv) and rope (kpe) widths, sm_scale
+MLA_CELLS = 4                           # the MLA kernels' grid
 ERRORS = (ValueError, TypeError)
 
 
@@ -104,6 +106,28 @@ def ref_rpa_rows(q, k_pages, v_pages, page_indices, kv, read, cu, n_valid, causa
                 w = np.exp(logits - top)
                 o[cu[i] + j, h] = w @ values[:end, h // group] / w.sum()
                 lse[cu[i] + j, h] = top + np.log(w.sum())
+    return o, lse
+
+
+def ref_mla(q_nope, q_pe, ckv, kpe, seqs, causal):
+    """MLA in float64 NumPy over flat latent caches ckv [NP * P, DC], kpe [NP * P, DR]: seqs lists
+    (q_start, q_end, cache rows [n]) per request; logits = MLA_SCALE (q_nope ckv + q_pe kpe), v =
+    ckv, causal bottom-right. Returns (o [T, MH, DC], lse [T, MH]): rows of no request and rows
+    that see no key give 0 and -inf."""
+    qn, qp = np.asarray(q_nope, np.float64), np.asarray(q_pe, np.float64)
+    c_all, r_all = np.asarray(ckv, np.float64), np.asarray(kpe, np.float64)
+    o, lse = np.zeros(qn.shape), np.full(qn.shape[:2], -np.inf)
+    for qs, qe, rows in seqs:
+        n = len(rows)
+        for i in range(qe - qs):
+            end = min(n, n - (qe - qs) + i + 1) if causal else n
+            if end <= 0:
+                continue
+            logits = (qn[qs + i] @ c_all[rows[:end]].T + qp[qs + i] @ r_all[rows[:end]].T) * MLA_SCALE  # [MH, end]
+            top = logits.max(-1, keepdims=True)
+            w = np.exp(logits - top)
+            o[qs + i] = w @ c_all[rows[:end]] / w.sum(-1, keepdims=True)
+            lse[qs + i] = top[:, 0] + np.log(w.sum(-1))
     return o, lse
 
 
@@ -287,6 +311,12 @@ class Fuzzer:
         self.run_pre, self.run_cas, self.run_ba = (lse(w) for w in (self.pre, self.cas, self.ba))
         self.run_pre1, self.run_ba1 = lse(self.pre1), lse(self.ba1)
         self.drawn = collections.Counter()  # (group, boundary kind) of the edge lengths that ran
+        self.entry = None  # the entry point of the case running (fuzz() sets it)
+        self.valid_turns = collections.Counter()  # valid cases drawn so far, by entry point
+        mla_kw = dict(sm_scale=MLA_SCALE, config=ji.MLAConfig(num_cells=MLA_CELLS), max_num_tokens=MAXT, **caps)
+        self.mla = ji.BatchMLAPagedAttention(MH, DC, DR, P, causal=True, **mla_kw)
+        self.mla_other = ji.BatchMLAPagedAttention(MH, DC, DR, P, causal=False, **mla_kw)
+        self.run_mla = jax.jit(lambda *args: self.mla.run(*args, return_lse=True))
         self.rpa_options = collections.Counter()  # RPA_OPTIONS that valid ragged_paged_attention steps ran
         # decode: one program, kv_lens always passed (the planned lengths unless a case shortens them)
         self.run_dec_lens = jax.jit(lambda q, c, p, n: self.dec.run(q, c, p, kv_lens=n, return_lse=True))
@@ -331,10 +361,15 @@ class Fuzzer:
         return qo, (indptr, indices, last, kv)
 
     def pick(self, rng, corrs, valid=1):
-        """A random corruption (remembered for failure reports): one of the first `valid` (those
-        that leave the input valid and run kernels) with probability VALID_SHARE."""
-        pool = corrs[:valid] if rng.random() < VALID_SHARE else corrs[valid:]
-        self.corr = pool[rng.integers(len(pool))]
+        """A corruption (remembered for failure reports): with probability VALID_SHARE one of the
+        first `valid` (those that leave the input valid and run kernels), in turn for the entry
+        point (so that each of them runs: NaN in q, empty batches, ...), else a random other one."""
+        if rng.random() < VALID_SHARE:
+            turn = self.valid_turns[self.entry]
+            self.valid_turns[self.entry] += 1
+            self.corr = corrs[turn % valid]
+        else:
+            self.corr = corrs[valid + rng.integers(len(corrs) - valid)]
         return self.corr
 
     # -- paged wrappers: decode, prefill, BatchAttention ---------------------------------------
@@ -903,27 +938,23 @@ class Fuzzer:
     # -- ragged_paged_attention: a whole step (KV write + attention), metadata on the device --------
     RPA_SEQS, RPA_PAGES = MAXB, 5  # sequences, pages per sequence (the valid ones' pages: at most NP in all)
 
-    def rpa(self, rng):
-        """One step of 4 sequences over MAXT rows: a decode prefix, then q_len 0..12 (or at the
-        edges), padding rows after the valid ones. Valid steps run as they are or with one of
-        RPA_OPTIONS (each with return_lse and read_kv_lens: every sequence reads its first 0..kv_len
-        keys). Valid steps: the written cache slots exact, every other slot (NaN in pages no valid
-        sequence uses) unchanged, o (and lse) equal to the reference, padding rows 0 (lse -inf)."""
-        corrs = ("none", "all_padding", "kv_lens_int64", "page_oob", "page_neg", "cu_nonmono", "cu_start",
-                 "cu_past_rows", "dist_order", "dist_shape", "decode_not_1", "kv_under_q", "kv_past_pages",
-                 "keys_shape", "page_indices_len", "window0", "not_cache", "q_ndim", "read_past_kv", "read_shape",
-                 "values_only")
-        corr = self.pick(rng, corrs, 2)
+    def ragged_step(self, rng, all_padding, edge_group=None):
+        """A ragged step's composition over RPA_SEQS sequences and MAXT rows: a decode prefix, then
+        q_len 0..12 (with edge_group, the non-decode sequences' q_len at that group's boundaries,
+        when the step has any), padding rows after the valid ones, each valid sequence on distinct
+        pages (the other entries of page_indices: any page). Returns (n_valid, n_decode, q_len [S],
+        kv [S], cu_q_lens, page_indices [S, pages_per_seq], pages used [S], the pages listed,
+        whether the lengths are at the edges)."""
         s, pps = self.RPA_SEQS, self.RPA_PAGES
-        n_valid = 0 if corr == "all_padding" else int(rng.integers(1, s + 1))
+        n_valid = 0 if all_padding else int(rng.integers(1, s + 1))
         n_decode = int(rng.integers(0, n_valid + 1))
         q_len = np.concatenate([np.ones(n_decode, np.int64), rng.integers(0, 13, s - n_decode)])
         q_len[n_valid:] = rng.integers(0, 3, s - n_valid)  # (past distribution[2]: padding rows)
-        edge = corr == "none" and n_valid > n_decode and rng.random() < EDGE_SHARE
+        edge = edge_group is not None and n_valid > n_decode
         if edge:  # the non-decode sequences' q_len at the boundaries (their pages within the cache's)
             for i in range(n_decode, n_valid):
                 pages = NP - n_decode - int(np.sum(-(-q_len[n_decode:i] // P)))
-                q_len[i] = self.edge_len(rng, HQ // HKV, min(pps, pages) * P) or 0
+                q_len[i] = self.edge_len(rng, edge_group, min(pps, pages) * P) or 0
         while q_len.sum() > MAXT:
             q_len[np.argmax(q_len)] -= 1
         kv = np.minimum(q_len + rng.integers(0, 14, s), pps * P)
@@ -938,6 +969,23 @@ class Fuzzer:
         for i in range(n_valid):  # distinct pages for the valid sequences' tokens (they are written)
             page_indices[i, :used[i]], ids = ids[:used[i]], ids[used[i]:]
         listed = np.concatenate([page_indices[i, :used[i]] for i in range(n_valid)] + [np.zeros(0, np.int32)])
+        return n_valid, n_decode, q_len, kv, cu, page_indices, used, listed, edge
+
+    def rpa(self, rng):
+        """One step of 4 sequences over MAXT rows: a decode prefix, then q_len 0..12 (or at the
+        edges), padding rows after the valid ones. Valid steps run as they are or with one of
+        RPA_OPTIONS (each with return_lse and read_kv_lens: every sequence reads its first 0..kv_len
+        keys). Valid steps: the written cache slots exact, every other slot (NaN in pages no valid
+        sequence uses) unchanged, o (and lse) equal to the reference, padding rows 0 (lse -inf)."""
+        corrs = ("none", "all_padding", "kv_lens_int64", "page_oob", "page_neg", "cu_nonmono", "cu_start",
+                 "cu_past_rows", "dist_order", "dist_shape", "decode_not_1", "kv_under_q", "kv_past_pages",
+                 "keys_shape", "page_indices_len", "window0", "not_cache", "q_ndim", "read_past_kv", "read_shape",
+                 "values_only")
+        corr = self.pick(rng, corrs, 2)
+        s, pps = self.RPA_SEQS, self.RPA_PAGES
+        edge = corr == "none" and rng.random() < EDGE_SHARE
+        n_valid, n_decode, q_len, kv, cu, page_indices, used, listed, edge = self.ragged_step(
+            rng, corr == "all_padding", HQ // HKV if edge else None)
         cache, (ck, cv) = poisoned_cache(rng, listed)
         q, k, v = randn(rng, (MAXT, HQ, D)), randn(rng, (MAXT, HKV, D)), randn(rng, (MAXT, HKV, D))
         args = dict(queries=jnp.asarray(q), keys=jnp.asarray(k), values=jnp.asarray(v), kv_cache=cache,
@@ -1024,6 +1072,138 @@ class Fuzzer:
             self.count_edges(HQ // HKV, q_len[n_decode:n_valid])
         return corr, "matched"
 
+    # -- MLA: the host-planned wrapper and the device-planned step over a paged latent cache ------
+    MLA_BAD = ("qo_int64", "qo_short", "qo_over_tokens", "kv_indptr_nonmono", "indices_list", "page_oob",
+               "kv_len_over", "kv_len_short", "num_pages_missing", "q_nope_f16", "q_pe_width", "ckv_width",
+               "kpe_f16", "q_f64", "scale_neg", "plan_causal")
+
+    def mla_paged(self, rng):
+        """One case of BatchMLAPagedAttention (causal, capacities): random q lengths 0..8 over a
+        random page table, NaN in unlisted pages, stale slots and q rows past the step; valid: o
+        and lse equal float64 NumPy."""
+        corr = self.pick(rng, ("none",) + self.MLA_BAD)
+        batch = int(rng.integers(1, MAXB + 1))
+        kv_indptr, kv_indices, _, kv_len = table(rng, batch)
+        kv_len = i32(kv_len)
+        qo = rng.integers(0, 9, batch)
+        while qo.sum() > MAXT:
+            qo[np.argmax(qo)] -= 1
+        qo_indptr = i32(np.concatenate([[0], np.cumsum(qo)]))
+        q_nope, q_pe = randn(rng, (MAXT, MH, DC)), randn(rng, (MAXT, MH, DR))
+        ckv, kpe = randn(rng, (NP * P, DC)), randn(rng, (NP * P, DR))  # flat: row = page * P + slot
+        seqs = []
+        for b in range(batch):
+            pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+            seqs.append((qo_indptr[b], qo_indptr[b + 1], (pages[:, None] * P + np.arange(P)).reshape(-1)[:kv_len[b]]))
+        keys = np.zeros(NP * P, bool)
+        keys[np.concatenate([r for _, _, r in seqs])] = True
+        ckv[~keys], kpe[~keys] = np.nan, np.nan
+        q_nope[qo_indptr[-1]:], q_pe[qo_indptr[-1]:] = np.nan, np.nan
+        args = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len=kv_len)
+        b = int(rng.integers(batch))
+        over_tokens, nonmono, kv_over = qo_indptr.copy(), kv_indptr.copy(), kv_len.copy()
+        over_tokens[-1] = MAXT + 1
+        nonmono[b + 1] = nonmono[b] - 1
+        kv_over[b] += P  # past its pages
+        bad_plan = {
+            "qo_int64": (dict(qo_indptr=qo_indptr.astype(np.int64)), "qo_indptr"),
+            "qo_short": (dict(qo_indptr=qo_indptr[:-1]), "qo_indptr"),
+            "qo_over_tokens": (dict(qo_indptr=over_tokens), "max_num_tokens"),
+            "kv_indptr_nonmono": (dict(kv_indptr=nonmono), "kv_indptr"),
+            "indices_list": (dict(kv_indices=kv_indices.tolist()), "kv_indices"),
+            "kv_len_over": (dict(kv_len=kv_over), "kv_len"),
+            "kv_len_short": (dict(kv_len=kv_len[:-1]), "kv_len")}
+        if corr == "page_oob":
+            if not len(kv_indices):
+                return corr, "inapplicable"
+            bad = kv_indices.copy()
+            bad[rng.integers(len(bad))] = NP + rng.integers(0, 3)
+            bad_plan[corr] = (dict(kv_indices=bad), "kv_indices")
+        if corr in bad_plan:
+            change, name = bad_plan[corr]
+            return corr, rejected(lambda: self.mla.plan(**(args | change), num_pages=NP), (name,))
+        if corr == "num_pages_missing":
+            return corr, rejected(lambda: self.mla.plan(**args), ("num_pages",))
+        plan = self.mla.plan(**args, num_pages=NP)
+        good = [jnp.asarray(x) for x in (q_nope, q_pe, ckv.reshape(NP, P, DC), kpe.reshape(NP, P, DR))]
+        bad_run = {"q_nope_f16": (0, good[0].astype(jnp.float16), "q_nope"),
+                   "q_pe_width": (1, good[1][..., :8], "q_pe"),
+                   "ckv_width": (2, good[2][..., :8], "ckv_cache"),
+                   "kpe_f16": (3, good[3].astype(jnp.float16), "kpe_cache"),
+                   "q_f64": (0, np.asarray(q_nope, np.float64), "float64")}
+        if corr in bad_run:
+            i, x, name = bad_run[corr]
+            return corr, rejected(lambda: self.mla.run(*good[:i], x, *good[i + 1:], plan), (name,))
+        if corr == "scale_neg":
+            return corr, rejected(lambda: self.mla.run(*good, plan, ckv_scale=-1.0), ("ckv_scale",))
+        if corr == "plan_causal":  # a causal plan given to a non-causal wrapper
+            return corr, rejected(lambda: self.mla_other.run(*good, plan), ("causal",))
+        o, lse = self.run_mla(*good, plan)
+        want_o, want_lse = ref_mla(q_nope, q_pe, ckv, kpe, seqs, causal=True)
+        close(o, want_o)
+        close(lse, want_lse, what="lse")
+        return corr, "matched"
+
+    MLA_RAGGED_BAD = ("kv_lens_int64", "page_oob", "cu_nonmono", "dist_order", "decode_not_1", "kv_under_q",
+                      "ql_nope_rank", "q_pe_f16", "new_kv_c_width", "kpe_pages", "sm_scale0", "causal_int")
+
+    def mla_ragged(self, rng):
+        """One step of mla_ragged_paged_attention: ragged_paged_attention's compositions (ragged_step)
+        over a paged latent cache, NaN in unlisted pages and stale slots; valid: the caches written
+        exactly (every other slot unchanged), o equal to float64 NumPy over them, padding rows 0."""
+        corr = self.pick(rng, ("none", "all_padding") + self.MLA_RAGGED_BAD, 2)
+        n_valid, n_decode, q_len, kv, cu, page_indices, used, _, _ = self.ragged_step(rng, corr == "all_padding")
+        s, pps = self.RPA_SEQS, self.RPA_PAGES
+        rows = [(page_indices[i, :used[i], None] * P + np.arange(P)).reshape(-1)[:kv[i]] for i in range(n_valid)]
+        ckv, kpe = randn(rng, (NP * P, DC)), randn(rng, (NP * P, DR))
+        keys = np.zeros(NP * P, bool)
+        keys[np.concatenate(rows + [np.zeros(0, np.int64)])] = True
+        ckv[~keys], kpe[~keys] = np.nan, np.nan
+        ql_nope, q_pe = randn(rng, (MAXT, MH, DC)), randn(rng, (MAXT, MH, DR))
+        new_c, new_pe = randn(rng, (MAXT, DC)), randn(rng, (MAXT, DR))
+        args = dict(ql_nope=ql_nope, q_pe=q_pe, new_kv_c=new_c, new_k_pe=new_pe, ckv_cache=ckv.reshape(NP, P, DC),
+                    kpe_cache=kpe.reshape(NP, P, DR), kv_lens=i32(kv), page_indices=page_indices.reshape(-1),
+                    cu_q_lens=cu, distribution=i32([n_decode, n_decode, n_valid]))
+        kw = dict(sm_scale=MLA_SCALE, num_cells=MLA_CELLS)
+        call = lambda **change: ji.mla_ragged_paged_attention(**(args | kw | change))
+        live = [i for i in range(n_valid) if q_len[i] > 0]
+        r = live[rng.integers(len(live))] if live else 0
+        bad = {"kv_lens_int64": (dict(kv_lens=kv.astype(np.int64)), "kv_lens"),
+               "dist_order": (dict(distribution=i32([1, 0, n_valid])), "distribution"),
+               "ql_nope_rank": (dict(ql_nope=ql_nope[0]), "ql_nope"),
+               "q_pe_f16": (dict(q_pe=q_pe.astype(np.float16)), "q_pe"),
+               "new_kv_c_width": (dict(new_kv_c=new_c[:, :8]), "new_kv_c"),
+               "kpe_pages": (dict(kpe_cache=args["kpe_cache"][:-1]), "kpe_cache"),
+               "sm_scale0": (dict(sm_scale=0.0), "sm_scale"),
+               "causal_int": (dict(causal=1), "causal")}
+        if live:
+            p2, cu2, kv2 = page_indices.copy(), cu.copy(), i32(kv)
+            p2[r, rng.integers(used[r])] = NP + rng.integers(0, 3)
+            cu2[r + 1] = cu2[r] - 1
+            kv2[r] = q_len[r] - 1
+            bad |= {"page_oob": (dict(page_indices=p2.reshape(-1)), "page_indices"),
+                    "cu_nonmono": (dict(cu_q_lens=cu2), "cu_q_lens"),
+                    "kv_under_q": (dict(kv_lens=kv2), "kv_lens")}
+            if q_len[r] != 1:  # distribution[0] claims a sequence whose q_len is not 1
+                bad["decode_not_1"] = (dict(distribution=i32([r + 1, r + 1, n_valid])), "cu_q_lens")
+        if corr in bad:
+            change, name = bad[corr]
+            return corr, rejected(lambda: call(**change), (name,))
+        if corr not in ("none", "all_padding"):
+            return corr, "inapplicable"
+        o, ckv_out, kpe_out = call()
+        want_c, want_pe = ckv.copy(), kpe.copy()
+        for i in range(n_valid):  # the new rows land at positions kv - q_len .. kv - 1
+            for j in range(q_len[i]):
+                row = rows[i][kv[i] - q_len[i] + j]
+                want_c[row], want_pe[row] = new_c[cu[i] + j], new_pe[cu[i] + j]
+        np.testing.assert_array_equal(np.asarray(ckv_out).reshape(-1, DC), want_c)  # (NaN == NaN here)
+        np.testing.assert_array_equal(np.asarray(kpe_out).reshape(-1, DR), want_pe)
+        want_o, _ = ref_mla(ql_nope, q_pe, want_c, want_pe, [(cu[i], cu[i + 1], rows[i]) for i in range(n_valid)],
+                            causal=True)
+        close(o, want_o)
+        return corr, "matched"
+
 
 def _permute_table(indptr, indices, last, perm):
     """The page table with its requests reordered by perm (indptr, indices, last, kv_lens)."""
@@ -1057,6 +1237,8 @@ ENTRY_POINTS = {
     "append_paged_kv_cache": lambda f, rng: f.append(rng),
     "get_batch_indices_positions": lambda f, rng: f.batch_indices(rng),
     "ragged_paged_attention": lambda f, rng: f.rpa(rng),
+    "BatchMLAPagedAttention": lambda f, rng: f.mla_paged(rng),
+    "mla_ragged_paged_attention": lambda f, rng: f.mla_ragged(rng),
 }
 
 
@@ -1074,6 +1256,7 @@ def fuzz(num_cases, seed):
         case_seed = (seed, i)
         rng = np.random.default_rng(case_seed)
         start = time.perf_counter()
+        fz.entry = name
         try:
             corr, outcome = ENTRY_POINTS[name](fz, rng)
         except Exception as e:  # noqa: BLE001 - every failure is collected and reported
@@ -1119,8 +1302,8 @@ def _check(num_cases, seed):
     assert all(fz.rpa_options[o] > 0 for o in RPA_OPTIONS), fz.rpa_options
 
 
-def test_fuzz_400():
-    _check(400, seed=20)
+def test_fuzz_448():
+    _check(448, seed=20)
 
 
 @pytest.mark.slow
