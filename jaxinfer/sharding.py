@@ -29,7 +29,7 @@ from jaxinfer.formats import FUSED, AttentionState, PagedKVCache, is_concrete
 from jaxinfer.mla import BatchMLAPagedAttention
 from jaxinfer.mla_ragged import mla_ragged_paged_attention
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache
-from jaxinfer import _backend, ragged_plan
+from jaxinfer import _backend, ragged_plan, variants
 from jaxinfer.page import write_slots
 from jaxinfer.ragged import check_metadata as ragged_check_metadata
 from jaxinfer.ragged import ragged_paged_attention
@@ -209,25 +209,36 @@ def head_parallel_mla_ragged(mesh, *, tp_axis="tp", sm_scale, causal=True, num_c
 def head_parallel_ragged(mesh, *, tp_axis="tp", causal=True, sm_scale=None, num_ctas=None, backend=None,
                          impl="auto"):
     """ragged_paged_attention over heads split on tp_axis: run(queries, keys, values, kv_cache,
-    kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None, soft_cap=None) ->
-    (out, kv_cache). queries [T, Hq, D], keys / values [T, Hkv, D] and the cache split on heads
-    (Hkv: after replicate_kv_heads when fewer KV heads than devices); metadata replicated.
-    causal, sm_scale, num_ctas, backend, impl: as ragged_paged_attention's, on every device."""
+    kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None, soft_cap=None,
+    sinks=None) -> (out, kv_cache). queries [T, Hq, D], keys / values [T, Hkv, D], the cache and
+    sinks f32[Hq] split on heads (Hkv: after replicate_kv_heads when fewer KV heads than devices);
+    metadata replicated. causal, sm_scale, num_ctas, backend, impl: as ragged_paged_attention's,
+    on every device."""
     _check_axis(mesh, "tp_axis", tp_axis)
     spec_q = head_spec(tp_axis)
 
-    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
+    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, sink):
         return ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                                       distribution, causal=causal, sm_scale=sm_scale, sliding_window=window,
-                                      soft_cap=cap, num_ctas=num_ctas, backend=backend, impl=impl)
+                                      soft_cap=cap, sinks=sink, num_ctas=num_ctas, backend=backend, impl=impl)
 
     def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-            sliding_window=None, soft_cap=None):
+            sliding_window=None, soft_cap=None, sinks=None):
+        _check_sinks(sinks, queries.shape[1])
         spec_c = cache_spec(kv_cache.layout, tp_axis=tp_axis)
-        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6, (spec_q, spec_c))
+        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6 + (P(tp_axis),),
+                            (spec_q, spec_c))
         return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                       sliding_window, soft_cap)
+                       sliding_window, soft_cap, None if sinks is None else jnp.asarray(sinks, jnp.float32))
     return run
+
+
+def _check_sinks(sinks, num_qo_heads):
+    """Attention sinks: None or a float array [Hq] (split on the heads' axis with them)."""
+    if sinks is not None and (jnp.shape(sinks) != (num_qo_heads,)
+                              or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
+        raise ValueError(f"sinks must be a float array of shape [{num_qo_heads}] (one logit per query head), got "
+                         f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,8 +712,8 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
                             backend=None, impl="auto", merge="auto", return_lse=False):
     """ragged_paged_attention with the context split on mesh axis cp_axis (heads on tp_axis, if
     given): run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-    sliding_window=None, soft_cap=None) -> (out, kv_cache), or (AttentionState, kv_cache) with
-    return_lse.
+    sliding_window=None, soft_cap=None, sinks=None) -> (out, kv_cache), or (AttentionState,
+    kv_cache) with return_lse.
 
     The cache is sharded on pages over cp_axis: device k holds global pages [k N, (k + 1) N),
     and each sequence lists its pages device by device (its first pages on the first device it
@@ -712,16 +723,17 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
     (ragged_plan.context_share: one ragged_paged_attention call reading the share, global
     positions kept through read_kv_lens), and the partial states merge exactly (merge_over;
     merge: as context_parallel's). A sliding window (a distance between positions) and a soft cap
-    (per logit) hold on every share and merge exactly; both may be traced. Attention sinks, which
-    enter each row's softmax once, are not taken. causal, sm_scale, num_ctas, backend, impl: as
-    ragged_paged_attention's, on every device."""
+    (per logit) hold on every share and merge exactly; both may be traced. Attention sinks (f32[Hq],
+    may be traced; split on tp_axis with the heads) enter each row's softmax once: they are applied
+    to the merged state, as ragged_paged_attention applies them (every row's lse then includes its
+    sink). causal, sm_scale, num_ctas, backend, impl: as ragged_paged_attention's, on every device."""
     _check_merge(merge)
     _check_axis(mesh, "cp_axis", cp_axis)
     _check_axis(mesh, "tp_axis", tp_axis)
     spec_q = head_spec(tp_axis)
     n = mesh.shape[cp_axis]
 
-    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap):
+    def body(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, window, cap, sink):
         # queries [T, Hq, D], keys / values [T, Hkv, D] (heads: this device's); kv_cache: its pages
         t, pages = queries.shape[0], kv_cache.num_pages
         shard = lax.axis_index(cp_axis)
@@ -748,12 +760,15 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
         o = jnp.where(mine[:, None, None], state.o[jnp.maximum(pos, 0)], jnp.zeros((), queries.dtype))  # [T, Hq, D]
         lse = jnp.where(mine[:, None], state.lse[jnp.maximum(pos, 0)], -jnp.inf)  # [T, Hq]
         state = merge_over(AttentionState(o, lse), cp_axis, merge=merge)
+        if sink is not None:  # sink: f32[Hq of this device], once per row, on the merged state
+            state = AttentionState(*variants.finish(variants.sinks(), {"sinks": sink}, state.o, state.lse, True))
         return (state if return_lse else state.o), kv_cache
 
     def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sliding_window=None,
-            soft_cap=None):
+            soft_cap=None, sinks=None):
         if not isinstance(kv_cache, PagedKVCache):
             raise ValueError("kv_cache must be a PagedKVCache")
+        _check_sinks(sinks, queries.shape[1])
         if kv_cache.num_pages % n:
             raise ValueError(f"kv_cache: its {kv_cache.num_pages} pages do not split over {n} devices of {cp_axis!r}")
         ragged_check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=queries.shape[0],
@@ -761,10 +776,11 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
         _check_device_order(kv_lens, page_indices, distribution, kv_cache.page_size, kv_cache.num_pages // n)
         spec_c = cache_spec(kv_cache.layout, tp_axis=tp_axis, cp_axis=cp_axis)
         out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
-        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6, (out, spec_c))
+        sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6 + (P(tp_axis),), (out, spec_c))
         return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                        None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32),
-                       None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32))
+                       None if soft_cap is None else jnp.asarray(soft_cap, jnp.float32),
+                       None if sinks is None else jnp.asarray(sinks, jnp.float32))
     return run
 
 

@@ -116,8 +116,8 @@ def test_context_parallel_merge_option():
 
 
 def test_context_parallel_ragged_rejects_bad_arguments():
-    """context_parallel_ragged: a merge, an axis or a cache it cannot take is a ValueError naming it
-    (pages out of device order: the subprocess check)."""
+    """context_parallel_ragged: a merge, an axis, a cache or sinks it cannot take is a ValueError
+    naming it (pages out of device order: the subprocess check); head_parallel_ragged: sinks."""
     import jax
     import jax.numpy as jnp
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
@@ -135,6 +135,11 @@ def test_context_parallel_ragged_rejects_bad_arguments():
     cache = ji.PagedKVCache(jnp.zeros((4, 4, 2, 32)), jnp.zeros((4, 4, 2, 32)))
     with pytest.raises(ValueError, match="page_indices"):
         run(q, kv, kv, cache, meta[0], jnp.array([0, 4], jnp.int32), *meta[2:])
+    tp_run = sharding.head_parallel_ragged(jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",)))
+    for bad in (jnp.zeros(3), jnp.zeros(4, jnp.int32)):  # [Hq] floats only
+        for attend in (run, tp_run):
+            with pytest.raises(ValueError, match="sinks"):
+                attend(q, kv, kv, cache, *meta, sinks=bad)
 
 
 def test_context_plan_fixed_shapes_one_structure():
@@ -528,8 +533,9 @@ def _check_one_prompt(rng, kind="batch"):
     _check_cp(case, 1, 2, ref=ref, base=None, fixed_shapes=True)
 
 
-def _check_ragged_tp(rng, tp, hq=8, hkv=2):
-    """TP ragged_paged_attention (writes the new K/V too) against one device."""
+def _check_ragged_tp(rng, tp, hq=8, hkv=2, sinks=False):
+    """TP ragged_paged_attention (writes the new K/V too; with sinks, one random logit per query
+    head) against one device."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -546,7 +552,8 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2):
     q, kn, vn = mk((t, hq, d)), mk((t, hkv, d)), mk((t, hkv, d))
     cache = ji.PagedKVCache(mk((num_pages, page, hkv, d)), mk((num_pages, page, hkv, d)))
     meta = tuple(jnp.asarray(x) for x in (kv_lens, page_indices, cu, dist))
-    ref_o, ref_cache = ji.ragged_paged_attention(q, kn, vn, cache, *meta)
+    sink = 2 * mk((hq,)) if sinks else None
+    ref_o, ref_cache = ji.ragged_paged_attention(q, kn, vn, cache, *meta, sinks=sink)
     mesh = _mesh(tp, 1)
     hs = sharding.split_heads(hq, hkv, tp)
     rep = lambda x: sharding.replicate_kv_heads(x, hs.kv_replicas)
@@ -554,9 +561,9 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2):
     run = jax.jit(sharding.head_parallel_ragged(mesh))
     o, new_cache = run(sharding.put(q, heads), sharding.put(rep(kn), heads), sharding.put(rep(vn), heads),
                        sharding.put(rep(cache), NamedSharding(mesh, sharding.cache_spec("NHD", tp_axis="tp"))),
-                       *meta)
+                       *meta, sinks=sink)
     err = np.linalg.norm(np.asarray(o) - np.asarray(ref_o)) / np.linalg.norm(np.asarray(ref_o))
-    assert err <= 2e-5, f"TP{tp} ragged: o relative error {err:.2e}"
+    assert err <= 2e-5, f"TP{tp} ragged (sinks {sinks}): o relative error {err:.2e}"
     np.testing.assert_array_equal(np.asarray(new_cache.k_pages), np.asarray(rep(ref_cache).k_pages))
     print(f"TP{tp} ragged_paged_attention: o rel err {err:.1e}", flush=True)
 
@@ -582,11 +589,12 @@ def _ragged_cp_step(rng, devices, pages_per_shard, hkv, d, page, q_lens, kv_lens
     return (kv, page_indices.reshape(-1), cu, dist), (devices * pages_per_shard, page, hkv, d)
 
 
-def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, window=None, soft_cap=None):
+def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, window=None, soft_cap=None, sinks=False):
     """CP (x TP) ragged_paged_attention against one device: o and lse, and the written cache bit for
     bit. Decode rows on long sequences, a chunk whose rows straddle shares, a whole prompt, an
     empty q, a sequence that skips device 1, one shorter than a share; NaN in every page no
-    sequence lists. Pages listed out of device order raise ValueError."""
+    sequence lists; with sinks, one random logit per query head. Pages listed out of device order
+    raise ValueError."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -603,16 +611,18 @@ def _check_ragged_cp(rng, tp, cp, causal=True, hq=8, hkv=2, window=None, soft_ca
     k_pages[~listed], v_pages[~listed] = np.nan, np.nan
     cache = ji.PagedKVCache(jnp.asarray(k_pages), jnp.asarray(v_pages))
     meta = tuple(jnp.asarray(x) for x in meta)
+    sink = jnp.asarray(2 * mk((hq,))) if sinks else None
     ref, ref_cache = ji.ragged_paged_attention(q, kn, vn, cache, *meta, causal=causal, sliding_window=window,
-                                               soft_cap=soft_cap, return_lse=True)
+                                               soft_cap=soft_cap, sinks=sink, return_lse=True)
     mesh = _mesh(tp, cp)
     heads = NamedSharding(mesh, sharding.head_spec("tp" if tp > 1 else None))
     spec_c = sharding.cache_spec("NHD", tp_axis="tp" if tp > 1 else None, cp_axis="cp")
     run = sharding.context_parallel_ragged(mesh, tp_axis="tp" if tp > 1 else None, causal=causal, return_lse=True)
     state, new_cache = jax.jit(run)(sharding.put(q, heads), sharding.put(kn, heads), sharding.put(vn, heads),
                            sharding.put(cache, NamedSharding(mesh, spec_c)), *meta, sliding_window=window,
-                           soft_cap=soft_cap)
-    _compare(f"CP{cp} x TP{tp} ragged (causal {causal}, window {window}, soft cap {soft_cap})", state, ref)
+                           soft_cap=soft_cap, sinks=sink)
+    _compare(f"CP{cp} x TP{tp} ragged (causal {causal}, window {window}, soft cap {soft_cap}, sinks {sinks})",
+             state, ref)
     for got, want in ((new_cache.k_pages, ref_cache.k_pages), (new_cache.v_pages, ref_cache.v_pages)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # NaN == NaN
     if cp > 1:  # a sequence whose pages are not listed device by device (checked where concrete)
@@ -741,7 +751,9 @@ def _main_fast():
     _check_decode_family(rng)
     _check_one_prompt(rng, "batch")
     _check_ragged_tp(rng, 2)
+    _check_ragged_tp(rng, 4, sinks=True)
     _check_ragged_cp(rng, 1, 3)
+    _check_ragged_cp(rng, 2, 2, sinks=True)
     _check_mla_tp(rng, 2)
 
 
@@ -779,6 +791,8 @@ def _main_grid():
     for tp, cp, causal in ((1, 2, True), (1, 4, False), (2, 2, True), (1, 8, True)):
         _check_ragged_cp(rng, tp, cp, causal)
     _check_ragged_cp(rng, 1, 2, window=11, soft_cap=5.0)
+    _check_ragged_cp(rng, 1, 4, causal=False, sinks=True)
+    _check_ragged_cp(rng, 1, 2, window=11, sinks=True)
     _check_ragged_cp_scan(rng, 4)
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
