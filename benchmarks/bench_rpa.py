@@ -97,7 +97,7 @@ def main():
     print("jax", jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
     wanted = [x for x in args.rows.split(",") if x]
-    cp1 = sharding.context_parallel_ragged(Mesh(np.array(jax.devices()[:1]), ("cp",)), cp_axis="cp")
+    cp1 = sharding.context_parallel_ragged(Mesh(np.array(jax.devices()[:1]), ("cp",)), cp_axis="cp") if args.cp1 else None
     for name, q_lens, kv_lens in rows(rng):
         if wanted and not any(name.startswith(w) for w in wanted):
             continue

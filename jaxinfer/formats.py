@@ -250,6 +250,14 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 Q_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
+def check_sinks(sinks, num_qo_heads):
+    """Attention sinks: None or a float array [Hq], one logit per query head (ValueError otherwise)."""
+    if sinks is not None and (jnp.shape(sinks) != (num_qo_heads,)
+                              or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
+        raise ValueError(f"sinks must be a float array of shape [{num_qo_heads}] (one logit per query head), got "
+                         f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
+
+
 def check_q(q, name="q"):
     """q (or another query-side array) is an array of a dtype the kernels compute in."""
     if not hasattr(q, "dtype") or jnp.dtype(q.dtype) not in Q_DTYPES:

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import _backend, dispatch, ragged_plan, variants
-from jaxinfer.formats import (PagedKVCache, check_int32, check_kv_dtype, check_q, default_sm_scale, is_concrete,
-                              kv_scales)
+from jaxinfer.formats import (PagedKVCache, check_int32, check_kv_dtype, check_q, check_sinks, default_sm_scale,
+                              is_concrete, kv_scales)
 from jaxinfer.page import write_slots
 from jaxinfer.state import AttentionState
 from pallas_kernels import decode as decode_kernels
@@ -93,9 +93,7 @@ def _check(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, di
         raise ValueError(f"sliding_window must be >= 1, got {int(sliding_window)}")
     if soft_cap is not None and is_concrete(soft_cap) and not float(soft_cap) > 0:
         raise ValueError(f"soft_cap must be > 0, got {float(soft_cap)}")
-    if sinks is not None and (jnp.shape(sinks) != (hq,) or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
-        raise ValueError(f"sinks must be a float array of shape [{hq}] (one logit per query head), got "
-                         f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
+    check_sinks(sinks, hq)
     check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=t, num_pages=kv_cache.num_pages,
                    page_size=kv_cache.page_size, kv_covers_q=keys is not None or causal)
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.batch import BatchAttention
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
-from jaxinfer.formats import FUSED, AttentionState, PagedKVCache, is_concrete
+from jaxinfer.formats import FUSED, AttentionState, PagedKVCache, check_sinks, is_concrete
 from jaxinfer.mla import BatchMLAPagedAttention
 from jaxinfer.mla_ragged import mla_ragged_paged_attention
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache
@@ -224,21 +224,13 @@ def head_parallel_ragged(mesh, *, tp_axis="tp", causal=True, sm_scale=None, num_
 
     def run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
             sliding_window=None, soft_cap=None, sinks=None):
-        _check_sinks(sinks, queries.shape[1])
+        check_sinks(sinks, queries.shape[1])
         spec_c = cache_spec(kv_cache.layout, tp_axis=tp_axis)
         sharded = shard_map(body, mesh, (spec_q, spec_q, spec_q, spec_c) + (P(),) * 6 + (P(tp_axis),),
                             (spec_q, spec_c))
         return sharded(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                        sliding_window, soft_cap, None if sinks is None else jnp.asarray(sinks, jnp.float32))
     return run
-
-
-def _check_sinks(sinks, num_qo_heads):
-    """Attention sinks: None or a float array [Hq] (split on the heads' axis with them)."""
-    if sinks is not None and (jnp.shape(sinks) != (num_qo_heads,)
-                              or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
-        raise ValueError(f"sinks must be a float array of shape [{num_qo_heads}] (one logit per query head), got "
-                         f"{jnp.result_type(sinks)}{list(jnp.shape(sinks))}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,7 +760,7 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
             soft_cap=None, sinks=None):
         if not isinstance(kv_cache, PagedKVCache):
             raise ValueError("kv_cache must be a PagedKVCache")
-        _check_sinks(sinks, queries.shape[1])
+        check_sinks(sinks, queries.shape[1])
         if kv_cache.num_pages % n:
             raise ValueError(f"kv_cache: its {kv_cache.num_pages} pages do not split over {n} devices of {cp_axis!r}")
         ragged_check_metadata(kv_lens, page_indices, cu_q_lens, distribution, num_tokens=queries.shape[0],
