@@ -4,8 +4,9 @@ against one GPU, on Llama-3-70B heads (64 query / 8 KV, head_dim 128, bf16, page
     PYTHONPATH=. python3 benchmarks/bench_sharding.py --out $OUT/bench_sharding.json   # 1, 2, 4 GPUs
     PYTHONPATH=. python3 benchmarks/bench_sharding.py --smoke --out /tmp/s.json   # tiny, 4 forced CPU devices
 
-Rows: CP decode B8 kv131072, CP prefill B1 S65536 (causal), TP decode B64 kv4096, TP prefill B4
-S8192 (causal), each on 1, 2 and 4 devices (as many as there are). Every row first checks its
+Rows: CP decode B8 kv131072, CP prefill B1 S65536 (causal; keys split, and `CP rows`: query rows
+split, sharding.split_queries), TP decode B64 kv4096, TP prefill B4 S8192 (causal), and the
+context_parallel_ragged rows (`CP ragged`), each on 1, 2 and 4 devices (as many as there are). Every row first checks its
 output: the one-device output against float32 dense attention on a few query rows (the first and
 last request), each sharded output against the one-device output on the same random K/V (o
 relative error); then it times them: the median over repeated loops of a jitted program of
@@ -60,7 +61,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Config:
     """One benchmark row; prefill rows have qo_len = kv_len (whole prompts, causal)."""
     name: str
-    mode: str      # "cp", "tp" or "cp_ragged" (ragged_paged_attention, its KV write included)
+    mode: str      # "cp", "cp_rows" (query rows split: split_queries), "tp" or "cp_ragged"
+                   # (ragged_paged_attention, its KV write included)
     kind: str      # "decode" or "prefill"
     batch: int
     kv_len: int
@@ -75,6 +77,8 @@ def configs(smoke):
         return [Config(name="CP decode B2 kv256", mode="cp", kind="decode", batch=2, kv_len=256, calls=2, iters=1,
                        reps=1),
                 Config(name="CP prefill B1 S64", mode="cp", kind="prefill", batch=1, kv_len=64, calls=1, iters=1, reps=1),
+                Config(name="CP rows prefill B1 S64", mode="cp_rows", kind="prefill", batch=1, kv_len=64, calls=1,
+                       iters=1, reps=1),
                 Config(name="TP decode B4 kv64", mode="tp", kind="decode", batch=4, kv_len=64, calls=2, iters=1, reps=1),
                 Config(name="TP prefill B2 S32", mode="tp", kind="prefill", batch=2, kv_len=32, calls=1, iters=1,
                        reps=1),
@@ -86,6 +90,8 @@ def configs(smoke):
                    iters=3, reps=7),
             Config(name="CP prefill B1 S65536", mode="cp", kind="prefill", batch=1, kv_len=65536, calls=1, iters=2,
                    reps=5),
+            Config(name="CP rows prefill B1 S65536", mode="cp_rows", kind="prefill", batch=1, kv_len=65536, calls=1,
+                   iters=2, reps=5),
             Config(name="TP decode B64 kv4096", mode="tp", kind="decode", batch=64, kv_len=4096, calls=10, iters=5,
                    reps=7),
             Config(name="TP prefill B4 S8192", mode="tp", kind="prefill", batch=4, kv_len=8192, calls=1, iters=5,
@@ -215,6 +221,16 @@ def _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl, merge="auto")
                 jax.device_put(plan, NamedSharding(mesh, P())))
         return sharding.head_parallel(w, mesh), args, plan.impl, None
     mesh = jax.sharding.Mesh(devices, ("cp",))
+    if cfg.mode == "cp_rows":  # each device's rows whole: no partial states to time apart
+        split = sharding.split_queries(_qo_indptr(cfg), *table, PAGE, n, pages_per_shard=per)
+        w = ji.BatchPrefillWithPagedKVCache(HQ, HKV, D, PAGE, causal=True, num_ctas=8 if smoke else None, impl=impl,
+                                            max_batch_size=split.max_requests, max_num_tokens=split.max_tokens,
+                                            max_num_pages=split.max_pages)
+        plan = sharding.context_plan(w, split, num_pages=num_pages, q_data_type="bfloat16")
+        args = (jax.device_put(qs, NamedSharding(mesh, P())),
+                jax.device_put(cache, NamedSharding(mesh, sharding.cache_spec("NHD", cp_axis="cp"))),
+                jax.device_put(plan, NamedSharding(mesh, P("cp"))))
+        return sharding.context_parallel(w, mesh), args, plan.plan.impl, None
     split = sharding.split_page_table(*table, PAGE, n, qo_indptr=_qo_indptr(cfg), pages_per_shard=per)
     w = _wrapper(cfg, HQ, HKV, max(int(t[0][-1]) for t in split.tables), True, smoke, impl)
     dtype = {} if cfg.kind == "decode" else {"q_data_type": "bfloat16"}
@@ -310,7 +326,7 @@ def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto")
         got = jax.block_until_ready(outs)[0]
     else:
         run, args, row["kernels"], local = _runner(cfg, n, table, num_pages, per, cache, qs, smoke, impl, merge)
-        f = _program(run, cfg.calls, chained=cfg.mode == "cp")
+        f = _program(run, cfg.calls, chained=cfg.mode != "tp")
         t = time.perf_counter()
         got = jax.block_until_ready(f(*args))[0]
     row["first_call_s"] = time.perf_counter() - t  # compile included

@@ -7,7 +7,9 @@ the mesh axis); each device computes its partial AttentionState and the states a
 in float32: by a psum-based log-sum-exp merge (pmax of lse, psum of the weighted o), by an
 all-gather of the states and the same merge on every device, or by an all-to-all (each device
 merges a slice of the rows) and an all-gather of the merged slices, whichever moves fewer bytes
-(merge_choice). ragged_paged_attention has both too (head_parallel_ragged, and
+(merge_choice). For long prompts split_queries splits the query rows instead: each device
+computes its rows whole over the keys they see (the pages it needs gathered from the devices
+that hold them) and the devices exchange their rows. ragged_paged_attention has both too (head_parallel_ragged, and
 context_parallel_ragged, which plans each device's share on the device). Both together on a 2-D
 mesh ("tp", "cp"). The runners are shard_map'd functions:
 they work under jax.jit, lax.scan and jax.distributed alike. Usage and the choice of merge:
@@ -425,13 +427,21 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
     wrapper's capacities, so that a jitted serving step compiles once: key_offsets and share_lens
     padded to max_batch_size requests (decode kv_lens then has max_batch_size entries), and a
     prefill plan always takes the general form (base None, both sub-batches launched), where
-    False picks the cheapest form for this split (one prompt: no gathers, no second launch)."""
+    False picks the cheapest form for this split (one prompt: no gathers, no second launch).
+
+    A QuerySplit (split_queries) gives a QueryPlan: each device's sub-requests planned by the
+    wrapper (prefill or BatchAttention), whose shapes are the wrapper's capacities, the split's
+    num_rows and its gather width (gather_capacity), whatever fixed_shapes says."""
     _check_wrapper(wrapper)
-    if not isinstance(split, ContextSplit):
-        raise ValueError("split must be a ContextSplit from split_page_table")
+    if not isinstance(split, (ContextSplit, QuerySplit)):
+        raise ValueError("split must be a ContextSplit from split_page_table or a QuerySplit from split_queries")
     if wrapper.variant is not None:
         raise ValueError("context parallelism runs without a variant (a device would see its keys at "
                          "share-local positions)")
+    if isinstance(split, QuerySplit):
+        if horizon != 1:
+            raise ValueError("horizon is a decode plan's argument")
+        return _query_plan(wrapper, split, num_pages, q_data_type, kv_data_type)
     n = split.num_shards
     if split.pages_per_shard is None:
         local_pages = num_pages
@@ -506,6 +516,187 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
                        src=np.stack(srcs) if base is None else None,
                        key_offsets=key_offsets, share_lens=share_lens,
                        pages_per_shard=split.pages_per_shard, base=base, has_full=bool(full_plans))
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel by query rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class QuerySplit:
+    """One step's query rows split over devices (split_queries; host NumPy): each row is computed
+    whole on one device, over all of its request's keys. Per device, sub-requests: each a run of
+    one request's rows with the keys they see, its pages numbered in the gathered cache."""
+    tables: tuple              # per device: (qo_indptr int32[S+1], kv_indptr int32[S+1], kv_indices, kv_last_page_len int32[S])
+    rows: tuple                # per device: int64[R_k], q rows of its sub-requests in order
+    gather: Optional[np.ndarray]  # int32[n, G]: device-local ids of the pages each device lends; None: replicated cache
+    num_rows: int              # rows of the global q (those of no request give o = 0, lse = -inf)
+    pages_per_shard: Optional[int]
+
+    @property
+    def num_shards(self):
+        return len(self.tables)
+
+    @property
+    def max_requests(self):
+        """The per-device wrapper's max_batch_size must be at least this (sub-requests of one device)."""
+        return max(int(t[0].shape[0]) - 1 for t in self.tables)
+
+    @property
+    def max_tokens(self):
+        """The per-device wrapper's max_num_tokens must be at least this (rows of one device)."""
+        return max(int(r.shape[0]) for r in self.rows)
+
+    @property
+    def max_pages(self):
+        """The per-device wrapper's max_num_pages must be at least this (pages one device lists)."""
+        return max(int(t[1][-1]) for t in self.tables)
+
+
+def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, num_shards, *, causal=True,
+                  pages_per_shard=None, num_rows=None, gather_capacity=None):
+    """Splits a prefill step's query rows over num_shards devices (context parallel by rows, for
+    long prompts): request r's rows are cut into 2 n equal runs and device k takes runs k and
+    2 n - 1 - k, which balances causal work (a run's cost grows linearly with its position).
+    Each run is a sub-request over the keys it sees (causal: up to its last row; else all of
+    them). No partial states: each device computes its rows whole, and the devices exchange
+    their rows' outputs (T rows of o, against key splitting's merge of T rows from every device),
+    plus, with a page-sharded cache, the pages the step reads (Hkv / Hq of o's bytes a token).
+
+    pages_per_shard=None: the cache is replicated over the CP axis. pages_per_shard=N: device k
+    holds pages [k N, (k + 1) N) and lends the listed ones (gathered to every device, G a
+    device: the most any device lends, or gather_capacity for one shape across steps).
+    num_rows: q's rows (default qo_indptr[-1]). Returns a QuerySplit for context_plan."""
+    if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    indptr, indices, last, kv_lens, pages = validate.check_page_table(kv_indptr, kv_indices, kv_last_page_len,
+                                                                      page_size)
+    qo_indptr, qo_lens, _ = validate.indptr_lengths("qo_indptr", qo_indptr)
+    batch, n = pages.shape[0], int(num_shards)
+    if qo_indptr.shape[0] != batch + 1:
+        raise ValueError(f"qo_indptr describes {qo_indptr.shape[0] - 1} requests, kv_indptr {batch}")
+    if np.any(qo_lens > kv_lens):
+        raise ValueError("qo_indptr: a request has more queries than keys (kv_indptr, kv_last_page_len)")
+    num_rows = int(qo_indptr[-1]) if num_rows is None else int(num_rows)
+    if num_rows < qo_indptr[-1]:
+        raise ValueError(f"num_rows ({num_rows}) must cover qo_indptr's {int(qo_indptr[-1])} rows")
+    listed = indices[: indptr[-1]].astype(np.int64)
+    gather, remap = None, listed
+    if pages_per_shard is not None:
+        if pages_per_shard < 1:
+            raise ValueError(f"pages_per_shard must be >= 1, got {pages_per_shard}")
+        owner, local = listed // pages_per_shard, listed % pages_per_shard
+        if owner.size and owner.max() >= n:
+            raise ValueError(f"kv_indices holds page ids past num_shards x pages_per_shard "
+                             f"({n * pages_per_shard})")
+        lent = [np.unique(local[owner == k]) for k in range(n)]
+        width = max(1, max(x.shape[0] for x in lent))
+        if gather_capacity is not None:
+            if gather_capacity < width:
+                raise ValueError(f"gather_capacity ({gather_capacity}) is below the {width} pages a device lends")
+            width = int(gather_capacity)
+        gather = np.zeros((n, width), np.int32)  # (padding lends local page 0, which no table lists)
+        remap = np.empty_like(listed)
+        for k in range(n):
+            gather[k, : lent[k].shape[0]] = lent[k]
+            mine = owner == k
+            remap[mine] = k * width + np.searchsorted(lent[k], local[mine])
+    subs = [[] for _ in range(n)]  # per device: (first row, rows, kv_len, pages)
+    for r in range(batch):
+        cuts = np.rint(np.linspace(0, int(qo_lens[r]), 2 * n + 1)).astype(np.int64)
+        first = int(kv_lens[r] - qo_lens[r])  # position of the request's first query
+        for c in range(2 * n):
+            a, b = cuts[c], cuts[c + 1]
+            seen = first + b if causal else int(kv_lens[r])
+            if b > a and seen > 0:
+                subs[c if c < n else 2 * n - 1 - c].append((qo_indptr[r] + a, b - a, seen,
+                                                          remap[indptr[r]: indptr[r] + -(-seen // page_size)]))
+    tables, rows = [], []
+    for sub in subs:
+        lens = np.asarray([s[1] for s in sub], np.int64)
+        npg = np.asarray([s[3].shape[0] for s in sub], np.int64)
+        seen = np.asarray([s[2] for s in sub], np.int64)
+        tables.append((np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+                       np.concatenate([[0], np.cumsum(npg)]).astype(np.int32),
+                       np.concatenate([s[3] for s in sub] + [np.zeros(0, np.int64)]).astype(np.int32),
+                       (seen - (npg - 1) * page_size).astype(np.int32)))
+        rows.append(_ranges([s[0] for s in sub], lens))
+    return QuerySplit(tables=tuple(tables), rows=tuple(rows), gather=gather, num_rows=num_rows,
+                      pages_per_shard=pages_per_shard)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class QueryPlan:
+    """Per-device plans of a QuerySplit stacked on a leading device axis (context_plan); place it
+    with put(plan, NamedSharding(mesh, P(cp_axis))). Device k gathers its rows of q (rows), runs
+    the wrapper over them (plan) on the cache whose pages every device lent (gather), and every
+    device takes each q row's output from the devices' outputs gathered in device order (src)."""
+    plan: object                     # stacked wrapper plans
+    rows: np.ndarray                 # int32[n, R]: device k's q rows, padded (R: the wrapper's max_num_tokens)
+    src: np.ndarray                  # int32[n, T]: q row t's row k R + i of the gathered outputs, or -1 (none)
+    gather: Optional[np.ndarray] = None  # int32[n, G], or None (replicated cache)
+    pages_per_shard: Optional[int] = None
+
+    def tree_flatten(self):
+        return (self.plan, self.rows, self.src, self.gather), (self.pages_per_shard,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        plan, rows, src, gather = children
+        return cls(plan=plan, rows=rows, src=src, gather=gather, pages_per_shard=aux[0])
+
+
+def _query_plan(wrapper, split, num_pages, q_data_type, kv_data_type):
+    """context_plan of a QuerySplit."""
+    if isinstance(wrapper, BatchDecodeWithPagedKVCache):
+        raise ValueError("split_queries splits prefill rows: a decode step has one row per request "
+                         "(split its keys: split_page_table)")
+    if wrapper.max_num_tokens is None:
+        raise ValueError("context parallel by rows needs the wrapper's max_num_tokens (and max_batch_size, "
+                         "max_num_pages)")
+    n = split.num_shards
+    if split.gather is None:
+        local_pages = num_pages  # the replicated cache itself
+    elif num_pages != n * split.pages_per_shard:
+        raise ValueError(f"num_pages ({num_pages}) must be num_shards x pages_per_shard "
+                         f"({n} x {split.pages_per_shard})")
+    else:
+        local_pages = split.gather.size  # the lent pages of every device
+    cap = int(wrapper.max_num_tokens)
+    if split.max_tokens > cap:
+        raise ValueError(f"a device gets {split.max_tokens} rows, past the wrapper's max_num_tokens ({cap})")
+    plans = [wrapper.plan(*table, num_pages=local_pages, q_data_type=q_data_type, kv_data_type=kv_data_type)
+             for table in split.tables]
+    src = np.full(split.num_rows, -1, np.int64)
+    for k, rows in enumerate(split.rows):
+        src[rows] = k * cap + np.arange(rows.shape[0])
+    padded = np.stack([np.concatenate([r, np.zeros(cap - r.shape[0], np.int64)]) for r in split.rows])
+    return QueryPlan(plan=_stack(plans), rows=padded.astype(np.int32),
+                     src=np.broadcast_to(src.astype(np.int32), (n, split.num_rows)).copy(),
+                     gather=split.gather, pages_per_shard=split.pages_per_shard)
+
+
+def _rows_state(wrapper, q, kv_cache, plan, axis):
+    """Every q row's AttentionState under a QueryPlan (this device's slice of it): the lent pages
+    gathered, this device's rows computed whole, every device's rows exchanged."""
+    if plan.gather is not None:  # [n G, ...]: every device's lent pages, in device order
+        kv_cache = jax.tree.map(lambda a: lax.all_gather(jnp.take(a, plan.gather, axis=0), axis, tiled=True),
+                                kv_cache)
+    mine = wrapper.run(jnp.take(q, plan.rows, axis=0), kv_cache, plan.plan, return_lse=True)  # [R, H, D]
+    cap = plan.rows.shape[0]
+    has = plan.src >= 0
+    src = jnp.where(has, plan.src, 0)
+    if _axis_size(axis) == 2:  # one swap; each device's rows from its own output or the other's
+        other = jax.tree.map(lambda x: lax.ppermute(x, axis, [(0, 1), (1, 0)]), mine)
+        here = (src // cap) == lax.axis_index(axis)
+        pick = lambda x, y: jnp.where(here.reshape(-1, *[1] * (x.ndim - 1)), jnp.take(x, src % cap, axis=0),
+                                      jnp.take(y, src % cap, axis=0))
+        o, lse = pick(mine.o, other.o), pick(mine.lse, other.lse)
+    else:
+        o, lse = (jnp.take(lax.all_gather(x, axis, tiled=True), src, axis=0) for x in mine)
+    o = jnp.where(has[:, None, None], o, jnp.zeros((), o.dtype))
+    return AttentionState(o, jnp.where(has[:, None], lse, -jnp.inf))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,8 +828,9 @@ def _local_state(wrapper, q, kv_cache, plan, kv_lens):
     return AttentionState(jnp.take(o, plan.src, axis=0, mode="clip"), jnp.take(lse, plan.src, axis=0, mode="clip"))
 
 
-def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out):
-    """run(q, kv_cache, plan, kv_lens=None): shard_map of finish(each device's local state)."""
+def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, whole=None):
+    """run(q, kv_cache, plan, kv_lens=None): shard_map of finish(each device's local state) for a
+    ContextPlan, of whole(every row's state) for a QueryPlan (whole None: QueryPlans refused)."""
     _check_wrapper(wrapper)
     _check_axis(mesh, "cp_axis", cp_axis)
     _check_axis(mesh, "tp_axis", tp_axis)
@@ -648,13 +840,17 @@ def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out):
 
     def body(q, kv_cache, plan, kv_lens):
         plan = jax.tree.map(lambda x: x[0], plan)  # this device's plan
+        if isinstance(plan, QueryPlan):
+            return whole(_rows_state(wrapper, q, kv_cache, plan, cp_axis))
         return finish(_local_state(wrapper, q, kv_cache, plan, kv_lens))
 
     sharded = shard_map(body, mesh, (spec_q, spec_c, P(cp_axis), P()), out)
 
     def run(q, kv_cache, plan, kv_lens=None):
-        if not isinstance(plan, ContextPlan):
-            raise ValueError("plan must be a ContextPlan from context_plan")
+        plans = (ContextPlan, QueryPlan) if whole is not None else ContextPlan
+        if not isinstance(plan, plans):
+            raise ValueError("plan must be a ContextPlan from context_plan"
+                             + (" (or a QueryPlan)" if whole is not None else " over a split_page_table split"))
         if (plan.pages_per_shard is not None) != shard_pages:
             raise ValueError(f"plan was split for a {'page-sharded' if plan.pages_per_shard else 'replicated'} "
                              f"cache but shard_pages={shard_pages}")
@@ -667,7 +863,8 @@ def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out):
 def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=True, return_lse=False,
                      merge="auto"):
     """wrapper.run with the context split on mesh axis cp_axis (and heads on tp_axis, if given):
-    run(q, kv_cache, plan, kv_lens=None) with a ContextPlan.
+    run(q, kv_cache, plan, kv_lens=None) with a ContextPlan (keys split, states merged) or a
+    QueryPlan (query rows split, each computed whole on one device and exchanged; merge unused).
 
     q, o [T, Hq, D]: replicated over cp_axis (heads on tp_axis). The cache: pages sharded on
     cp_axis (shard_pages=True; split_page_table(pages_per_shard=)) or replicated. kv_lens
@@ -681,12 +878,14 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
     out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
     n = mesh.shape[cp_axis]
 
-    def finish(state):
-        how = merge_choice(n, state.o.dtype, state.o.size * state.o.dtype.itemsize) if merge == "auto" else merge
-        state = merge_over(state, cp_axis, merge=how)
+    def whole(state):
         return state if return_lse else state.o
 
-    return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out)
+    def finish(state):
+        how = merge_choice(n, state.o.dtype, state.o.size * state.o.dtype.itemsize) if merge == "auto" else merge
+        return whole(merge_over(state, cp_axis, merge=how))
+
+    return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, whole)
 
 
 def context_partial_states(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=True):

@@ -80,6 +80,70 @@ def test_split_page_table_covers_every_page_once():
         sharding.split_page_table(indptr, indices, last, page, 0)
 
 
+def test_split_queries_covers_every_row_once():
+    """split_queries: every query row lands on exactly one device, once, in runs of its request
+    whose sub-request sees the keys its rows see (causal: up to the run's last row); device k
+    takes runs k and 2 n - 1 - k (equal causal work for a whole prompt); lent pages renumbered
+    in the gathered cache. One shape across steps under gather_capacity, num_rows and the
+    wrapper's capacities. Bad arguments are ValueErrors naming them."""
+    import jax
+    rng = np.random.default_rng(0)
+    page, n, per = 4, 3, 40
+    kv_lens = np.array([0, 1, 6, 45, 70], np.int32)
+    qo_lens = np.array([0, 1, 3, 17, 70], np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    table = _sharded_table(rng, kv_lens, page, n, per)
+    for causal in (True, False):
+        split = sharding.split_queries(qo_indptr, *table, page, n, causal=causal, pages_per_shard=per, num_rows=100)
+        rows = np.concatenate(split.rows)
+        np.testing.assert_array_equal(np.sort(rows), np.arange(qo_indptr[-1]))
+        for (sub_qo, sub_kv, sub_idx, sub_last), mine in zip(split.tables, split.rows):
+            seen = (np.diff(sub_kv) - 1) * page + sub_last
+            starts = mine[sub_qo[:-1]]
+            request = np.searchsorted(qo_indptr, starts, side="right") - 1
+            ends = starts + np.diff(sub_qo) - qo_indptr[request]  # run's end within its request
+            want = kv_lens[request] - qo_lens[request] + ends if causal else kv_lens[request]
+            np.testing.assert_array_equal(seen, want)
+            for s in range(sub_qo.shape[0] - 1):  # the request's pages, as gathered
+                got = sub_idx[sub_kv[s]:sub_kv[s + 1]]
+                listed = table[1][table[0][request[s]]:table[0][request[s]] + got.shape[0]]
+                lent = split.gather.reshape(-1)[got] + (got // split.gather.shape[1]) * per
+                np.testing.assert_array_equal(lent, listed)
+    # The 70-row prompt: runs of 12, 11, 12, 12, 11 and 12 rows, device k with runs k and 5 - k.
+    assert [int(np.sum((r >= qo_indptr[4]) & (r < qo_indptr[5]))) for r in split.rows] == [24, 22, 24]
+    pre = ji.BatchPrefillWithPagedKVCache(4, 2, 32, page, causal=True, num_ctas=8, max_batch_size=10,
+                                          max_num_tokens=40, max_num_pages=60)
+
+    def signature(kv, qo):
+        t = _sharded_table(rng, kv, page, n, per)
+        qi = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        sp = sharding.split_queries(qi, *t, page, n, pages_per_shard=per, num_rows=100, gather_capacity=30)
+        leaves, tree = jax.tree.flatten(sharding.context_plan(pre, sp, num_pages=n * per))
+        return tree, [np.shape(x) for x in leaves]
+    assert signature([37], [37]) == signature([9, 30, 3], [2, 30, 1])
+    with pytest.raises(ValueError, match="gather_capacity"):
+        sharding.split_queries(qo_indptr, *table, page, n, pages_per_shard=per, gather_capacity=2)
+    with pytest.raises(ValueError, match="num_rows"):
+        sharding.split_queries(qo_indptr, *table, page, n, num_rows=10)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        sharding.split_queries(np.array([0, 0, 2, 3, 17, 70], np.int32), *table, page, n)
+    with pytest.raises(ValueError, match="num_shards"):
+        sharding.split_queries(qo_indptr, *table, page, 0)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        sharding.context_plan(pre, sharding.split_queries(qo_indptr, *table, page, 2), num_pages=n * per)
+    with pytest.raises(ValueError, match="num_pages"):
+        sharding.context_plan(pre, sharding.split_queries(qo_indptr[:3], *_sharded_table(rng, [0, 1], page, n, per),
+                                                          page, n, pages_per_shard=per), num_pages=per)
+    dec = ji.BatchDecodeWithPagedKVCache(4, 2, 32, page, max_batch_size=4, max_num_pages=48)
+    with pytest.raises(ValueError, match="decode"):
+        sharding.context_plan(dec, split, num_pages=n * per)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
+    one = sharding.split_queries(qo_indptr[:3], *_sharded_table(rng, [0, 1], page, 1, per), page, 1,
+                                 pages_per_shard=per)
+    with pytest.raises(ValueError, match="ContextPlan"):
+        sharding.context_partial_states(pre, mesh)(None, None, sharding.context_plan(pre, one, num_pages=per))
+
+
 def test_head_parallel_takes_every_paged_wrapper():
     """head_parallel takes the cascade and MLA wrappers too (split on heads like any plan);
     context_parallel only the wrappers it splits by context; anything else is a ValueError."""
@@ -402,6 +466,40 @@ def _check_cp_merges(case, tp, cp, base="any", ref=None, shard_pages=None):
     states = local(q, cache, plan)
     _check_merges(_cp_name(case, tp, cp, split, plan, "{}") + " on context_partial_states", mesh, tp_axis, states,
                   case.reference() if ref is None else ref)
+
+
+def _check_cp_rows(case, tp, cp, gather_capacity=None):
+    """context_parallel with a QueryPlan (split_queries: query rows split, each device's rows
+    whole over their keys, the lent pages of a page-sharded cache gathered) against one device;
+    every replica of the result holds the same bits."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = _mesh(tp, cp)
+    tp_axis = "tp" if tp > 1 else None
+    hs = sharding.split_heads(case.hq, case.hkv, tp)
+    split = sharding.split_queries(case.qo_indptr, *case.table, case.page, cp, causal=case.causal,
+                                   pages_per_shard=case.pages_per_shard, num_rows=case.tcap,
+                                   gather_capacity=gather_capacity)
+    cls = ji.BatchPrefillWithPagedKVCache if case.kind == "prefill" else ji.BatchAttention
+    w = cls(hs.num_qo_heads, hs.num_kv_heads, case.d, case.page, causal=case.causal, layout=case.layout, num_ctas=8,
+            max_batch_size=split.max_requests, max_num_tokens=split.max_tokens, max_num_pages=split.max_pages)
+    plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages), NamedSharding(mesh, P("cp")))
+    cache = case.cache()
+    if hs.kv_replicas > 1:
+        cache = sharding.replicate_kv_heads(cache, hs.kv_replicas)
+    shard_pages = case.pages_per_shard is not None
+    spec_c = sharding.cache_spec(case.layout, tp_axis=tp_axis, cp_axis="cp" if shard_pages else None)
+    cache = sharding.put(cache, NamedSharding(mesh, spec_c))
+    q = sharding.put(case.q, NamedSharding(mesh, sharding.head_spec(tp_axis)))
+    run = jax.jit(sharding.context_parallel(w, mesh, tp_axis=tp_axis, shard_pages=shard_pages, return_lse=True))
+    state = run(q, cache, plan)
+    _compare(f"TP{tp}xCP{cp} by rows {case.kind} causal={case.causal} {case.layout} "
+             f"{'page-sharded' if shard_pages else 'replicated'} cache", state, case.reference())
+    for x in state:
+        first = x.addressable_shards[0]
+        copies = [np.asarray(sh.data) for sh in x.addressable_shards if sh.index == first.index]
+        assert len(copies) == cp and all(np.array_equal(c, copies[0], equal_nan=True) for c in copies[1:])
 
 
 @functools.lru_cache(maxsize=None)
@@ -748,6 +846,9 @@ def _short_mix(kind):
 
 def _main_fast():
     rng = np.random.default_rng(1)
+    kv, qo = _short_mix("prefill")
+    _check_cp_rows(_Case(rng, "prefill", 4, 2, "NHD", 2, kv, qo, sharded=True), 1, 2)  # one swap
+    _check_cp_rows(_Case(rng, "batch", 8, 2, "HND", 2, kv, qo, causal=False), 2, 3)  # all-gathers, TP x CP
     _check_decode_family(rng)
     _check_one_prompt(rng, "batch")
     _check_ragged_tp(rng, 2)
@@ -788,6 +889,14 @@ def _main_grid():
                 _check_cp(_Case(rng, kind, 8, 2, layout, cp, kv, qo, True, True), tp, cp)
     # A chunk of 7 queries over 3 pages on 4 devices (one share empty), one prompt per step.
     _check_cp(_Case(rng, "batch", 4, 2, "NHD", 4, [10], [7], sharded=True), 1, 4, merge="all_gather", base="diag")
+    for kind in ("prefill", "batch"):  # context parallel by query rows
+        kv, qo = _short_mix(kind)
+        for n in (2, 4, 8):
+            for causal in (True, False):
+                for sharded in (False, True):
+                    _check_cp_rows(_Case(rng, kind, 4, 2, "NHD", n, kv, qo, causal, sharded), 1, n)
+        _check_cp_rows(_Case(rng, kind, 8, 2, "HND", 4, kv, qo, True, True), 2, 4, gather_capacity=40)
+        _check_cp_rows(_Case(rng, kind, 4, 2, "NHD", 4, [37], [37], True, True), 1, 4)
     for tp, cp, causal in ((1, 2, True), (1, 4, False), (2, 2, True), (1, 8, True)):
         _check_ragged_cp(rng, tp, cp, causal)
     _check_ragged_cp(rng, 1, 2, window=11, soft_cap=5.0)
