@@ -27,8 +27,10 @@ share, never on the host; the cache on KV heads, attention through jaxinfer.shar
 plans replicated); the decode step then appends the K/V through the page table instead of inside
 the decode kernel. --cp N splits the context over N devices for long prompts (llama.py: every
 layer's cache split on pages, each request's pages spread evenly over the devices, the attention
-through jaxinfer.sharding.context_parallel with one plan per device and the partial states
-merged exactly); the rest of the model runs replicated on every device.
+through jaxinfer.sharding.context_parallel with one plan per device: the prefill splits the
+prompts' query rows (sharding.split_queries: each device computes its rows whole, the pages
+gathered), the decode steps split the keys and merge the partial states exactly); the rest of
+the model runs replicated on every device.
 """
 import argparse
 import sys
@@ -222,9 +224,14 @@ class BatchRun:
             self.page_lists = [allocator.alloc(int(n)) for n in self.pages_needed]
         hs, d = cfg.heads, cfg.head_dim  # per-device heads (all of them without TP)
         opts = {} if jax.default_backend() == "gpu" else {"num_ctas": 8}  # interpret mode runs the grid serially
+        capacities = (batch, int(self.prompt_lens.sum()), self.local_pages)
+        if args.cp > 1:  # the prefill's query rows split over the devices: its capacities are one device's
+            self.prompt_split = sharding.split_queries(self.qo_indptr(), *self.prompt_table(), ps, args.cp,
+                                                       pages_per_shard=self.local_pages)
+            capacities = (self.prompt_split.max_requests, self.prompt_split.max_tokens, self.prompt_split.max_pages)
         self.prefill = ji.BatchPrefillWithPagedKVCache(
-            hs.num_qo_heads, hs.num_kv_heads, d, ps, causal=True, max_batch_size=batch,
-            max_num_tokens=int(self.prompt_lens.sum()), max_num_pages=self.local_pages, **opts)
+            hs.num_qo_heads, hs.num_kv_heads, d, ps, causal=True, max_batch_size=capacities[0],
+            max_num_tokens=capacities[1], max_num_pages=capacities[2], **opts)
         self.decode = ji.BatchDecodeWithPagedKVCache(hs.num_qo_heads, hs.num_kv_heads, d, ps, max_batch_size=batch,
                                                      max_num_pages=self.local_pages, **opts)
         self.sampling, self.key = put((llama.SamplingParams.full(batch, args.temperature, args.top_k, args.top_p,
@@ -237,17 +244,25 @@ class BatchRun:
             lowered.append(self.decode_fn.lower(*self.call_args(tokens, self.decode_inputs(0), kv_cache, self.key)))
         return lowered
 
+    def qo_indptr(self):
+        return np.concatenate([[0], np.cumsum(self.prompt_lens)]).astype(np.int32)
+
+    def prompt_table(self):
+        """The prompts' page table (kv_indptr, kv_indices, kv_last_page_len)."""
+        return page_table(self.page_lists, self.prompt_lens, self.args.page_size)
+
     def prefill_inputs(self, kv_cache):
         """The prefill call's arguments: every prompt in one call."""
         batch, lens = self.batch, self.prompt_lens
-        qo_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        kv_indptr, kv_indices, last = page_table(self.page_lists, lens, self.args.page_size)
+        qo_indptr = self.qo_indptr()
+        kv_indptr, kv_indices, last = self.prompt_table()
         positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
         rows = np.repeat(np.arange(batch), lens).astype(np.int32)
-        if self.args.cp > 1:
+        if self.args.cp > 1:  # attention by query rows; the K/V written where their pages live
+            plan = sharding.context_plan(self.prefill, self.prompt_split, num_pages=self.num_pages,
+                                         q_data_type=self.cfg.dtype)
             split = sharding.split_page_table(kv_indptr, kv_indices, last, self.args.page_size, self.args.cp,
-                                              qo_indptr=qo_indptr, causal=True, pages_per_shard=self.local_pages)
-            plan = sharding.context_plan(self.prefill, split, num_pages=self.num_pages, q_data_type=self.cfg.dtype)
+                                              pages_per_shard=self.local_pages)
             table = llama.context_append_tables(split, rows, positions, self.local_pages)
         else:
             plan = self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, num_pages=self.num_pages,

@@ -376,7 +376,8 @@ class PagedAttention:
     sharding.head_parallel (the plan replicated), the K/V appended on each device's heads
     (append_head_parallel). It needs the page table: head_parallel runs no append_kv.
     A context-parallel mesh (axis "cp"): plan is a sharding.ContextPlan of the wrapper built for
-    one device's pages, and the append table is context_append_tables' (one per device, stacked).
+    one device's pages (or a QueryPlan, whose wrapper is built for one device's query rows), and
+    the append table is context_append_tables' (one per device, stacked).
     """
     wrapper: Any
     pages_per_layer: int
