@@ -556,8 +556,9 @@ class QuerySplit:
 def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, num_shards, *, causal=True,
                   pages_per_shard=None, num_rows=None, gather_capacity=None):
     """Splits a prefill step's query rows over num_shards devices (context parallel by rows, for
-    long prompts): request r's rows are cut into 2 n equal runs and device k takes runs k and
-    2 n - 1 - k, which balances causal work (a run's cost grows linearly with its position).
+    long prompts): request r's rows are cut into 2 n equal runs and device (k + r) mod n takes
+    runs k and 2 n - 1 - k, which balances causal work (a run's cost grows linearly with its
+    position), and spreads requests of fewer rows than runs over the devices.
     Each run is a sub-request over the keys it sees (causal: up to its last row; else all of
     them). No partial states: each device computes its rows whole, and the devices exchange
     their rows' outputs (T rows of o, against key splitting's merge of T rows from every device),
@@ -608,9 +609,9 @@ def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
         for c in range(2 * n):
             a, b = cuts[c], cuts[c + 1]
             seen = first + b if causal else int(kv_lens[r])
-            if b > a and seen > 0:
-                subs[c if c < n else 2 * n - 1 - c].append((qo_indptr[r] + a, b - a, seen,
-                                                          remap[indptr[r]: indptr[r] + -(-seen // page_size)]))
+            if b > a and seen > 0:  # (the pairs rotate with r: one-row requests spread over the devices)
+                subs[((c if c < n else 2 * n - 1 - c) + r) % n].append(
+                    (qo_indptr[r] + a, b - a, seen, remap[indptr[r]: indptr[r] + -(-seen // page_size)]))
     tables, rows = [], []
     for sub in subs:
         lens = np.asarray([s[1] for s in sub], np.int64)

@@ -82,8 +82,9 @@ def test_split_page_table_covers_every_page_once():
 
 def test_split_queries_covers_every_row_once():
     """split_queries: every query row lands on exactly one device, once, in runs of its request
-    whose sub-request sees the keys its rows see (causal: up to the run's last row); device k
-    takes runs k and 2 n - 1 - k (equal causal work for a whole prompt); lent pages renumbered
+    whose sub-request sees the keys its rows see (causal: up to the run's last row); device
+    (k + r) mod n takes request r's runs k and 2 n - 1 - k (equal causal work for a whole
+    prompt; one-row requests spread over the devices); lent pages renumbered
     in the gathered cache. One shape across steps under gather_capacity, num_rows and the
     wrapper's capacities. Bad arguments are ValueErrors naming them."""
     import jax
@@ -109,8 +110,10 @@ def test_split_queries_covers_every_row_once():
                 listed = table[1][table[0][request[s]]:table[0][request[s]] + got.shape[0]]
                 lent = split.gather.reshape(-1)[got] + (got // split.gather.shape[1]) * per
                 np.testing.assert_array_equal(lent, listed)
-    # The 70-row prompt: runs of 12, 11, 12, 12, 11 and 12 rows, device k with runs k and 5 - k.
-    assert [int(np.sum((r >= qo_indptr[4]) & (r < qo_indptr[5]))) for r in split.rows] == [24, 22, 24]
+    # The 70-row prompt (request 4): runs of 12, 11, 12, 12, 11 and 12 rows, device (k + 4) mod 3
+    # with runs k and 5 - k; the one-row request 1 on device (2 + 1) mod 3 = 0 (its row in run 2).
+    rows_of = lambda r: [int(np.sum((x >= qo_indptr[r]) & (x < qo_indptr[r + 1]))) for x in split.rows]
+    assert rows_of(4) == [24, 24, 22] and rows_of(1) == [1, 0, 0]
     pre = ji.BatchPrefillWithPagedKVCache(4, 2, 32, page, causal=True, num_ctas=8, max_batch_size=10,
                                           max_num_tokens=40, max_num_pages=60)
 
