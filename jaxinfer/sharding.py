@@ -565,8 +565,9 @@ def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
     plus, with a page-sharded cache, the pages the step reads (Hkv / Hq of o's bytes a token).
 
     pages_per_shard=None: the cache is replicated over the CP axis. pages_per_shard=N: device k
-    holds pages [k N, (k + 1) N) and lends the listed ones (gathered to every device, G a
-    device: the most any device lends, or gather_capacity for one shape across steps).
+    holds pages [k N, (k + 1) N) and lends those of them that the runs read (gathered to every
+    device, G a device: the most any device lends, or gather_capacity for one shape across
+    steps).
     num_rows: q's rows (default qo_indptr[-1]). Returns a QuerySplit for context_plan."""
     if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
@@ -581,28 +582,9 @@ def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
     num_rows = int(qo_indptr[-1]) if num_rows is None else int(num_rows)
     if num_rows < qo_indptr[-1]:
         raise ValueError(f"num_rows ({num_rows}) must cover qo_indptr's {int(qo_indptr[-1])} rows")
-    listed = indices[: indptr[-1]].astype(np.int64)
-    gather, remap = None, listed
-    if pages_per_shard is not None:
-        if pages_per_shard < 1:
-            raise ValueError(f"pages_per_shard must be >= 1, got {pages_per_shard}")
-        owner, local = listed // pages_per_shard, listed % pages_per_shard
-        if owner.size and owner.max() >= n:
-            raise ValueError(f"kv_indices holds page ids past num_shards x pages_per_shard "
-                             f"({n * pages_per_shard})")
-        lent = [np.unique(local[owner == k]) for k in range(n)]
-        width = max(1, max(x.shape[0] for x in lent))
-        if gather_capacity is not None:
-            if gather_capacity < width:
-                raise ValueError(f"gather_capacity ({gather_capacity}) is below the {width} pages a device lends")
-            width = int(gather_capacity)
-        gather = np.zeros((n, width), np.int32)  # (padding lends local page 0, which no table lists)
-        remap = np.empty_like(listed)
-        for k in range(n):
-            gather[k, : lent[k].shape[0]] = lent[k]
-            mine = owner == k
-            remap[mine] = k * width + np.searchsorted(lent[k], local[mine])
-    subs = [[] for _ in range(n)]  # per device: (first row, rows, kv_len, pages)
+    if pages_per_shard is not None and pages_per_shard < 1:
+        raise ValueError(f"pages_per_shard must be >= 1, got {pages_per_shard}")
+    subs = [[] for _ in range(n)]  # per device: (first row, rows, kv_len, global page ids)
     for r in range(batch):
         cuts = np.rint(np.linspace(0, int(qo_lens[r]), 2 * n + 1)).astype(np.int64)
         first = int(kv_lens[r] - qo_lens[r])  # position of the request's first query
@@ -611,7 +593,26 @@ def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size,
             seen = first + b if causal else int(kv_lens[r])
             if b > a and seen > 0:  # (the pairs rotate with r: one-row requests spread over the devices)
                 subs[((c if c < n else 2 * n - 1 - c) + r) % n].append(
-                    (qo_indptr[r] + a, b - a, seen, remap[indptr[r]: indptr[r] + -(-seen // page_size)]))
+                    (qo_indptr[r] + a, b - a, seen, indices[indptr[r]: indptr[r] + -(-seen // page_size)]))
+    gather = None
+    if pages_per_shard is not None:  # each device lends the pages of its block that some run reads
+        read = np.unique(np.concatenate([x[3] for sub in subs for x in sub] + [np.zeros(0, np.int32)]))
+        owner, local = read // pages_per_shard, read % pages_per_shard
+        if owner.size and owner.max() >= n:
+            raise ValueError(f"kv_indices holds page ids past num_shards x pages_per_shard "
+                             f"({n * pages_per_shard})")
+        lent = [local[owner == k] for k in range(n)]  # (sorted, as read is)
+        width = max(1, max(x.shape[0] for x in lent))
+        if gather_capacity is not None:
+            if gather_capacity < width:
+                raise ValueError(f"gather_capacity ({gather_capacity}) is below the {width} pages a device lends")
+            width = int(gather_capacity)
+        gather = np.zeros((n, width), np.int32)  # (padding lends local page 0, which no table lists)
+        at = np.empty(read.shape[0], np.int64)  # each read page's id in the gathered cache
+        for k in range(n):
+            gather[k, : lent[k].shape[0]] = lent[k]
+            at[owner == k] = k * width + np.arange(lent[k].shape[0])
+        subs = [[(*x[:3], at[np.searchsorted(read, x[3])]) for x in sub] for sub in subs]
     tables, rows = [], []
     for sub in subs:
         lens = np.asarray([s[1] for s in sub], np.int64)

@@ -114,6 +114,13 @@ def test_split_queries_covers_every_row_once():
     # with runs k and 5 - k; the one-row request 1 on device (2 + 1) mod 3 = 0 (its row in run 2).
     rows_of = lambda r: [int(np.sum((x >= qo_indptr[r]) & (x < qo_indptr[r + 1]))) for x in split.rows]
     assert rows_of(4) == [24, 24, 22] and rows_of(1) == [1, 0, 0]
+    # Only pages a run reads are lent: request 0 has no queries, so its 3 pages stay home.
+    t2 = _sharded_table(rng, [9, 20], page, n, per)
+    lone = sharding.split_queries(np.array([0, 0, 2], np.int32), *t2, page, n, pages_per_shard=per)
+    read = np.sort(t2[1][3:])  # request 1's pages
+    for k, g in enumerate(lone.gather):  # device k lends its own of them, then padding (local page 0)
+        mine = read[read // per == k] % per
+        np.testing.assert_array_equal(g, np.pad(mine, (0, g.shape[0] - mine.shape[0])))
     pre = ji.BatchPrefillWithPagedKVCache(4, 2, 32, page, causal=True, num_ctas=8, max_batch_size=10,
                                           max_num_tokens=40, max_num_pages=60)
 
