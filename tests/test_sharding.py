@@ -263,8 +263,10 @@ def test_sharded_equals_one_device():
     all-gather), TP x CP on (2, 4) (context_partial_states merged by psum, all-gather and
     all-to-all); one prompt per step (and an empty request) on BatchAttention at CP 2, one
     reference: the diag base (the sub-batch on q itself, on a replicated cache, each merge on 2
-    devices) and under fixed_shapes the general form (page-sharded cache); TP ragged_paged_attention
-    and TP MLA (both entry points) at 2. The previous default set (TP prefill at 4, CP decode and
+    devices) and under fixed_shapes the general form (page-sharded cache); TP ragged_paged_attention,
+    the compat RPA v3 entry point sharded as tpu-inference shards it, and TP MLA (both entry
+    points) at 2; CP by query rows (split_queries) at 2 (one swap, page-sharded cache) and
+    TP 2 x CP 3 (all-gathers, replicated cache). The previous default set (TP prefill at 4, CP decode and
     prefill at 4, BatchAttention TP x CP on (2, 4), the one-prompt checks on the prefill wrapper)
     runs in the slow grid below."""
     _check_script(["fast"])
@@ -676,6 +678,39 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2, sinks=False):
     print(f"TP{tp} ragged_paged_attention: o rel err {err:.1e}", flush=True)
 
 
+def _check_compat_tp(rng, tp, hq=8, hkv=2):
+    """jaxinfer.compat.tpu_inference.ragged_paged_attention sharded as tpu-inference shards RPA v3
+    (shard_map over KV heads: q, k, v on their head axis, the fused cache on its third, metadata
+    replicated; float32, so p = 1 and each device holds its heads' K and V words) against one
+    device: o and the written cache."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from jaxinfer.compat import tpu_inference as rpa
+    d, page, pages_per_seq = 128, 4, 4
+    q_lens = np.array([1, 3, 6], np.int32)
+    kv_lens = np.array([7, 3, 13], np.int32)
+    s = q_lens.shape[0]
+    num_pages = s * pages_per_seq + 2
+    page_indices = rng.permutation(num_pages)[: s * pages_per_seq].astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 2
+    mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    q, kn, vn = mk((t, hq, d)), mk((t, hkv, d)), mk((t, hkv, d))
+    cache = mk(rpa.kv_cache_shape(num_pages, page, hkv, d, jnp.float32))  # [P, page, 2 Hkv, 1, D]
+    meta = tuple(jnp.asarray(x) for x in (kv_lens, page_indices, cu, np.array([1, 1, s], np.int32)))
+    call = lambda *args: rpa.ragged_paged_attention(*args, sm_scale=d ** -0.5, num_ctas=8)
+    ref_o, ref_cache = call(q, kn, vn, jnp.copy(cache), *meta)
+    heads, fused = P(None, "tp", None), P(None, None, "tp", None, None)
+    sharded = jax.jit(sharding.shard_map(call, _mesh(tp, 1), (heads, heads, heads, fused) + (P(),) * 4,
+                                         (heads, fused)))
+    o, new_cache = sharded(q, kn, vn, cache, *meta)
+    err = np.linalg.norm(np.asarray(o) - np.asarray(ref_o)) / np.linalg.norm(np.asarray(ref_o))
+    assert err <= 2e-5, f"TP{tp} compat RPA v3: o relative error {err:.2e}"
+    np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(ref_cache))
+    print(f"TP{tp} compat.tpu_inference.ragged_paged_attention: o rel err {err:.1e}", flush=True)
+
+
 def _ragged_cp_step(rng, devices, pages_per_shard, hkv, d, page, q_lens, kv_lens, *, skip=()):
     """An RPA step over a page-sharded cache: sequence i's pages spread evenly over the devices in
     device order (sequences in `skip` leave out device 1), ids from device k's block, never its
@@ -863,6 +898,7 @@ def _main_fast():
     _check_one_prompt(rng, "batch")
     _check_ragged_tp(rng, 2)
     _check_ragged_tp(rng, 4, sinks=True)
+    _check_compat_tp(rng, 2)
     _check_ragged_cp(rng, 1, 3)
     _check_ragged_cp(rng, 2, 2, sinks=True)
     _check_mla_tp(rng, 2)
