@@ -24,9 +24,9 @@ device inside the step (--top-k, --top-p, --min-p filter), with a jax.random key
 step to step (deterministic given --seed; --scan gives the same tokens). --tp N shards the model
 over N devices (llama.py: weights column/row parallel and made on the devices, each device its
 share, never on the host; the cache on KV heads, attention through jaxinfer.sharding.head_parallel,
-plans replicated); the decode step then appends the K/V through the page table instead of inside
-the decode kernel. --cp N splits the context over N devices for long prompts (llama.py: every
-layer's cache split on pages, each request's pages spread evenly over the devices, the attention
+plans replicated; each device's decode kernel appends its K/V heads: head_parallel's append_kv).
+--cp N splits the context over N devices for long prompts (llama.py: every layer's cache split on
+pages, each request's pages spread evenly over the devices, the attention
 through jaxinfer.sharding.context_parallel with one plan per device: the prefill splits the
 prompts' query rows (sharding.split_queries: each device computes its rows whole, the pages
 gathered), the decode steps split the keys and merge the partial states exactly); the rest of
@@ -274,8 +274,8 @@ class BatchRun:
 
     def decode_inputs(self, call):
         """Host plan for decode call `call` (k steps from token `call * k`), sent to the device.
-        Row b is request b at its last position, so the decode kernel appends the K/V itself
-        (under TP and CP through the page table, which is also sent: per device under CP)."""
+        Row b is request b at its last position, so the decode kernel appends the K/V itself (on
+        every device under TP; under CP through per-device append tables, which are also sent)."""
         args, k, mesh = self.args, self.k, self.mesh
         lens = self.prompt_lens + call * k + (k if args.scan else 1)  # after the call's last token is appended
         kv_indptr, kv_indices, last = page_table(self.page_lists, lens, args.page_size)
@@ -289,17 +289,14 @@ class BatchRun:
             return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, *append, mesh=mesh)))
         plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
                                 horizon=k if args.scan else 1)
-        table = (kv_indptr, pad(kv_indices, self.num_pages))
         if args.scan:
-            return self.put((plan, table if mesh else None))
-        append = (np.arange(self.batch, dtype=np.int32), positions, *table) if mesh else ()
-        return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, *append, mesh=mesh)))
+            return self.put(plan)
+        return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, mesh=mesh)))
 
     def call_args(self, tokens, inputs, kv_cache, key):
         """The decode call's arguments."""
         if self.args.scan:
-            plan, table = inputs
-            return (self.params, tokens, kv_cache, plan, self.sampling, key, table)
+            return (self.params, tokens, kv_cache, inputs, self.sampling, key)
         positions, attention = inputs
         return (self.params, tokens, positions, kv_cache, attention, None, self.sampling, key)
 

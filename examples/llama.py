@@ -22,7 +22,7 @@ Attention goes through an attention object passed to the model with the step's i
                   MultiLevelCascadeAttention (shared prefixes) with one plan per step. Decode
                   steps without a page table (batch_indices None) write the new K/V inside
                   the decode kernel instead (run(..., append_kv="from_q"), q, k, v in one
-                  array): one launch per layer.
+                  array; under TP head_parallel's append_kv=(k, v)): one launch per layer.
   DenseAttention  the baseline: a dense padded cache [L, B, S, Hkv, D] and plain jnp attention
                   (impl="jnp") or jax.nn.dot_product_attention(implementation="cudnn").
 
@@ -367,14 +367,15 @@ class PagedAttention:
     batch_indices, positions int32[N]: where each token's K/V goes (-1: padding row).
     kv_indptr int32[Bcap+1], kv_indices int32[cap]: the page table (padded) for the append.
     These four None (a decode wrapper and DecodePlan only): token row b is request b's token
-    at its last position (length - 1), and the decode kernel writes its K/V (append_kv).
+    at its last position (length - 1), and the decode kernel writes its K/V (append_kv; under
+    TP on every device, its KV heads: sharding.head_parallel's append_kv).
     kv_lens int32[B] (optional): live lengths at this step of a horizon plan.
     pages_per_layer: pages of one layer; a stacked cache (scan) holds layer l's page p at
     l * pages_per_layer + p, and the plan is shifted there (plan.with_page_offset).
     mesh (optional): tensor parallel over its "tp" axis: q, k, v and the cache split on heads,
     wrapper built for one device's heads (cfg.heads), the attention through
     sharding.head_parallel (the plan replicated), the K/V appended on each device's heads
-    (append_head_parallel). It needs the page table: head_parallel runs no append_kv.
+    (append_head_parallel) where the page table is given, else by the decode kernel.
     A context-parallel mesh (axis "cp"): plan is a sharding.ContextPlan of the wrapper built for
     one device's pages (or a QueryPlan, whose wrapper is built for one device's query rows), and
     the append table is context_append_tables' (one per device, stacked).
@@ -396,13 +397,16 @@ class PagedAttention:
             offset = layer * self.pages_per_layer
             plan = plan.with_page_offset(offset)
             kv_indices = None if kv_indices is None else kv_indices + offset
-        if self.batch_indices is None:  # decode: the kernel appends (one launch per layer), reading the
-            # new K/V heads after q's in one array: XLA writes q, k, v (RoPE applied) in one fusion
-            if self.mesh is not None:
-                raise ValueError("PagedAttention with a mesh needs the page table (batch_indices, positions, "
-                                 "kv_indptr, kv_indices): sharding.head_parallel runs no append_kv")
-            qkv = jnp.concatenate([q, k, v], axis=1)  # [B, Hq + 2 Hkv, D]
-            return self.wrapper.run(qkv, kv_cache, plan, kv_lens=self.kv_lens, append_kv="from_q")
+        if self.batch_indices is None:  # decode: the kernel appends (one launch per layer)
+            if self.mesh is None:  # reading the new K/V heads after q's in one array: XLA writes q, k,
+                # v (RoPE applied) in one fusion
+                qkv = jnp.concatenate([q, k, v], axis=1)  # [B, Hq + 2 Hkv, D]
+                return self.wrapper.run(qkv, kv_cache, plan, kv_lens=self.kv_lens, append_kv="from_q")
+            if is_context_parallel(self.mesh):
+                raise ValueError("PagedAttention on a context-parallel mesh needs the append tables "
+                                 "(context_append_tables): each device writes the rows of its pages")
+            run = sharding.head_parallel(self.wrapper, self.mesh)  # each device's kernel appends its KV heads
+            return run(q, kv_cache, plan, kv_lens=self.kv_lens, append_kv=(k, v))
         table = (self.batch_indices, self.positions, kv_indices, self.kv_indptr)
         if self.mesh is None:
             kv_cache = ji.append_paged_kv_cache(kv_cache, k, v, *table)
@@ -681,28 +685,22 @@ def make_step(graphdef, sampler=Sampler(), mesh=None):
 
 
 def make_decode_scan(graphdef, wrapper, pages_per_layer, steps, sampler=Sampler(), mesh=None):
-    """jit((params, tokens int32[B], kv_cache, plan, sampling, key, page_table) -> (tokens
-    int32[steps, B], kv_cache, key)): `steps` decode steps in one lax.scan over a horizon plan
+    """jit((params, tokens int32[B], kv_cache, plan, sampling, key) -> (tokens int32[steps, B],
+    kv_cache, key)): `steps` decode steps in one lax.scan over a horizon plan
     (wrapper.plan(..., horizon=steps), the page table sized for the last step). Step s runs with
-    kv_lens = plan.kv_lens_at(s), the decode kernel appending each token's K/V; rows with no KV
-    are padding. sampler, sampling, key as in make_step. mesh: TP, where the K/V are written
-    through page_table = (kv_indptr, kv_indices) (sharding.head_parallel has no append_kv);
-    None without a mesh."""
+    kv_lens = plan.kv_lens_at(s), the decode kernel appending each token's K/V (under TP on
+    every device, its KV heads); rows with no KV are padding. sampler, sampling, key as in
+    make_step. mesh: TP."""
     draw = _draw(sampler, mesh)
 
-    def scan(params, tokens, kv_cache, plan, sampling, key, page_table):
+    def scan(params, tokens, kv_cache, plan, sampling, key):
         model = nnx.merge(graphdef, params)
 
         def body(carry, s):
             tokens, kv_cache, key = carry
             lens = plan.kv_lens_at(s)                                   # [B] after this step's append
             positions = jnp.where(lens > 0, lens - 1, -1)
-            if mesh is None:  # the kernel appends
-                attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens)
-            else:
-                rows = jnp.where(lens > 0, jnp.arange(lens.shape[0], dtype=jnp.int32), -1)
-                attention = PagedAttention(wrapper, pages_per_layer, plan, rows, positions, *page_table,
-                                           kv_lens=lens, mesh=mesh)
+            attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens, mesh=mesh)  # the kernel appends
             logits, kv_cache = model(tokens, positions, kv_cache, attention)
             sub = key
             if not sampler.greedy:

@@ -133,12 +133,16 @@ def _check_axis(mesh, name, axis):
 
 
 def head_parallel(wrapper, mesh, *, tp_axis="tp", return_lse=False):
-    """wrapper.run over heads split on mesh axis tp_axis: run(q, kv_cache, plan, kv_lens=None).
+    """wrapper.run over heads split on mesh axis tp_axis: run(q, kv_cache, plan, kv_lens=None,
+    append_kv=None).
 
     wrapper: the per-device wrapper (split_heads' head counts): decode, prefill, BatchAttention or
     MultiLevelCascadeAttention; plan: its plan, replicated. q, o [T, Hq, D] split on heads
     (head_spec), the cache on KV heads (cache_spec). kv_lens (decode only, may be traced): as the
-    decode wrapper's run(). Returns o or AttentionState(o, lse [T, Hq]).
+    decode wrapper's run(). append_kv (decode only): (k, v) [B, Hkv, D] split on heads as q, each
+    request's new K/V written at its last position by the decode kernel on every device (as the
+    decode wrapper's run(append_kv=(k, v)): no separate append launch); run then returns (o or
+    AttentionState, the updated cache, split as it came). Returns o or AttentionState(o, lse [T, Hq]).
 
     A BatchMLAPagedAttention of num_heads / devices heads: run(q_nope, q_pe, ckv_cache, kpe_cache,
     plan, ckv_scale=None, kpe_scale=None), q_nope [T, H, Dc] and q_pe [T, H, Dr] split on heads,
@@ -152,17 +156,25 @@ def head_parallel(wrapper, mesh, *, tp_axis="tp", return_lse=False):
     spec_q, spec_c = head_spec(tp_axis), cache_spec(layout, tp_axis=tp_axis)
     out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
 
-    def body(q, kv_cache, plan, kv_lens):  # q [T, Hq / tp, D]
+    def body(q, kv_cache, plan, kv_lens, append):  # q [T, Hq / tp, D]; append: (k, v) [B, Hkv / tp, D] or None
         if decode:
-            return wrapper.run(q, kv_cache, plan, kv_lens=kv_lens, return_lse=return_lse)
+            return wrapper.run(q, kv_cache, plan, kv_lens=kv_lens, return_lse=return_lse, append_kv=append)
         return wrapper.run(q, kv_cache, plan, return_lse=return_lse)
 
-    sharded = shard_map(body, mesh, (spec_q, spec_c, P(), P()), out)
+    sharded = shard_map(body, mesh, (spec_q, spec_c, P(), P(), P()), out)
+    appending = shard_map(body, mesh, (spec_q, spec_c, P(), P(), (spec_q, spec_q)), (out, spec_c))
 
-    def run(q, kv_cache, plan, kv_lens=None):
+    def run(q, kv_cache, plan, kv_lens=None, append_kv=None):
         if kv_lens is not None and not decode:
             raise ValueError("kv_lens is a decode wrapper's argument")
-        return sharded(q, kv_cache, plan, kv_lens)
+        if append_kv is None:
+            return sharded(q, kv_cache, plan, kv_lens, None)
+        if not decode:
+            raise ValueError("append_kv is a decode wrapper's argument")
+        if isinstance(append_kv, str) or not isinstance(append_kv, (tuple, list)) or len(append_kv) != 2:
+            raise ValueError("append_kv must be (k, v) [B, Hkv, D] under head_parallel (a fused q's heads would "
+                             "split across devices)")
+        return appending(q, kv_cache, plan, kv_lens, tuple(append_kv))
     return run
 
 

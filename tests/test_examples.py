@@ -462,7 +462,7 @@ def test_generate_scan_and_tensor_parallel_greedy():
     the same seed and one new token draws the same first tokens; two --batch values on one model
     and cache: the first draws the tokens of its own run (a run's tokens do not depend on the runs
     after it), the second's lie in the vocabulary; generate.py --tp 2, greedy, per step and per
-    lax.scan (K/V appended through the page table): one device's tokens."""
+    lax.scan (K/V appended by each device's decode kernel): one device's tokens."""
     tokens = _tp_subprocess([["--tp", "2"], ["--scan", "3", "--tp", "2"]])
     np.testing.assert_array_equal(_tokens(*SAMPLED, "--scan", "3"), _tokens(*SAMPLED))
     np.testing.assert_array_equal(_tokens(*SAMPLED, "--new-tokens", "1")[:, 0], _tokens(*SAMPLED)[:, 0])

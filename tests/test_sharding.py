@@ -424,6 +424,33 @@ def _check_tp(case, tp):
              case.reference())
 
 
+def _check_tp_append(case, tp):
+    """TP decode with append_kv=(k, v): the decode kernel writes each request's new K/V on every
+    device (its KV heads) and attends to it; o and the written cache against one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    mesh = _mesh(tp, 1)
+    hs = sharding.split_heads(case.hq, case.hkv, tp)
+    rng = np.random.default_rng(7)
+    new = tuple(jnp.asarray(rng.standard_normal((case.batch, case.hkv, case.d)).astype(np.float32)) for _ in "kv")
+    w1 = case.wrapper(case.hq, case.hkv)
+    ref_o, ref_cache = w1.run(case.q, case.cache(), case.plan(w1), append_kv=new)
+    assert not np.array_equal(np.asarray(ref_cache.arrays[0]), np.asarray(case.k))  # the rows were written
+    rep = (lambda x: sharding.replicate_kv_heads(x, hs.kv_replicas)) if hs.kv_replicas > 1 else (lambda x: x)
+    w = case.wrapper(hs.num_qo_heads, hs.num_kv_heads)
+    heads = NamedSharding(mesh, sharding.head_spec("tp"))
+    cache = sharding.put(rep(case.cache()), NamedSharding(mesh, sharding.cache_spec(case.layout, tp_axis="tp")))
+    run = jax.jit(sharding.head_parallel(w, mesh))
+    o, cache = run(sharding.put(case.q, heads), cache, case.plan(w),
+                   append_kv=tuple(sharding.put(rep(x), heads) for x in new))
+    err = np.linalg.norm(np.asarray(o) - np.asarray(ref_o)) / np.linalg.norm(np.asarray(ref_o))
+    assert err <= 2e-5, f"TP{tp} decode with append_kv: o relative error {err:.2e}"
+    for got, want in zip(cache.arrays, rep(ref_cache).arrays):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    print(f"TP{tp} decode {case.layout} with append_kv: o rel err {err:.1e}", flush=True)
+
+
 def _cp_setup(case, tp, cp, fixed_shapes=False, shard_pages=None):
     """(mesh, tp_axis, per-device wrapper, split, plan, cache, q) of a CP (or TP x CP) check, placed.
     shard_pages: the cache split on pages (default: where the case's table is page-sharded; False
@@ -899,6 +926,7 @@ def _main_fast():
     _check_ragged_tp(rng, 2)
     _check_ragged_tp(rng, 4, sinks=True)
     _check_compat_tp(rng, 2)
+    _check_tp_append(_Case(rng, "decode", 8, 2, "HND", 1, [1, 6, 21, 40], None), 2)
     _check_ragged_cp(rng, 1, 3)
     _check_ragged_cp(rng, 2, 2, sinks=True)
     _check_mla_tp(rng, 2)
@@ -949,6 +977,7 @@ def _main_grid():
     _check_ragged_cp(rng, 1, 4, causal=False, sinks=True)
     _check_ragged_cp(rng, 1, 2, window=11, sinks=True)
     _check_ragged_cp_scan(rng, 4)
+    _check_tp_append(_Case(rng, "decode", 8, 2, "NHD", 1, [1, 6, 21, 40], None), 4)  # KV heads replicated 2x
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
         _check_tp_cascade(rng, n)
