@@ -444,15 +444,17 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
     A QuerySplit (split_queries) gives a QueryPlan: each device's sub-requests planned by the
     wrapper (prefill or BatchAttention), whose shapes are the wrapper's capacities, the split's
     num_rows and its gather width (gather_capacity), whatever fixed_shapes says."""
-    _check_wrapper(wrapper)
+    _check_wrapper(wrapper, _WRAPPERS + (BatchMLAPagedAttention,))
     if not isinstance(split, (ContextSplit, QuerySplit)):
         raise ValueError("split must be a ContextSplit from split_page_table or a QuerySplit from split_queries")
-    if wrapper.variant is not None:
+    if not isinstance(wrapper, BatchMLAPagedAttention) and wrapper.variant is not None:
         raise ValueError("context parallelism runs without a variant (a device would see its keys at "
                          "share-local positions)")
     if isinstance(split, QuerySplit):
         if horizon != 1:
             raise ValueError("horizon is a decode plan's argument")
+        if isinstance(wrapper, BatchMLAPagedAttention):
+            raise ValueError("BatchMLAPagedAttention splits its keys under CP (split_page_table)")
         return _query_plan(wrapper, split, num_pages, q_data_type, kv_data_type)
     n = split.num_shards
     if split.pages_per_shard is None:
@@ -472,6 +474,17 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
         pad = ((0, 0), (0, wrapper.max_batch_size - key_offsets.shape[1]))
         key_offsets, share_lens = np.pad(key_offsets, pad), np.pad(share_lens, pad)
     key_offsets, share_lens = key_offsets.astype(np.int32), share_lens.astype(np.int32)
+    if isinstance(wrapper, BatchMLAPagedAttention):  # decode: each request's one row over its share
+        if split.qo_indptr is not None and np.any(np.diff(split.qo_indptr) != 1):
+            raise ValueError("BatchMLAPagedAttention under CP takes decode steps (one query row a request)")
+        if horizon != 1:
+            raise ValueError("horizon is a decode wrapper's argument")
+        rows = np.arange(split.kv_lens.shape[0] + 1, dtype=np.int32)
+        dtypes = {"q_dtype": q_data_type or jnp.bfloat16, "kv_dtype": kv_data_type}
+        plans = [wrapper.plan(rows, t[0], t[1], split.share_lens[k], num_pages=local_pages, **dtypes)
+                 for k, t in enumerate(split.tables)]
+        return ContextPlan(full=_stack(plans), key_offsets=key_offsets, share_lens=share_lens,
+                           pages_per_shard=split.pages_per_shard)
     if isinstance(wrapper, BatchDecodeWithPagedKVCache):
         if split.qo_indptr is not None:
             raise ValueError("split has a qo_indptr: a decode split takes none")
@@ -885,9 +898,17 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
     (decode only, global int32[B], may be traced, e.g. plan horizons in lax.scan): each
     device reads clip(kv_lens - its key offset, 0, its share). merge: how the devices' states
     are merged (merge_over): "psum", "all_gather", "all_to_all" or "auto" (merge_choice for the
-    cp axis's size, o's dtype and its size). Returns o or AttentionState."""
+    cp axis's size, o's dtype and its size). Returns o or AttentionState.
+
+    A BatchMLAPagedAttention (decode steps, its ContextPlan from a split_page_table split, the
+    per-device wrapper's heads H / tp): run(q_nope, q_pe, ckv_cache, kpe_cache, plan,
+    ckv_scale=None, kpe_scale=None), the latent caches [P, page, D] on pages over cp_axis and
+    replicated over tp_axis, q_nope / q_pe / o split on heads over tp_axis: DeepSeek's latent
+    cache split over the devices instead of held whole on each (vLLM's decode context parallel)."""
     _check_merge(merge)
     _check_axis(mesh, "cp_axis", cp_axis)
+    if isinstance(wrapper, BatchMLAPagedAttention):
+        return _mla_context_parallel(wrapper, mesh, cp_axis, tp_axis, shard_pages, return_lse, merge)
     spec_q = head_spec(tp_axis)
     out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
     n = mesh.shape[cp_axis]
@@ -900,6 +921,38 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
         return whole(merge_over(state, cp_axis, merge=how))
 
     return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, whole)
+
+
+def _mla_context_parallel(wrapper, mesh, cp_axis, tp_axis, shard_pages, return_lse, merge):
+    """context_parallel of a BatchMLAPagedAttention (decode): run(q_nope, q_pe, ckv_cache,
+    kpe_cache, plan, ckv_scale=None, kpe_scale=None). q_nope [B, H, Dc] and q_pe [B, H, Dr]
+    replicated over cp_axis (heads on tp_axis); the latent caches [P, page, D] sharded on pages
+    over cp_axis (shard_pages; else replicated) and replicated over tp_axis; each device attends
+    its share of every request's latent rows, and the states merge exactly (merge_over)."""
+    _check_axis(mesh, "tp_axis", tp_axis)
+    spec_q = head_spec(tp_axis)
+    spec_c = P(cp_axis if shard_pages else None, None, None)
+    out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
+    n = mesh.shape[cp_axis]
+
+    def body(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale):  # q [B, H / tp, D]
+        plan = jax.tree.map(lambda x: x[0], plan)  # this device's plan
+        state = wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, plan.full, return_lse=True, ckv_scale=ckv_scale,
+                            kpe_scale=kpe_scale)
+        how = merge_choice(n, state.o.dtype, state.o.size * state.o.dtype.itemsize) if merge == "auto" else merge
+        state = merge_over(state, cp_axis, merge=how)
+        return state if return_lse else state.o
+
+    sharded = shard_map(body, mesh, (spec_q, spec_q, spec_c, spec_c, P(cp_axis), P(), P()), out)
+
+    def run(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale=None, kpe_scale=None):
+        if not isinstance(plan, ContextPlan) or plan.diag is not None:
+            raise ValueError("plan must be a ContextPlan of this BatchMLAPagedAttention (context_plan)")
+        if (plan.pages_per_shard is not None) != shard_pages:
+            raise ValueError(f"plan was split for a {'page-sharded' if plan.pages_per_shard else 'replicated'} "
+                             f"cache but shard_pages={shard_pages}")
+        return sharded(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale)
+    return run
 
 
 def context_partial_states(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=True):

@@ -154,6 +154,33 @@ def test_split_queries_covers_every_row_once():
         sharding.context_partial_states(pre, mesh)(None, None, sharding.context_plan(pre, one, num_pages=per))
 
 
+def test_context_plan_mla_takes_decode_splits():
+    """BatchMLAPagedAttention under CP: a decode split (one row a request) plans per device; a
+    split with longer rows, a query split and a missing capacity are ValueErrors."""
+    import jax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(5)
+    page, per, n = 4, 20, 2
+    kv = np.array([3, 30], np.int32)
+    table = _sharded_table(rng, kv, page, n, per)
+    mla = ji.BatchMLAPagedAttention(4, 64, 16, page, sm_scale=0.3, max_batch_size=2, max_num_tokens=2,
+                                    max_num_pages=int(table[0][-1]))
+    split = sharding.split_page_table(*table, page, n, pages_per_shard=per)
+    plan = sharding.context_plan(mla, split, num_pages=n * per, q_data_type=jnp.float32)
+    assert plan.diag is None and all(np.shape(x)[0] == n for x in jax.tree.leaves(plan.full))  # one plan a device
+    np.testing.assert_array_equal(plan.share_lens.sum(0), kv)
+    two_rows = sharding.split_page_table(*table, page, n, qo_indptr=np.array([0, 2, 3], np.int32),
+                                         pages_per_shard=per)
+    with pytest.raises(ValueError, match="decode"):
+        sharding.context_plan(mla, two_rows, num_pages=n * per)
+    rows = sharding.split_queries(np.array([0, 1, 2], np.int32), *table, page, n, pages_per_shard=per)
+    with pytest.raises(ValueError, match="split_page_table"):
+        sharding.context_plan(mla, rows, num_pages=n * per)
+    unbounded = ji.BatchMLAPagedAttention(4, 64, 16, page, sm_scale=0.3)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        sharding.context_plan(unbounded, split, num_pages=n * per, q_data_type=jnp.float32)
+
+
 def test_head_parallel_takes_every_paged_wrapper():
     """head_parallel takes the cascade and MLA wrappers too (split on heads like any plan);
     context_parallel only the wrappers it splits by context; anything else is a ValueError."""
@@ -880,6 +907,40 @@ def _check_mla_tp(rng, tp, heads=8):
     print(f"TP{tp} mla_ragged_paged_attention: o rel err {err:.1e}", flush=True)
 
 
+def _check_mla_cp(rng, tp, cp, heads=8, merge="auto"):
+    """BatchMLAPagedAttention decode under CP (the latent caches split on pages over cp, requests'
+    pages device by device, one shorter than a share and one empty; heads on tp, the caches
+    replicated over it): o and lse against one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    dc, dr, page, scale = 64, 16, 4, 0.3
+    kv = np.array([0, 3, 37, 70], np.int32)
+    b, per = kv.shape[0], 40
+    table = _sharded_table(rng, kv, page, cp, per)  # (kv_indptr, kv_indices, kv_last_page_len)
+    num_pages = cp * per
+    mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q_nope, q_pe, ckv, kpe = mk((b, heads, dc)), mk((b, heads, dr)), mk((num_pages, page, dc)), mk((num_pages, page, dr))
+    rows = np.arange(b + 1, dtype=np.int32)
+    one = ji.BatchMLAPagedAttention(heads, dc, dr, page, causal=True, sm_scale=scale)
+    ref = one.run(q_nope, q_pe, ckv, kpe, one.plan(rows, table[0], table[1], kv, num_pages=num_pages,
+                                                   q_dtype=jnp.float32), return_lse=True)
+    mesh = _mesh(tp, cp)
+    tp_axis = "tp" if tp > 1 else None
+    per_device = ji.BatchMLAPagedAttention(heads // tp, dc, dr, page, causal=True, sm_scale=scale, max_batch_size=b,
+                                           max_num_tokens=b, max_num_pages=int(table[0][-1]))
+    split = sharding.split_page_table(*table, page, cp, pages_per_shard=per)
+    plan = sharding.put(sharding.context_plan(per_device, split, num_pages=num_pages, q_data_type=jnp.float32),
+                        NamedSharding(mesh, P("cp")))
+    heads_on = lambda x: sharding.put(x, NamedSharding(mesh, sharding.head_spec(tp_axis)))  # noqa: E731
+    pages_on = lambda x: sharding.put(x, NamedSharding(mesh, P("cp", None, None)))  # noqa: E731
+    run = jax.jit(sharding.context_parallel(per_device, mesh, tp_axis=tp_axis, return_lse=True, merge=merge))
+    empty = int((split.share_lens == 0).sum())
+    _compare(f"TP{tp}xCP{cp} BatchMLAPagedAttention decode ({empty} empty shares, merge {merge})",
+             run(heads_on(q_nope), heads_on(q_pe), pages_on(ckv), pages_on(kpe), plan), ref)
+
+
 def _check_tp_cascade(rng, tp, hq=8, hkv=4):
     """TP MultiLevelCascadeAttention (decode rows over a shared prefix, then their own pages)
     against one device."""
@@ -930,6 +991,7 @@ def _main_fast():
     _check_ragged_cp(rng, 1, 3)
     _check_ragged_cp(rng, 2, 2, sinks=True)
     _check_mla_tp(rng, 2)
+    _check_mla_cp(rng, 2, 2)
 
 
 def _main_wide():
@@ -978,6 +1040,8 @@ def _main_grid():
     _check_ragged_cp(rng, 1, 2, window=11, sinks=True)
     _check_ragged_cp_scan(rng, 4)
     _check_tp_append(_Case(rng, "decode", 8, 2, "NHD", 1, [1, 6, 21, 40], None), 4)  # KV heads replicated 2x
+    for tp, cp, merge in ((1, 2, "all_gather"), (1, 4, "all_to_all"), (2, 4, "psum"), (1, 8, "auto")):
+        _check_mla_cp(rng, tp, cp, merge=merge)
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
         _check_tp_cascade(rng, n)
