@@ -9,7 +9,8 @@ all-gather of the states and the same merge on every device, or by an all-to-all
 merges a slice of the rows) and an all-gather of the merged slices, whichever moves fewer bytes
 (merge_choice). For long prompts split_queries splits the query rows instead: each device
 computes its rows whole over the keys they see (the pages it needs gathered from the devices
-that hold them) and the devices exchange their rows. ragged_paged_attention has both too (head_parallel_ragged, and
+that hold them) and the devices exchange their rows. MLA decode splits its latent cache's pages
+the same way (context_parallel of a BatchMLAPagedAttention). ragged_paged_attention has both too (head_parallel_ragged, and
 context_parallel_ragged, which plans each device's share on the device). Both together on a 2-D
 mesh ("tp", "cp"). The runners are shard_map'd functions:
 they work under jax.jit, lax.scan and jax.distributed alike. Usage and the choice of merge:

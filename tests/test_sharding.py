@@ -292,8 +292,9 @@ def test_sharded_equals_one_device():
     reference: the diag base (the sub-batch on q itself, on a replicated cache, each merge on 2
     devices) and under fixed_shapes the general form (page-sharded cache); TP ragged_paged_attention,
     the compat RPA v3 entry point sharded as tpu-inference shards it, and TP MLA (both entry
-    points) at 2; CP by query rows (split_queries) at 2 (one swap, page-sharded cache) and
-    TP 2 x CP 3 (all-gathers, replicated cache). The previous default set (TP prefill at 4, CP decode and
+    points) at 2, TP decode with append_kv at 2, MLA decode under TP 2 x CP 2; CP by query rows
+    (split_queries) at 2 (one swap, page-sharded cache) and TP 2 x CP 3 (all-gathers,
+    replicated cache). The previous default set (TP prefill at 4, CP decode and
     prefill at 4, BatchAttention TP x CP on (2, 4), the one-prompt checks on the prefill wrapper)
     runs in the slow grid below."""
     _check_script(["fast"])
