@@ -5,8 +5,10 @@ against one GPU, on Llama-3-70B heads (64 query / 8 KV, head_dim 128, bf16, page
     PYTHONPATH=. python3 benchmarks/bench_sharding.py --smoke --out /tmp/s.json   # tiny, 4 forced CPU devices
 
 Rows: CP decode B8 kv131072, CP prefill B1 S65536 (causal; keys split, and `CP rows`: query rows
-split, sharding.split_queries), TP decode B64 kv4096, TP prefill B4 S8192 (causal), and the
-context_parallel_ragged rows (`CP ragged`), each on 1, 2 and 4 devices (as many as there are). Every row first checks its
+split, sharding.split_queries), TP decode B64 kv4096, TP prefill B4 S8192 (causal), the
+context_parallel_ragged rows (`CP ragged`) and MLA decode with the latent cache split over the
+devices (`CP MLA decode B8 kv131072`: BatchMLAPagedAttention, DeepSeek-V3's 128 heads, ckv 512 +
+kpe 64, page 64), each on 1, 2 and 4 devices (as many as there are). Every row first checks its
 output: the one-device output against float32 dense attention on a few query rows (the first and
 last request), each sharded output against the one-device output on the same random K/V (o
 relative error); then it times them: the median over repeated loops of a jitted program of
@@ -54,6 +56,7 @@ from jaxinfer import sharding  # noqa: E402
 
 HQ, HKV, D, PAGE = 64, 8, 128, 16
 DTYPE = jnp.bfloat16
+MLA_SCALE = 0.1352  # DeepSeek-V3's softmax scale (1 / sqrt(192), YaRN-scaled)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -61,8 +64,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Config:
     """One benchmark row; prefill rows have qo_len = kv_len (whole prompts, causal)."""
     name: str
-    mode: str      # "cp", "cp_rows" (query rows split: split_queries), "tp" or "cp_ragged"
-                   # (ragged_paged_attention, its KV write included)
+    mode: str      # "cp", "cp_rows" (query rows split: split_queries), "tp", "cp_ragged"
+                   # (ragged_paged_attention, its KV write included) or "cp_mla" (MLA decode)
     kind: str      # "decode" or "prefill"
     batch: int
     kv_len: int
@@ -85,6 +88,8 @@ def configs(smoke):
                 Config(name="CP ragged decode B2 kv256", mode="cp_ragged", kind="decode", batch=2, kv_len=256,
                        calls=2, iters=1, reps=1),
                 Config(name="CP ragged prefill B1 S64", mode="cp_ragged", kind="prefill", batch=1, kv_len=64, calls=1,
+                       iters=1, reps=1),
+                Config(name="CP MLA decode B2 kv256", mode="cp_mla", kind="decode", batch=2, kv_len=256, calls=2,
                        iters=1, reps=1)]
     return [Config(name="CP decode B8 kv131072", mode="cp", kind="decode", batch=8, kv_len=131072, calls=10,
                    iters=3, reps=7),
@@ -99,7 +104,9 @@ def configs(smoke):
             Config(name="CP ragged decode B8 kv131072", mode="cp_ragged", kind="decode", batch=8, kv_len=131072,
                    calls=10, iters=3, reps=7),
             Config(name="CP ragged prefill B1 S65536", mode="cp_ragged", kind="prefill", batch=1, kv_len=65536,
-                   calls=1, iters=2, reps=5)]
+                   calls=1, iters=2, reps=5),
+            Config(name="CP MLA decode B8 kv131072", mode="cp_mla", kind="decode", batch=8, kv_len=131072, calls=10,
+                   iters=3, reps=7)]
 
 
 def _wrapper(cfg, hq, hkv, pages, capacities, smoke, impl):
@@ -126,14 +133,14 @@ def _plan(w, cfg, table, num_pages):
     return w.plan(_qo_indptr(cfg), *table, num_pages=num_pages, q_data_type="bfloat16")
 
 
-def _cp_table(batch, kv_len, n, qo_indptr, causal):
+def _cp_table(batch, kv_len, n, qo_indptr, causal, page=PAGE):
     """A page table allocated device by device along split_page_table's balanced shares (by keys,
     or by causal work): request pages [b_k, b_k+1) get ids from device k's block of N pages.
     Returns ((kv_indptr, kv_indices, kv_last_page_len), N)."""
-    npages = -(-kv_len // PAGE)
+    npages = -(-kv_len // page)
     indptr = (np.arange(batch + 1) * npages).astype(np.int32)
-    last = np.full(batch, kv_len - (npages - 1) * PAGE, np.int32)
-    plain = sharding.split_page_table(indptr, np.arange(batch * npages, dtype=np.int32), last, PAGE, n,
+    last = np.full(batch, kv_len - (npages - 1) * page, np.int32)
+    plain = sharding.split_page_table(indptr, np.arange(batch * npages, dtype=np.int32), last, page, n,
                                       qo_indptr=qo_indptr, causal=causal)
     counts = np.stack([np.diff(t[0]) for t in plain.tables])  # [n, B]
     per = int(counts.sum(1).max())
@@ -293,6 +300,83 @@ def _ragged_row(cfg, n, table, num_pages, cache, qs, k_logical, v_logical, smoke
     return jax.jit(many, donate_argnums=(3,)), args
 
 
+def _mla_shapes(smoke):
+    """(heads, ckv width, kpe width, page size): DeepSeek-V3's 128 heads, 512 + 64, page 64."""
+    return (8, 64, 16, 4) if smoke else (128, 512, 64, 64)
+
+
+def _mla_data(cfg, smoke):
+    """Random bf16 q_nope [calls, B, H, Dc], q_pe [calls, B, H, Dr] and the logical latent pages
+    [B x pages, page, Dc] and [.., Dr] (request-major)."""
+    h, dc, dr, page = _mla_shapes(smoke)
+    npages = -(-cfg.kv_len // page)
+    keys = jax.random.split(jax.random.key(1), 4)
+    return (jax.random.normal(keys[0], (cfg.calls, cfg.batch, h, dc), DTYPE),
+            jax.random.normal(keys[1], (cfg.calls, cfg.batch, h, dr), DTYPE),
+            jax.random.normal(keys[2], (cfg.batch * npages, page, dc), DTYPE),
+            jax.random.normal(keys[3], (cfg.batch * npages, page, dr), DTYPE))
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _dense_mla(q_nope, q_pe, ckv, kpe, scale):
+    """float32 MLA of one request's rows q_nope [H, Dc], q_pe [H, Dr] over all of ckv [L, Dc], kpe [L, Dr]."""
+    f = lambda x: x.astype(jnp.float32)  # noqa: E731
+    s = (jnp.einsum("hc,lc->hl", f(q_nope), f(ckv), precision="highest")
+         + jnp.einsum("hr,lr->hl", f(q_pe), f(kpe), precision="highest")) * scale
+    return jnp.einsum("hl,lc->hc", jax.nn.softmax(s, axis=-1), f(ckv), precision="highest")
+
+
+def _mla_row(cfg, n, want, data, smoke, merge):
+    """BatchMLAPagedAttention decode on one device, or under context_parallel over n devices (the
+    latent caches page-sharded): (program of (q_nope, q_pe, ckv, kpe, plan) making cfg.calls
+    chained calls, its args placed, kernels)."""
+    h, dc, dr, page = _mla_shapes(smoke)
+    q_nope, q_pe, ckv_logical, kpe_logical = data
+    table, per = _cp_table(cfg.batch, cfg.kv_len, n, None, False, page)
+    num_pages = n * per
+    place = jax.jit(lambda x, idx: jnp.zeros((num_pages,) + x.shape[1:], DTYPE).at[idx].set(x))
+    ckv, kpe = place(ckv_logical, jnp.asarray(table[1])), place(kpe_logical, jnp.asarray(table[1]))
+    kv = np.full(cfg.batch, cfg.kv_len, np.int32)
+    rows = np.arange(cfg.batch + 1, dtype=np.int32)
+    opts = dict(sm_scale=MLA_SCALE, config=ji.MLAConfig(num_cells=8) if smoke else None)
+    if n == 1:
+        w = ji.BatchMLAPagedAttention(h, dc, dr, page, **opts)
+        plan = w.plan(rows, table[0], table[1], kv, num_pages=num_pages)
+        run, args = w.run, (q_nope, q_pe, ckv, kpe, plan)
+    else:
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("cp",))
+        split = sharding.split_page_table(*table, page, n, pages_per_shard=per)
+        w = ji.BatchMLAPagedAttention(h, dc, dr, page, max_batch_size=cfg.batch, max_num_tokens=cfg.batch,
+                                      max_num_pages=max(int(t[0][-1]) for t in split.tables), **opts)
+        plan = sharding.context_plan(w, split, num_pages=num_pages)
+        run = sharding.context_parallel(w, mesh, merge=merge)
+        pages = NamedSharding(mesh, P("cp", None, None))
+        args = (jax.device_put(q_nope, NamedSharding(mesh, P())), jax.device_put(q_pe, NamedSharding(mesh, P())),
+                jax.device_put(ckv, pages), jax.device_put(kpe, pages), jax.device_put(plan, NamedSharding(mesh, P("cp"))))
+        plan = plan.full
+
+    def program(q_nope, q_pe, ckv, kpe, plan):
+        outs = []
+        for i in range(cfg.calls):
+            chain = 0 * outs[-1][0, 0, 0] if outs else 0
+            outs.append(run(q_nope[i] + chain, q_pe[i], ckv, kpe, plan))
+        return outs
+    return jax.jit(program), args, plan.impl
+
+
+def _mla_check(cfg, data, got, smoke):
+    """Largest o relative error of the first and last request against _dense_mla."""
+    h, dc, dr, page = _mla_shapes(smoke)
+    q_nope, q_pe, ckv_logical, kpe_logical = data
+    npages = -(-cfg.kv_len // page)
+    worst = 0.0
+    for r in sorted({0, cfg.batch - 1}):
+        ckv = ckv_logical[r * npages:(r + 1) * npages].reshape(-1, dc)[:cfg.kv_len]
+        kpe = kpe_logical[r * npages:(r + 1) * npages].reshape(-1, dr)[:cfg.kv_len]
+        worst = max(worst, float(_rel_err(got[r], _dense_mla(q_nope[0, r], q_pe[0, r], ckv, kpe, MLA_SCALE))))
+    return worst
+
+
 def _time_threaded(fn, args, iters, reps):
     """Median seconds per program of fn(*args) -> (outs, cache), the cache (args[3]) fed back."""
     args = list(args)
@@ -314,6 +398,19 @@ def _row(cfg, n, want, qs, k_logical, v_logical, rng, smoke, impl, merge="auto")
     program, one per q of qs) and the output of qs[0]. CP on several devices: also the
     device-local part alone (local_ms) and the merge (merge, merge_ms)."""
     row = dict(config=cfg.name, devices=n, device=jax.devices()[0].device_kind, calls=cfg.calls)
+    if cfg.mode == "cp_mla":  # (qs: the MLA data, _mla_data)
+        f, args, row["kernels"] = _mla_row(cfg, n, want, qs, smoke, merge)
+        t = time.perf_counter()
+        got = jax.block_until_ready(f(*args))[0]
+        row["first_call_s"] = time.perf_counter() - t
+        if want is None:
+            row["check"], row["rel_err"] = "vs float32 dense MLA, first and last request", _mla_check(cfg, qs, got, smoke)
+        else:
+            row["check"], row["rel_err"] = "vs one device", float(_rel_err(jax.device_put(got, want.sharding), want))
+        if not row["rel_err"] <= 2e-2:
+            raise RuntimeError(f"o relative error {row['rel_err']:.2e} > 2e-2 ({row['check']})")
+        row["ms"] = bench(f, *args, iters=cfg.iters, reps=cfg.reps) / cfg.calls * 1e3
+        return row, got
     table, num_pages, per = _table(cfg, n, rng)
     cache = _physical(k_logical, v_logical, jnp.asarray(table[1]), num_pages)
     local = None
@@ -358,9 +455,12 @@ def run_config(cfg, smoke, impl, emit, merge="auto"):
     npages = -(-cfg.kv_len // PAGE)
     rows = cfg.batch if cfg.kind == "decode" else cfg.batch * cfg.kv_len
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    qs = jax.random.normal(kq, (cfg.calls, rows, HQ, D), DTYPE)               # [calls, T, Hq, D]
-    k_logical = jax.random.normal(kk, (cfg.batch * npages, PAGE, HKV, D), DTYPE)  # [B * pages, page, Hkv, D]
-    v_logical = jax.random.normal(kv, (cfg.batch * npages, PAGE, HKV, D), DTYPE)
+    if cfg.mode == "cp_mla":
+        qs, k_logical, v_logical = _mla_data(cfg, smoke), None, None
+    else:
+        qs = jax.random.normal(kq, (cfg.calls, rows, HQ, D), DTYPE)               # [calls, T, Hq, D]
+        k_logical = jax.random.normal(kk, (cfg.batch * npages, PAGE, HKV, D), DTYPE)  # [B * pages, page, Hkv, D]
+        v_logical = jax.random.normal(kv, (cfg.batch * npages, PAGE, HKV, D), DTYPE)
     rng = np.random.default_rng(0)
     want, base = None, None
     for n in [n for n in (1, 2, 4) if n <= len(jax.devices())]:
