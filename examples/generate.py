@@ -104,8 +104,8 @@ def parse_args(argv=None):
         raise ValueError(f"--tp must lie in [1, {len(jax.devices())}] (the devices there are), got {args.tp}")
     if not 1 <= args.cp <= len(jax.devices()):
         raise ValueError(f"--cp must lie in [1, {len(jax.devices())}] (the devices there are), got {args.cp}")
-    if args.cp > 1 and (args.tp > 1 or args.scan or args.layer_loop != "unroll"):
-        raise ValueError("--cp runs with --tp 1, --scan 0 and --layer-loop unroll")
+    if args.cp > 1 and (args.tp > 1 or args.layer_loop != "unroll"):
+        raise ValueError("--cp runs with --tp 1 and --layer-loop unroll")
     if args.config == "llama3-70b" and jax.default_backend() != "gpu":
         raise ValueError("--config llama3-70b needs GPUs (about 141 GB of bfloat16 weights, e.g. --tp 4 "
                          f"on H100s); this backend is {jax.default_backend()}")
@@ -280,23 +280,28 @@ class BatchRun:
         lens = self.prompt_lens + call * k + (k if args.scan else 1)  # after the call's last token is appended
         kv_indptr, kv_indices, last = page_table(self.page_lists, lens, args.page_size)
         positions = (lens - 1).astype(np.int32)
-        if args.cp > 1:
+        if args.cp > 1:  # the shares of the call's last step; each step's K/V rows to the device of their page
             split = sharding.split_page_table(kv_indptr, kv_indices, last, args.page_size, args.cp,
                                               pages_per_shard=self.local_pages)
-            plan = sharding.context_plan(self.decode, split, num_pages=self.num_pages)
-            append = llama.context_append_tables(split, np.arange(self.batch, dtype=np.int32), positions,
-                                                 self.local_pages)
+            plan = sharding.context_plan(self.decode, split, num_pages=self.num_pages, horizon=k if args.scan else 1)
+            rows = np.arange(self.batch, dtype=np.int32)
+            if args.scan:  # step s's lengths: lens - (k - 1 - s)
+                tables = [llama.context_append_tables(split, rows, positions - (k - 1 - s), self.local_pages)
+                          for s in range(k)]
+                return self.put((plan, (lens.astype(np.int32), tuple(np.stack(x) for x in zip(*tables)))))
+            append = llama.context_append_tables(split, rows, positions, self.local_pages)
             return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, *append, mesh=mesh)))
         plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
                                 horizon=k if args.scan else 1)
         if args.scan:
-            return self.put(plan)
+            return self.put((plan, None))
         return self.put((positions, llama.PagedAttention(self.decode, self.num_pages, plan, mesh=mesh)))
 
     def call_args(self, tokens, inputs, kv_cache, key):
         """The decode call's arguments."""
         if self.args.scan:
-            return (self.params, tokens, kv_cache, inputs, self.sampling, key)
+            plan, steps = inputs
+            return (self.params, tokens, kv_cache, plan, self.sampling, key, steps)
         positions, attention = inputs
         return (self.params, tokens, positions, kv_cache, attention, None, self.sampling, key)
 

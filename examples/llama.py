@@ -685,22 +685,31 @@ def make_step(graphdef, sampler=Sampler(), mesh=None):
 
 
 def make_decode_scan(graphdef, wrapper, pages_per_layer, steps, sampler=Sampler(), mesh=None):
-    """jit((params, tokens int32[B], kv_cache, plan, sampling, key) -> (tokens int32[steps, B],
-    kv_cache, key)): `steps` decode steps in one lax.scan over a horizon plan
+    """jit((params, tokens int32[B], kv_cache, plan, sampling, key, step_inputs) -> (tokens
+    int32[steps, B], kv_cache, key)): `steps` decode steps in one lax.scan over a horizon plan
     (wrapper.plan(..., horizon=steps), the page table sized for the last step). Step s runs with
     kv_lens = plan.kv_lens_at(s), the decode kernel appending each token's K/V (under TP on
     every device, its KV heads); rows with no KV are padding. sampler, sampling, key as in
-    make_step. mesh: TP."""
+    make_step. mesh: TP (step_inputs None), or CP: plan a sharding.ContextPlan (horizon steps),
+    step_inputs (kv_lens int32[B] of the last step, the append tables [steps, n, ...] of each
+    step: context_append_tables'), step s's lengths kv_lens - (steps - 1 - s)."""
     draw = _draw(sampler, mesh)
+    context = is_context_parallel(mesh)
 
-    def scan(params, tokens, kv_cache, plan, sampling, key):
+    def scan(params, tokens, kv_cache, plan, sampling, key, step_inputs):
         model = nnx.merge(graphdef, params)
 
         def body(carry, s):
             tokens, kv_cache, key = carry
-            lens = plan.kv_lens_at(s)                                   # [B] after this step's append
+            if context:  # the K/V written through each step's tables, on the device of their page
+                last_lens, tables = step_inputs
+                lens = jnp.maximum(last_lens - (steps - 1 - s), 0)
+                attention = PagedAttention(wrapper, pages_per_layer, plan, *(x[s] for x in tables), kv_lens=lens,
+                                           mesh=mesh)
+            else:  # the kernel appends
+                lens = plan.kv_lens_at(s)                               # [B] after this step's append
+                attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens, mesh=mesh)
             positions = jnp.where(lens > 0, lens - 1, -1)
-            attention = PagedAttention(wrapper, pages_per_layer, plan, kv_lens=lens, mesh=mesh)  # the kernel appends
             logits, kv_cache = model(tokens, positions, kv_cache, attention)
             sub = key
             if not sampler.greedy:

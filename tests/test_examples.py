@@ -382,13 +382,14 @@ def test_generate_tensor_and_context_parallel_on_host_devices():
     jaxinfer.sharding.head_parallel, logits gathered from the vocabulary-split LM head for the
     replicated sampling call), and greedy --cp 4 (the cache split on pages, each request's few pages
     spread over the devices, some of them empty; the K/V appended where each page lives; attention
-    through jaxinfer.sharding.context_parallel, prefill and decode), in another process, draw the
-    tokens of one device with the same seed (the sampling test's run, and the end-to-end test's
-    greedy one). The fused
-    q/k/v layout for fewer KV heads than devices; --tp or --cp past the devices, --cp with --tp or
-    --scan, and llama3-70b on a CPU are refused."""
-    tokens = _tp_subprocess([list(SAMPLED) + ["--tp", "4"], list(GREEDY) + ["--cp", "4"]])
-    wants = [_runs(*SAMPLED), _runs(*GREEDY)]
+    through jaxinfer.sharding.context_parallel, the prefill by query rows, the decode by keys), per
+    step and with --scan 2 (horizon plans, each step's append tables), in another process, draw
+    the tokens of one device with the same seed (the sampling test's run, and the end-to-end
+    test's greedy one). The fused q/k/v layout for fewer KV heads than devices; --tp or --cp past
+    the devices, --cp with --tp, and llama3-70b on a CPU are refused."""
+    tokens = _tp_subprocess([list(SAMPLED) + ["--tp", "4"], list(GREEDY) + ["--cp", "4"],
+                             list(GREEDY) + ["--cp", "4", "--scan", "2"]])
+    wants = [_runs(*SAMPLED), _runs(*GREEDY), _runs(*GREEDY)]
     for run, want in zip(tokens(), wants, strict=True):
         for got, ref in zip(run, want, strict=True):
             np.testing.assert_array_equal(got, ref)
