@@ -934,14 +934,11 @@ def _mla_context_parallel(wrapper, mesh, cp_axis, tp_axis, shard_pages, return_l
     spec_q = head_spec(tp_axis)
     spec_c = P(cp_axis if shard_pages else None, None, None)
     out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
-    n = mesh.shape[cp_axis]
 
     def body(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale):  # q [B, H / tp, D]
         plan = jax.tree.map(lambda x: x[0], plan)  # this device's plan
-        state = wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, plan.full, return_lse=True, ckv_scale=ckv_scale,
-                            kpe_scale=kpe_scale)
-        how = merge_choice(n, state.o.dtype, state.o.size * state.o.dtype.itemsize) if merge == "auto" else merge
-        state = merge_over(state, cp_axis, merge=how)
+        state = merge_over(wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, plan.full, return_lse=True,
+                                       ckv_scale=ckv_scale, kpe_scale=kpe_scale), cp_axis, merge=merge)
         return state if return_lse else state.o
 
     sharded = shard_map(body, mesh, (spec_q, spec_q, spec_c, spec_c, P(cp_axis), P(), P()), out)
