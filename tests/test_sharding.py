@@ -183,7 +183,8 @@ def test_context_plan_mla_takes_decode_splits():
 
 def test_head_parallel_takes_every_paged_wrapper():
     """head_parallel takes the cascade and MLA wrappers too (split on heads like any plan);
-    context_parallel only the wrappers it splits by context; anything else is a ValueError."""
+    context_parallel only the wrappers it splits by context; anything else is a ValueError, as
+    is an append_kv that is not a decode wrapper's (k, v) pair."""
     import jax
     devices = np.asarray(jax.devices()[:1])
     cascade = ji.MultiLevelCascadeAttention(2, 4, 2, 32, 4)
@@ -195,6 +196,13 @@ def test_head_parallel_takes_every_paged_wrapper():
         sharding.context_parallel(cascade, jax.sharding.Mesh(devices, ("cp",)))
     with pytest.raises(ValueError, match="wrapper must be"):
         sharding.head_parallel(object(), jax.sharding.Mesh(devices, ("tp",)))
+    # append_kv: a decode wrapper's, as a (k, v) pair (a fused q's heads would split unevenly).
+    tp_mesh = jax.sharding.Mesh(devices, ("tp",))
+    dec = sharding.head_parallel(ji.BatchDecodeWithPagedKVCache(4, 2, 32, 4), tp_mesh)
+    pre = sharding.head_parallel(ji.BatchPrefillWithPagedKVCache(4, 2, 32, 4), tp_mesh)
+    for run, bad in ((dec, "from_q"), (dec, (None,)), (pre, (None, None))):
+        with pytest.raises(ValueError, match="append_kv"):
+            run(None, None, None, append_kv=bad)
 
 
 def test_context_parallel_merge_option():
