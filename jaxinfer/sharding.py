@@ -865,6 +865,7 @@ def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, 
     decode = isinstance(wrapper, BatchDecodeWithPagedKVCache)
     spec_q = head_spec(tp_axis)
     spec_c = cache_spec(wrapper.layout, tp_axis=tp_axis, cp_axis=cp_axis if shard_pages else None)
+    n = mesh.shape[cp_axis]
 
     def body(q, kv_cache, plan, kv_lens):
         plan = jax.tree.map(lambda x: x[0], plan)  # this device's plan
@@ -882,6 +883,9 @@ def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, 
         if (plan.pages_per_shard is not None) != shard_pages:
             raise ValueError(f"plan was split for a {'page-sharded' if plan.pages_per_shard else 'replicated'} "
                              f"cache but shard_pages={shard_pages}")
+        if isinstance(plan, QueryPlan) and shard_pages and kv_cache.num_pages != n * plan.pages_per_shard:
+            raise ValueError(f"kv_cache has {kv_cache.num_pages} pages; the plan was split for {n} devices of "
+                             f"{plan.pages_per_shard}")
         if kv_lens is not None and not decode:
             raise ValueError("kv_lens is a decode wrapper's argument")
         return sharded(q, kv_cache, plan, kv_lens)

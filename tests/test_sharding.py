@@ -152,6 +152,9 @@ def test_split_queries_covers_every_row_once():
                                  pages_per_shard=per)
     with pytest.raises(ValueError, match="ContextPlan"):
         sharding.context_partial_states(pre, mesh)(None, None, sharding.context_plan(pre, one, num_pages=per))
+    small = ji.PagedKVCache(*(np.zeros((per - 1, page, 2, 32), np.float32),) * 2)  # not the split's pages
+    with pytest.raises(ValueError, match="kv_cache"):
+        sharding.context_parallel(pre, mesh)(None, small, sharding.context_plan(pre, one, num_pages=per))
 
 
 def test_context_plan_mla_takes_decode_splits():
