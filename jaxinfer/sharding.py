@@ -551,8 +551,9 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class QuerySplit:
     """One step's query rows split over devices (split_queries; host NumPy): each row is computed
-    whole on one device, over all of its request's keys. Per device, sub-requests: each a run of
-    one request's rows with the keys they see, its pages numbered in the gathered cache."""
+    whole on one device, over every key it sees. Per device, sub-requests: each a run of one
+    request's rows with the keys they see, its pages numbered in the gathered cache. max_*: the
+    least capacities of the per-device wrapper (at least 1)."""
     tables: tuple              # per device: (qo_indptr int32[S+1], kv_indptr int32[S+1], kv_indices, kv_last_page_len int32[S])
     rows: tuple                # per device: int64[R_k], q rows of its sub-requests in order
     gather: Optional[np.ndarray]  # int32[n, G]: device-local ids of the pages each device lends; None: replicated cache
@@ -566,17 +567,17 @@ class QuerySplit:
     @property
     def max_requests(self):
         """The per-device wrapper's max_batch_size must be at least this (sub-requests of one device)."""
-        return max(int(t[0].shape[0]) - 1 for t in self.tables)
+        return max(1, max(int(t[0].shape[0]) - 1 for t in self.tables))
 
     @property
     def max_tokens(self):
         """The per-device wrapper's max_num_tokens must be at least this (rows of one device)."""
-        return max(int(r.shape[0]) for r in self.rows)
+        return max(1, max(int(r.shape[0]) for r in self.rows))
 
     @property
     def max_pages(self):
         """The per-device wrapper's max_num_pages must be at least this (pages one device lists)."""
-        return max(int(t[1][-1]) for t in self.tables)
+        return max(1, max(int(t[1][-1]) for t in self.tables))
 
 
 def split_queries(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, num_shards, *, causal=True,
