@@ -9,7 +9,7 @@ all-gather of the states and the same merge on every device, or by an all-to-all
 merges a slice of the rows) and an all-gather of the merged slices, whichever moves fewer bytes
 (merge_choice). For long prompts split_queries splits the query rows instead: each device
 computes its rows whole over the keys they see (the pages it needs gathered from the devices
-that hold them) and the devices exchange their rows. MLA decode splits its latent cache's pages
+that hold them) and the devices exchange their rows. MLA splits its latent cache's pages
 the same way (context_parallel of a BatchMLAPagedAttention). ragged_paged_attention has both too (head_parallel_ragged, and
 context_parallel_ragged, which plans each device's share on the device). Both together on a 2-D
 mesh ("tp", "cp"). The runners are shard_map'd functions:
@@ -475,17 +475,10 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
         pad = ((0, 0), (0, wrapper.max_batch_size - key_offsets.shape[1]))
         key_offsets, share_lens = np.pad(key_offsets, pad), np.pad(share_lens, pad)
     key_offsets, share_lens = key_offsets.astype(np.int32), share_lens.astype(np.int32)
-    if isinstance(wrapper, BatchMLAPagedAttention):  # decode: each request's one row over its share
-        if split.qo_indptr is not None and np.any(np.diff(split.qo_indptr) != 1):
-            raise ValueError("BatchMLAPagedAttention under CP takes decode steps (one query row a request)")
+    if isinstance(wrapper, BatchMLAPagedAttention):
         if horizon != 1:
             raise ValueError("horizon is a decode wrapper's argument")
-        rows = np.arange(split.kv_lens.shape[0] + 1, dtype=np.int32)
-        dtypes = {"q_dtype": q_data_type or jnp.bfloat16, "kv_dtype": kv_data_type}
-        plans = [wrapper.plan(rows, t[0], t[1], split.share_lens[k], num_pages=local_pages, **dtypes)
-                 for k, t in enumerate(split.tables)]
-        return ContextPlan(full=_stack(plans), key_offsets=key_offsets, share_lens=share_lens,
-                           pages_per_shard=split.pages_per_shard)
+        return _mla_context_plan(wrapper, split, local_pages, key_offsets, share_lens, q_data_type, kv_data_type)
     if isinstance(wrapper, BatchDecodeWithPagedKVCache):
         if split.qo_indptr is not None:
             raise ValueError("split has a qo_indptr: a decode split takes none")
@@ -906,11 +899,12 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
     are merged (merge_over): "psum", "all_gather", "all_to_all" or "auto" (merge_choice for the
     cp axis's size, o's dtype and its size). Returns o or AttentionState.
 
-    A BatchMLAPagedAttention (decode steps, its ContextPlan from a split_page_table split, the
-    per-device wrapper's heads H / tp): run(q_nope, q_pe, ckv_cache, kpe_cache, plan,
-    ckv_scale=None, kpe_scale=None), the latent caches [P, page, D] on pages over cp_axis and
-    replicated over tp_axis, q_nope / q_pe / o split on heads over tp_axis: DeepSeek's latent
-    cache split over the devices instead of held whole on each (vLLM's decode context parallel)."""
+    A BatchMLAPagedAttention (its ContextPlan from a split_page_table split, the per-device
+    wrapper's heads H / tp): run(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale=None,
+    kpe_scale=None), the latent caches [P, page, D] on pages over cp_axis and replicated over
+    tp_axis, q_nope / q_pe / o split on heads over tp_axis: DeepSeek's latent cache split over the
+    devices instead of held whole on each (vLLM's decode context parallel); decode rows, and
+    causal multi-token rows (MTP verify) as _mla_sub_requests splits them."""
     _check_merge(merge)
     _check_axis(mesh, "cp_axis", cp_axis)
     if isinstance(wrapper, BatchMLAPagedAttention):
@@ -929,21 +923,88 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
     return _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, whole)
 
 
+def _mla_sub_requests(split, k, causal):
+    """Device k's MLA sub-requests as (first q row, rows, request): each request's rows over its
+    share of keys. Causal: the rows before the share's end (its first rows) are one sub-request,
+    bottom-right over the share (the rows before the share's start see none of it); each later
+    row sees the whole share and is a one-row sub-request of its own. One-row requests (decode)
+    and non-causal requests are one sub-request each, even over an empty share (o = 0, lse =
+    -inf), so that a decode step keeps its rows in order."""
+    qo = split.qo_indptr if split.qo_indptr is not None else np.arange(split.kv_lens.shape[0] + 1)
+    q_lens, kv = np.diff(qo).astype(np.int64), split.kv_lens.astype(np.int64)
+    hi = split.key_offsets[k].astype(np.int64) + split.share_lens[k]
+    subs = []
+    for r in range(q_lens.shape[0]):
+        if q_lens[r] == 1 or not causal:
+            if q_lens[r]:
+                subs.append((int(qo[r]), int(q_lens[r]), r))
+            continue
+        if split.share_lens[k][r] == 0:
+            continue
+        diag = int(np.clip(hi[r] - (kv[r] - q_lens[r]), 0, q_lens[r]))  # rows at positions < the share's end
+        if diag:
+            subs.append((int(qo[r]), diag, r))
+        subs += [(int(qo[r]) + j, 1, r) for j in range(diag, int(q_lens[r]))]
+    return subs
+
+
+def _mla_context_plan(wrapper, split, local_pages, key_offsets, share_lens, q_data_type, kv_data_type):
+    """context_plan of a BatchMLAPagedAttention over a split_page_table split: each device's
+    sub-requests (_mla_sub_requests) planned over its share's pages. Where they are the step's
+    requests in order (decode, or no causal mask) the devices run q itself (full_rows None);
+    otherwise full_rows [n, T] gathers each device's rows and src [n, T] places their states
+    (row T: the empty state)."""
+    num_rows = int(wrapper.max_num_tokens) if wrapper.max_num_tokens is not None else None
+    plans, row_lists = [], []
+    for k, (indptr, indices, _) in enumerate(split.tables):
+        subs = _mla_sub_requests(split, k, wrapper.causal)
+        req = np.asarray([x[2] for x in subs], np.int64)
+        lens = np.asarray([x[1] for x in subs], np.int64)
+        npg = (indptr[1:] - indptr[:-1])[req]
+        take = _ranges(indptr[:-1][req], npg)
+        to32 = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)  # noqa: E731
+        plans.append(wrapper.plan(to32(lens), to32(npg), indices[take].astype(np.int32),
+                                  split.share_lens[k][req].astype(np.int32), num_pages=local_pages,
+                                  q_dtype=q_data_type or jnp.bfloat16, kv_dtype=kv_data_type))
+        row_lists.append(_ranges([x[0] for x in subs], lens))
+    in_order = all(np.array_equal(rows, np.arange(rows.shape[0])) for rows in row_lists)
+    full_rows = src = None
+    if not in_order:
+        if num_rows is None:
+            raise ValueError("BatchMLAPagedAttention under CP with causal multi-token rows needs the wrapper's "
+                             "max_num_tokens (and max_batch_size, max_num_pages)")
+        src = np.full((split.num_shards, num_rows), num_rows, np.int64)
+        for k, rows in enumerate(row_lists):
+            src[k, rows] = np.arange(rows.shape[0])
+        full_rows = np.stack([_padded(rows, num_rows) for rows in row_lists])
+    return ContextPlan(full=_stack(plans), full_rows=full_rows, src=None if src is None else src.astype(np.int32),
+                       key_offsets=key_offsets, share_lens=share_lens, pages_per_shard=split.pages_per_shard)
+
+
 def _mla_context_parallel(wrapper, mesh, cp_axis, tp_axis, shard_pages, return_lse, merge):
-    """context_parallel of a BatchMLAPagedAttention (decode): run(q_nope, q_pe, ckv_cache,
-    kpe_cache, plan, ckv_scale=None, kpe_scale=None). q_nope [B, H, Dc] and q_pe [B, H, Dr]
-    replicated over cp_axis (heads on tp_axis); the latent caches [P, page, D] sharded on pages
-    over cp_axis (shard_pages; else replicated) and replicated over tp_axis; each device attends
-    its share of every request's latent rows, and the states merge exactly (merge_over)."""
+    """context_parallel of a BatchMLAPagedAttention: run(q_nope, q_pe, ckv_cache, kpe_cache, plan,
+    ckv_scale=None, kpe_scale=None). q_nope [T, H, Dc] and q_pe [T, H, Dr] replicated over
+    cp_axis (heads on tp_axis); the latent caches [P, page, D] sharded on pages over cp_axis
+    (shard_pages; else replicated) and replicated over tp_axis; each device attends its share of
+    every request's latent rows, and the states merge exactly (merge_over)."""
     _check_axis(mesh, "tp_axis", tp_axis)
     spec_q = head_spec(tp_axis)
     spec_c = P(cp_axis if shard_pages else None, None, None)
     out = AttentionState(spec_q, P(None, tp_axis)) if return_lse else spec_q
 
-    def body(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale):  # q [B, H / tp, D]
+    def body(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale, kpe_scale):  # q [T, H / tp, D]
         plan = jax.tree.map(lambda x: x[0], plan)  # this device's plan
-        state = merge_over(wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, plan.full, return_lse=True,
-                                       ckv_scale=ckv_scale, kpe_scale=kpe_scale), cp_axis, merge=merge)
+        if plan.full_rows is None:  # its sub-requests are the step's requests, in order
+            state = wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, plan.full, return_lse=True,
+                                ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+        else:  # its rows gathered (padding rows read row T - 1), their states placed (row T: empty)
+            take = lambda x: jnp.take(x, plan.full_rows, axis=0, mode="clip")  # noqa: E731
+            o, lse = wrapper.run(take(q_nope), take(q_pe), ckv_cache, kpe_cache, plan.full, return_lse=True,
+                                 ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+            o = jnp.concatenate([o, jnp.zeros((1,) + o.shape[1:], o.dtype)])
+            lse = jnp.concatenate([lse, jnp.full((1,) + lse.shape[1:], -jnp.inf, lse.dtype)])
+            state = AttentionState(jnp.take(o, plan.src, axis=0), jnp.take(lse, plan.src, axis=0))
+        state = merge_over(state, cp_axis, merge=merge)
         return state if return_lse else state.o
 
     sharded = shard_map(body, mesh, (spec_q, spec_q, spec_c, spec_c, P(cp_axis), P(), P()), out)

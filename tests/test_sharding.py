@@ -157,25 +157,32 @@ def test_split_queries_covers_every_row_once():
         sharding.context_parallel(pre, mesh)(None, small, sharding.context_plan(pre, one, num_pages=per))
 
 
-def test_context_plan_mla_takes_decode_splits():
-    """BatchMLAPagedAttention under CP: a decode split (one row a request) plans per device; a
-    split with longer rows, a query split and a missing capacity are ValueErrors."""
+def test_context_plan_mla_splits():
+    """BatchMLAPagedAttention under CP: a decode split runs q in place (one sub-request a
+    request); causal multi-token rows gather each device's rows (the rows before its share's end
+    as one sub-request, each later row alone) and place their states; a query split and a wrapper
+    without capacities are ValueErrors."""
     import jax
     import jax.numpy as jnp
     rng = np.random.default_rng(5)
     page, per, n = 4, 20, 2
     kv = np.array([3, 30], np.int32)
-    table = _sharded_table(rng, kv, page, n, per)
-    mla = ji.BatchMLAPagedAttention(4, 64, 16, page, sm_scale=0.3, max_batch_size=2, max_num_tokens=2,
-                                    max_num_pages=int(table[0][-1]))
+    table = _sharded_table(rng, kv, page, n, per)  # request 1: 8 pages, 4 a device
+    mla = ji.BatchMLAPagedAttention(4, 64, 16, page, causal=True, sm_scale=0.3, max_batch_size=5,
+                                    max_num_tokens=5, max_num_pages=3 * int(table[0][-1]))
     split = sharding.split_page_table(*table, page, n, pages_per_shard=per)
     plan = sharding.context_plan(mla, split, num_pages=n * per, q_data_type=jnp.float32)
-    assert plan.diag is None and all(np.shape(x)[0] == n for x in jax.tree.leaves(plan.full))  # one plan a device
+    assert plan.full_rows is None and all(np.shape(x)[0] == n for x in jax.tree.leaves(plan.full))
     np.testing.assert_array_equal(plan.share_lens.sum(0), kv)
-    two_rows = sharding.split_page_table(*table, page, n, qo_indptr=np.array([0, 2, 3], np.int32),
-                                         pages_per_shard=per)
-    with pytest.raises(ValueError, match="decode"):
-        sharding.context_plan(mla, two_rows, num_pages=n * per)
+    # Request 0 (3 keys, on device 1 only) has rows 0-1 at positions 1-2; request 1 rows 2-4 at
+    # positions 27-29, past device 0's share [0, 16) and inside device 1's [16, 30). Device 0 runs
+    # request 1's rows as three one-row sub-requests (they see its share whole) and has none of
+    # request 0's: its rows are gathered, and rows 0-1 take the empty state (row 5). Device 1
+    # runs each request's rows as one causal sub-request, in order.
+    mtp = sharding.split_page_table(*table, page, n, qo_indptr=np.array([0, 2, 5], np.int32), pages_per_shard=per)
+    plan = sharding.context_plan(mla, mtp, num_pages=n * per, q_data_type=jnp.float32)
+    np.testing.assert_array_equal(plan.full_rows[:, :3], [[2, 3, 4], [0, 1, 2]])
+    np.testing.assert_array_equal(plan.src, [[5, 5, 0, 1, 2], [0, 1, 2, 3, 4]])
     rows = sharding.split_queries(np.array([0, 1, 2], np.int32), *table, page, n, pages_per_shard=per)
     with pytest.raises(ValueError, match="split_page_table"):
         sharding.context_plan(mla, rows, num_pages=n * per)
@@ -919,10 +926,11 @@ def _check_mla_tp(rng, tp, heads=8):
     print(f"TP{tp} mla_ragged_paged_attention: o rel err {err:.1e}", flush=True)
 
 
-def _check_mla_cp(rng, tp, cp, heads=8, merge="auto"):
-    """BatchMLAPagedAttention decode under CP (the latent caches split on pages over cp, requests'
-    pages device by device, one shorter than a share and one empty; heads on tp, the caches
-    replicated over it): o and lse against one device."""
+def _check_mla_cp(rng, tp, cp, heads=8, merge="auto", qo=None, causal=True):
+    """BatchMLAPagedAttention under CP (the latent caches split on pages over cp, requests' pages
+    device by device, one shorter than a share and one empty; heads on tp, the caches
+    replicated over it): o and lse against one device. qo: rows per request (None: decode);
+    causal multi-token rows take the diag / one-row sub-requests and the row gather."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -930,27 +938,30 @@ def _check_mla_cp(rng, tp, cp, heads=8, merge="auto"):
     dc, dr, page, scale = 64, 16, 4, 0.3
     kv = np.array([0, 3, 37, 70], np.int32)
     b, per = kv.shape[0], 40
+    qo = np.ones(b, np.int32) * (kv > 0) if qo is None else np.asarray(qo, np.int32)
+    cu = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    t = int(cu[-1]) + 2  # padding rows: o = 0, lse = -inf
     table = _sharded_table(rng, kv, page, cp, per)  # (kv_indptr, kv_indices, kv_last_page_len)
     num_pages = cp * per
     mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    q_nope, q_pe, ckv, kpe = mk((b, heads, dc)), mk((b, heads, dr)), mk((num_pages, page, dc)), mk((num_pages, page, dr))
-    rows = np.arange(b + 1, dtype=np.int32)
-    one = ji.BatchMLAPagedAttention(heads, dc, dr, page, causal=True, sm_scale=scale)
-    ref = one.run(q_nope, q_pe, ckv, kpe, one.plan(rows, table[0], table[1], kv, num_pages=num_pages,
+    q_nope, q_pe, ckv, kpe = mk((t, heads, dc)), mk((t, heads, dr)), mk((num_pages, page, dc)), mk((num_pages, page, dr))
+    caps = dict(max_batch_size=t, max_num_tokens=t, max_num_pages=int(table[0][-1]) * int(qo.max()))
+    one = ji.BatchMLAPagedAttention(heads, dc, dr, page, causal=causal, sm_scale=scale, **caps)
+    ref = one.run(q_nope, q_pe, ckv, kpe, one.plan(cu, table[0], table[1], kv, num_pages=num_pages,
                                                    q_dtype=jnp.float32), return_lse=True)
     mesh = _mesh(tp, cp)
     tp_axis = "tp" if tp > 1 else None
-    per_device = ji.BatchMLAPagedAttention(heads // tp, dc, dr, page, causal=True, sm_scale=scale, max_batch_size=b,
-                                           max_num_tokens=b, max_num_pages=int(table[0][-1]))
-    split = sharding.split_page_table(*table, page, cp, pages_per_shard=per)
-    plan = sharding.put(sharding.context_plan(per_device, split, num_pages=num_pages, q_data_type=jnp.float32),
-                        NamedSharding(mesh, P("cp")))
+    per_device = ji.BatchMLAPagedAttention(heads // tp, dc, dr, page, causal=causal, sm_scale=scale, **caps)
+    split = sharding.split_page_table(*table, page, cp, qo_indptr=cu, pages_per_shard=per)
+    plan = sharding.context_plan(per_device, split, num_pages=num_pages, q_data_type=jnp.float32)
+    placed = sharding.put(plan, NamedSharding(mesh, P("cp")))
     heads_on = lambda x: sharding.put(x, NamedSharding(mesh, sharding.head_spec(tp_axis)))  # noqa: E731
     pages_on = lambda x: sharding.put(x, NamedSharding(mesh, P("cp", None, None)))  # noqa: E731
     run = jax.jit(sharding.context_parallel(per_device, mesh, tp_axis=tp_axis, return_lse=True, merge=merge))
     empty = int((split.share_lens == 0).sum())
-    _compare(f"TP{tp}xCP{cp} BatchMLAPagedAttention decode ({empty} empty shares, merge {merge})",
-             run(heads_on(q_nope), heads_on(q_pe), pages_on(ckv), pages_on(kpe), plan), ref)
+    _compare(f"TP{tp}xCP{cp} BatchMLAPagedAttention rows {qo.tolist()} causal={causal} ({empty} empty shares, "
+             f"rows {'gathered' if plan.full_rows is not None else 'in place'}, merge {merge})",
+             run(heads_on(q_nope), heads_on(q_pe), pages_on(ckv), pages_on(kpe), placed), ref)
 
 
 def _check_tp_cascade(rng, tp, hq=8, hkv=4):
@@ -1004,6 +1015,7 @@ def _main_fast():
     _check_ragged_cp(rng, 2, 2, sinks=True)
     _check_mla_tp(rng, 2)
     _check_mla_cp(rng, 2, 2)
+    _check_mla_cp(rng, 1, 3, qo=[1, 2, 3, 4])  # MTP verify rows across shares: diag and one-row sub-requests
 
 
 def _main_wide():
@@ -1054,6 +1066,8 @@ def _main_grid():
     _check_tp_append(_Case(rng, "decode", 8, 2, "NHD", 1, [1, 6, 21, 40], None), 4)  # KV heads replicated 2x
     for tp, cp, merge in ((1, 2, "all_gather"), (1, 4, "all_to_all"), (2, 4, "psum"), (1, 8, "auto")):
         _check_mla_cp(rng, tp, cp, merge=merge)
+        _check_mla_cp(rng, tp, cp, merge=merge, qo=[0, 2, 5, 3])
+    _check_mla_cp(rng, 1, 4, qo=[1, 3, 7, 2], causal=False)
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
         _check_tp_cascade(rng, n)
