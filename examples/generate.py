@@ -26,11 +26,11 @@ over N devices (llama.py: weights column/row parallel and made on the devices, e
 share, never on the host; the cache on KV heads, attention through jaxinfer.sharding.head_parallel,
 plans replicated; each device's decode kernel appends its K/V heads: head_parallel's append_kv).
 --cp N splits the context over N devices for long prompts (llama.py: every layer's cache split on
-pages, each request's pages spread evenly over the devices, the attention
-through jaxinfer.sharding.context_parallel with one plan per device: the prefill splits the
-prompts' query rows (sharding.split_queries: each device computes its rows whole, the pages
-gathered), the decode steps split the keys and merge the partial states exactly); the rest of
-the model runs replicated on every device.
+pages, each request's pages spread evenly over the devices, the attention through
+jaxinfer.sharding.context_parallel with one plan per device: the prefill splits the prompts'
+query rows (sharding.split_queries: each device computes its rows whole, the pages gathered),
+the decode steps split the keys and merge the partial states exactly); the rest of the model
+runs replicated on every device.
 """
 import argparse
 import sys
