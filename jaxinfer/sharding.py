@@ -10,7 +10,8 @@ merges a slice of the rows) and an all-gather of the merged slices, whichever mo
 (merge_choice). For long prompts split_queries splits the query rows instead: each device
 computes its rows whole over the keys they see (the pages it needs gathered from the devices
 that hold them) and the devices exchange their rows. MLA splits its latent cache's pages
-the same way (context_parallel of a BatchMLAPagedAttention). ragged_paged_attention has both too (head_parallel_ragged, and
+the same way (context_parallel of a BatchMLAPagedAttention), and a cascade each of its levels'
+(split_cascade_levels). ragged_paged_attention has both too (head_parallel_ragged, and
 context_parallel_ragged, which plans each device's share on the device). Both together on a 2-D
 mesh ("tp", "cp"). The runners are shard_map'd functions:
 they work under jax.jit, lax.scan and jax.distributed alike. Usage and the choice of merge:
@@ -28,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.batch import BatchAttention
 from jaxinfer.cascade import MultiLevelCascadeAttention
 from jaxinfer.decode import BatchDecodeWithPagedKVCache
-from jaxinfer.formats import FUSED, AttentionState, PagedKVCache, check_sinks, is_concrete
+from jaxinfer.formats import FUSED, AttentionState, CascadeLevel, PagedKVCache, check_sinks, is_concrete
 from jaxinfer.mla import BatchMLAPagedAttention
 from jaxinfer.mla_ragged import mla_ragged_paged_attention
 from jaxinfer.prefill import BatchPrefillWithPagedKVCache
@@ -51,7 +52,7 @@ else:  # older jax (check_rep)
 
 
 _WRAPPERS = (BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, BatchAttention)  # context_parallel's
-_TP_WRAPPERS = _WRAPPERS + (MultiLevelCascadeAttention,)  # head_parallel's
+_TP_WRAPPERS = _WRAPPERS + (MultiLevelCascadeAttention,)  # head_parallel's (and context_parallel's, by levels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +446,9 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
     A QuerySplit (split_queries) gives a QueryPlan: each device's sub-requests planned by the
     wrapper (prefill or BatchAttention), whose shapes are the wrapper's capacities, the split's
     num_rows and its gather width (gather_capacity), whatever fixed_shapes says."""
-    _check_wrapper(wrapper, _WRAPPERS + (BatchMLAPagedAttention,))
+    _check_wrapper(wrapper, _TP_WRAPPERS + (BatchMLAPagedAttention,))
+    if isinstance(wrapper, MultiLevelCascadeAttention) or isinstance(split, CascadeSplit):
+        return _cascade_context_plan(wrapper, split, num_pages, horizon)
     if not isinstance(split, (ContextSplit, QuerySplit)):
         raise ValueError("split must be a ContextSplit from split_page_table or a QuerySplit from split_queries")
     if not isinstance(wrapper, BatchMLAPagedAttention) and wrapper.variant is not None:
@@ -535,6 +538,67 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
                        src=np.stack(srcs) if base is None else None,
                        key_offsets=key_offsets, share_lens=share_lens,
                        pages_per_shard=split.pages_per_shard, base=base, has_full=bool(full_plans))
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel over cascade levels
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CascadeSplit:
+    """A MultiLevelCascadeAttention step's levels split over devices (split_cascade_levels): per
+    level its query groups and the ContextSplit of its page lists."""
+    qo_indptrs: tuple   # per level: int32[G+1]
+    splits: tuple       # per level: ContextSplit
+
+    @property
+    def num_shards(self):
+        return self.splits[0].num_shards
+
+
+def split_cascade_levels(levels, page_size, num_shards, *, pages_per_shard=None):
+    """Splits each cascade level's page lists over num_shards devices as split_page_table splits
+    a page table (pages_per_shard=N: device k holds pages [k N, (k + 1) N), each group listing
+    its pages device by device; None: a replicated cache, balanced by keys). Every query of a
+    level sees each of its groups' pages but the last level's causal diagonal, so each device
+    runs the levels over its pages and the states merge as context_parallel's. Returns a
+    CascadeSplit for context_plan."""
+    qo_indptrs, splits = [], []
+    for i, level in enumerate(levels):
+        qo_indptr, kv_indptr, kv_indices, kv_last_page_len = level
+        qo_indptrs.append(validate.check_indptr(f"levels[{i}].qo_indptr", qo_indptr))
+        splits.append(split_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, num_shards,
+                                       pages_per_shard=pages_per_shard))
+    if not splits:
+        raise ValueError("levels must hold at least one level")
+    return CascadeSplit(qo_indptrs=tuple(qo_indptrs), splits=tuple(splits))
+
+
+def _cascade_context_plan(wrapper, split, num_pages, horizon):
+    """context_plan of a MultiLevelCascadeAttention over a CascadeSplit: each device's levels over
+    its pages of them (a ContextPlan whose full plans are CascadePlans)."""
+    if not isinstance(wrapper, MultiLevelCascadeAttention) or not isinstance(split, CascadeSplit):
+        raise ValueError("a MultiLevelCascadeAttention takes a CascadeSplit (split_cascade_levels), and a "
+                         "CascadeSplit a MultiLevelCascadeAttention")
+    if horizon != 1:
+        raise ValueError("horizon is a decode plan's argument")
+    if len(split.splits) != wrapper.num_levels:
+        raise ValueError(f"split has {len(split.splits)} levels, the wrapper {wrapper.num_levels}")
+    if wrapper.causal and np.any(np.diff(split.qo_indptrs[-1]) > 1):
+        raise ValueError("a causal cascade under CP takes one query row per last-level group (decode): a "
+                         "row's causal diagonal would cut a device's pages")
+    n, pages_per_shard = split.num_shards, split.splits[0].pages_per_shard
+    if pages_per_shard is None:
+        local_pages = num_pages
+    elif num_pages != n * pages_per_shard:
+        raise ValueError(f"num_pages ({num_pages}) must be num_shards x pages_per_shard ({n} x {pages_per_shard})")
+    else:
+        local_pages = pages_per_shard
+    plans = [wrapper.plan([CascadeLevel(qo, *s.tables[k]) for qo, s in zip(split.qo_indptrs, split.splits)],
+                          num_pages=local_pages) for k in range(n)]
+    last = split.splits[-1]
+    return ContextPlan(full=_stack(plans), key_offsets=last.key_offsets.astype(np.int32),
+                       share_lens=last.share_lens.astype(np.int32), pages_per_shard=pages_per_shard)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -820,6 +884,8 @@ def _all_to_all_merge(o, lse, axis):
 
 def _local_state(wrapper, q, kv_cache, plan, kv_lens):
     """One device's partial AttentionState of the global query rows q [T, Hq, D]."""
+    if isinstance(wrapper, MultiLevelCascadeAttention):  # every level over the device's pages of it
+        return wrapper.run(q, kv_cache, plan.full, return_lse=True)
     if isinstance(wrapper, BatchDecodeWithPagedKVCache):
         lens = None if kv_lens is None else jnp.clip(kv_lens - plan.key_offsets, 0, plan.share_lens)
         return wrapper.run(q, kv_cache, plan.full, kv_lens=lens, return_lse=True)
@@ -853,12 +919,13 @@ def _local_state(wrapper, q, kv_cache, plan, kv_lens):
 def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, whole=None):
     """run(q, kv_cache, plan, kv_lens=None): shard_map of finish(each device's local state) for a
     ContextPlan, of whole(every row's state) for a QueryPlan (whole None: QueryPlans refused)."""
-    _check_wrapper(wrapper)
+    _check_wrapper(wrapper, _TP_WRAPPERS)
     _check_axis(mesh, "cp_axis", cp_axis)
     _check_axis(mesh, "tp_axis", tp_axis)
     decode = isinstance(wrapper, BatchDecodeWithPagedKVCache)
+    layout = wrapper.prefill.layout if isinstance(wrapper, MultiLevelCascadeAttention) else wrapper.layout
     spec_q = head_spec(tp_axis)
-    spec_c = cache_spec(wrapper.layout, tp_axis=tp_axis, cp_axis=cp_axis if shard_pages else None)
+    spec_c = cache_spec(layout, tp_axis=tp_axis, cp_axis=cp_axis if shard_pages else None)
     n = mesh.shape[cp_axis]
 
     def body(q, kv_cache, plan, kv_lens):
@@ -904,7 +971,10 @@ def context_parallel(wrapper, mesh, *, cp_axis="cp", tp_axis=None, shard_pages=T
     kpe_scale=None), the latent caches [P, page, D] on pages over cp_axis and replicated over
     tp_axis, q_nope / q_pe / o split on heads over tp_axis: DeepSeek's latent cache split over the
     devices instead of held whole on each (vLLM's decode context parallel); decode rows, and
-    causal multi-token rows (MTP verify) as _mla_sub_requests splits them."""
+    causal multi-token rows (MTP verify) as _mla_sub_requests splits them.
+
+    A MultiLevelCascadeAttention with its ContextPlan from a split_cascade_levels split: every
+    device runs the levels over its pages of them; the states merge as above."""
     _check_merge(merge)
     _check_axis(mesh, "cp_axis", cp_axis)
     if isinstance(wrapper, BatchMLAPagedAttention):

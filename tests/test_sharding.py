@@ -191,10 +191,35 @@ def test_context_plan_mla_splits():
         sharding.context_plan(unbounded, split, num_pages=n * per, q_data_type=jnp.float32)
 
 
+def test_split_cascade_levels():
+    """split_cascade_levels splits each level's pages as split_page_table does; context_plan pairs
+    a MultiLevelCascadeAttention with a CascadeSplit only, the wrapper's level count, and (causal)
+    one row per last-level group."""
+    page, per, n = 4, 10, 2
+    levels = [ji.CascadeLevel(np.array([0, 2], np.int32), np.array([0, 2], np.int32), np.array([0, 10], np.int32),
+                              np.array([4], np.int32)),
+              ji.CascadeLevel(np.array([0, 1, 2], np.int32), np.array([0, 1, 2], np.int32),
+                              np.array([11, 12], np.int32), np.array([3, 1], np.int32))]
+    split = sharding.split_cascade_levels(levels, page, n, pages_per_shard=per)
+    assert [s.share_lens.sum(0).tolist() for s in split.splits] == [[8], [3, 1]]
+    cas = ji.MultiLevelCascadeAttention(2, 4, 2, 32, page, causal=True, max_batch_size=2, max_num_tokens=2,
+                                        max_num_pages=4)
+    plan = sharding.context_plan(cas, split, num_pages=n * per)
+    assert plan.diag is None and len(plan.full.levels) == 2
+    with pytest.raises(ValueError, match="CascadeSplit"):
+        sharding.context_plan(cas, split.splits[0], num_pages=n * per)
+    with pytest.raises(ValueError, match="levels"):
+        sharding.context_plan(ji.MultiLevelCascadeAttention(3, 4, 2, 32, page), split, num_pages=n * per)
+    two_rows = [levels[0], ji.CascadeLevel(np.array([0, 2], np.int32), np.array([0, 1], np.int32),
+                                           np.array([11], np.int32), np.array([3], np.int32))]
+    with pytest.raises(ValueError, match="one query row"):
+        sharding.context_plan(cas, sharding.split_cascade_levels(two_rows, page, n, pages_per_shard=per),
+                              num_pages=n * per)
+
+
 def test_head_parallel_takes_every_paged_wrapper():
-    """head_parallel takes the cascade and MLA wrappers too (split on heads like any plan);
-    context_parallel only the wrappers it splits by context; anything else is a ValueError, as
-    is an append_kv that is not a decode wrapper's (k, v) pair."""
+    """head_parallel and context_parallel take the cascade and MLA wrappers too; anything else is
+    a ValueError, as is an append_kv that is not a decode wrapper's (k, v) pair."""
     import jax
     devices = np.asarray(jax.devices()[:1])
     cascade = ji.MultiLevelCascadeAttention(2, 4, 2, 32, 4)
@@ -202,10 +227,10 @@ def test_head_parallel_takes_every_paged_wrapper():
     sharding.head_parallel(ji.BatchMLAPagedAttention(4, 64, 16, 4, sm_scale=0.3), jax.sharding.Mesh(devices, ("tp",)))
     with pytest.raises(ValueError, match="tp_axis"):
         sharding.head_parallel_mla_ragged(jax.sharding.Mesh(devices, ("x",)), sm_scale=0.3)
-    with pytest.raises(ValueError, match="got MultiLevelCascadeAttention"):
-        sharding.context_parallel(cascade, jax.sharding.Mesh(devices, ("cp",)))
-    with pytest.raises(ValueError, match="wrapper must be"):
-        sharding.head_parallel(object(), jax.sharding.Mesh(devices, ("tp",)))
+    sharding.context_parallel(cascade, jax.sharding.Mesh(devices, ("cp",)))
+    for parallel, axis in ((sharding.head_parallel, "tp"), (sharding.context_parallel, "cp")):
+        with pytest.raises(ValueError, match="wrapper must be"):
+            parallel(object(), jax.sharding.Mesh(devices, (axis,)))
     # append_kv: a decode wrapper's, as a (k, v) pair (a fused q's heads would split unevenly).
     tp_mesh = jax.sharding.Mesh(devices, ("tp",))
     dec = sharding.head_parallel(ji.BatchDecodeWithPagedKVCache(4, 2, 32, 4), tp_mesh)
@@ -964,6 +989,44 @@ def _check_mla_cp(rng, tp, cp, heads=8, merge="auto", qo=None, causal=True):
              run(heads_on(q_nope), heads_on(q_pe), pages_on(ckv), pages_on(kpe), placed), ref)
 
 
+def _check_cascade_cp(rng, tp, cp, hq=8, hkv=2):
+    """MultiLevelCascadeAttention decode under CP (split_cascade_levels: each level's pages split
+    over the page-sharded cache; two shared prefixes, one across devices, and each request's own
+    pages; heads on tp): o and lse against the plain decode wrapper on one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    d, page, per = 32, 4, 12
+    blocks = [list(k * per + rng.permutation(per)) for k in range(cp)]
+    prefix_a = [blocks[0].pop() for _ in range(2)]                       # device 0
+    prefix_b = [blocks[0].pop()] + [blocks[cp - 1].pop()]                # devices 0 and cp - 1
+    own = [[blocks[cp - 1].pop() for _ in range(n)] for n in (1, 2, 3, 1)]  # on the last device
+    pages = [prefix_a + own[0], prefix_a + own[1], prefix_b + own[2], prefix_b + own[3]]
+    kv_lens = np.array([len(p) * page - j for p, j in zip(pages, (1, 3, 0, 2))], np.int32)
+    indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
+    indices, last = np.concatenate(pages).astype(np.int32), (kv_lens - (np.diff(indptr) - 1) * page).astype(np.int32)
+    b, num_pages = len(pages), cp * per
+    levels, saved = ji.two_level_cascade(np.arange(b + 1, dtype=np.int32), indptr, indices, last, page)
+    assert saved > 0
+    mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q, cache = mk((b, hq, d)), ji.PagedKVCache(mk((num_pages, page, hkv, d)), mk((num_pages, page, hkv, d)))
+    one = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=8)
+    ref = one.run(q, cache, one.plan(indptr, indices, last, num_pages=num_pages), return_lse=True)
+    mesh = _mesh(tp, cp)
+    tp_axis = "tp" if tp > 1 else None
+    hs = sharding.split_heads(hq, hkv, tp)
+    cas = ji.MultiLevelCascadeAttention(2, hs.num_qo_heads, hs.num_kv_heads, d, page, causal=True, num_ctas=8,
+                                        max_batch_size=b, max_num_tokens=b, max_num_pages=int(indptr[-1]))
+    split = sharding.split_cascade_levels(levels, page, cp, pages_per_shard=per)
+    plan = sharding.put(sharding.context_plan(cas, split, num_pages=num_pages), NamedSharding(mesh, P("cp")))
+    spec_c = sharding.cache_spec("NHD", tp_axis=tp_axis, cp_axis="cp")
+    run = jax.jit(sharding.context_parallel(cas, mesh, tp_axis=tp_axis, return_lse=True))
+    _compare(f"TP{tp}xCP{cp} cascade decode ({saved} page reads saved)",
+             run(sharding.put(q, NamedSharding(mesh, sharding.head_spec(tp_axis))),
+                 sharding.put(cache, NamedSharding(mesh, spec_c)), plan), ref)
+
+
 def _check_tp_cascade(rng, tp, hq=8, hkv=4):
     """TP MultiLevelCascadeAttention (decode rows over a shared prefix, then their own pages)
     against one device."""
@@ -1016,6 +1079,7 @@ def _main_fast():
     _check_mla_tp(rng, 2)
     _check_mla_cp(rng, 2, 2)
     _check_mla_cp(rng, 1, 3, qo=[1, 2, 3, 4])  # MTP verify rows across shares: diag and one-row sub-requests
+    _check_cascade_cp(rng, 2, 2)
 
 
 def _main_wide():
@@ -1068,6 +1132,8 @@ def _main_grid():
         _check_mla_cp(rng, tp, cp, merge=merge)
         _check_mla_cp(rng, tp, cp, merge=merge, qo=[0, 2, 5, 3])
     _check_mla_cp(rng, 1, 4, qo=[1, 3, 7, 2], causal=False)
+    for tp, cp in ((1, 2), (1, 4), (2, 4)):
+        _check_cascade_cp(rng, tp, cp)
     for n in (2, 4, 8):
         _check_ragged_tp(rng, n)
         _check_tp_cascade(rng, n)
