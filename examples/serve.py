@@ -38,7 +38,9 @@ shared prefix's pages first, then each sample's own on the same or later devices
 and decode attend through jaxinfer.sharding.context_parallel with one plan per device
 (context_plan(fixed_shapes=True): the steps compile once, as without CP), the --chunk step
 through sharding.context_parallel_ragged (device-planned: each device writes the rows of its
-pages and attends over its share). Decode steps run without cascade; --cp runs without --tp.
+pages and attends over its share). Decode steps that share prefixes run the two-level cascade
+with each level's pages split over the devices (sharding.split_cascade_levels; --cascade always);
+--cp runs without --tp.
 """
 import argparse
 import dataclasses
@@ -328,14 +330,18 @@ class Engine:
         return np.concatenate([self.allocator.alloc(int(c), shard=int(k)) for k, c in zip(shards, counts)]
                               + [np.zeros(0, np.int32)])
 
-    def _context_attention(self, wrapper, kv_indptr, kv_indices, last, rows, positions, **plan_args):
+    def _context_attention(self, wrapper, kv_indptr, kv_indices, last, rows, positions, levels=None, **plan_args):
         """PagedAttention of one CP step: the page table split on the devices' pages, one plan
-        per device (one shape for every step), each device's append table (rows, positions:
-        padded host int32[cap], -1 for padding rows)."""
+        per device (one shape for every step; levels: the cascade's, each split the same way),
+        each device's append table (rows, positions: padded host int32[cap], -1 for padding rows)."""
         split = sharding.split_page_table(kv_indptr, kv_indices, last, self.page_size, self.cp,
                                           pages_per_shard=self.local_pages, **plan_args)
-        plan = sharding.context_plan(wrapper, split, num_pages=self.num_pages, fixed_shapes=True,
-                                     **({"q_data_type": self.cfg.dtype} if "qo_indptr" in plan_args else {}))
+        if levels is not None:
+            levels = sharding.split_cascade_levels(levels, self.page_size, self.cp, pages_per_shard=self.local_pages)
+            plan = sharding.context_plan(wrapper, levels, num_pages=self.num_pages)
+        else:
+            plan = sharding.context_plan(wrapper, split, num_pages=self.num_pages, fixed_shapes=True,
+                                         **({"q_data_type": self.cfg.dtype} if "qo_indptr" in plan_args else {}))
         rows, positions, indptr, indices = llama.context_append_tables(split, rows, positions, self.index_cap)
         indptr = np.pad(indptr, ((0, 0), (0, self.max_batch + 1 - indptr.shape[1])), mode="edge")
         return llama.PagedAttention(wrapper, self.num_pages, plan, rows, positions, indptr, indices, mesh=self.mesh)
@@ -420,9 +426,16 @@ class Engine:
         positions = (lens - 1).astype(np.int32)
         bcap = self.max_batch
         rows = pad(np.arange(batch, dtype=np.int32), bcap, -1)
-        if self.cp > 1:  # (no cascade)
-            attention, note = self._context_attention(self.decode, kv_indptr, kv_indices, last, rows,
-                                                      pad(positions, bcap, -1)), "decode"
+        if self.cp > 1:
+            levels, saved = None, 0
+            if self.cascade_mode == "always":  # (auto: the decode wrapper's choice, which has no CP path)
+                levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices,
+                                                     last, self.page_size, causal=False)
+            wrapper, note = self.decode, "decode"
+            if saved:
+                wrapper, note = self.cascade, self._count_cascade(levels, saved)
+            attention = self._context_attention(wrapper, kv_indptr, kv_indices, last, rows, pad(positions, bcap, -1),
+                                                levels=levels if saved else None)
         else:
             plan, wrapper, note = self._decode_plan(kv_indptr, kv_indices, last)
             attention = llama.PagedAttention(
@@ -435,6 +448,13 @@ class Engine:
             s.tokens.append(int(t))
         return note
 
+    def _count_cascade(self, levels, saved):
+        """Counts a cascade step in self.stats; returns its note."""
+        self.stats["cascade_steps"] += 1
+        self.stats["page_reads_saved"] += saved
+        groups = int(np.count_nonzero(np.diff(levels[0].kv_indptr)))
+        return f"cascade ({groups} shared prefix group(s), {saved} page reads saved)"
+
     def _decode_plan(self, kv_indptr, kv_indices, last):
         """(plan, wrapper, note): a two-level cascade where the batch shares pages (per cascade mode)."""
         batch = kv_indptr.shape[0] - 1
@@ -442,11 +462,8 @@ class Engine:
             levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices,
                                                  last, self.page_size, causal=False)
             if saved:
-                self.stats["cascade_steps"] += 1
-                self.stats["page_reads_saved"] += saved
-                groups = int(np.count_nonzero(np.diff(levels[0].kv_indptr)))
-                return (self.cascade.plan(levels, num_pages=self.num_pages), self.cascade,
-                        f"cascade ({groups} shared prefix group(s), {saved} page reads saved)")
+                return self.cascade.plan(levels, num_pages=self.num_pages), self.cascade, self._count_cascade(levels,
+                                                                                                              saved)
         plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
                                 cascade="auto" if self.cascade_mode == "auto" else None)
         if isinstance(plan, ji.CascadePlan):

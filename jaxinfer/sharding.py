@@ -596,9 +596,7 @@ def _cascade_context_plan(wrapper, split, num_pages, horizon):
         local_pages = pages_per_shard
     plans = [wrapper.plan([CascadeLevel(qo, *s.tables[k]) for qo, s in zip(split.qo_indptrs, split.splits)],
                           num_pages=local_pages) for k in range(n)]
-    last = split.splits[-1]
-    return ContextPlan(full=_stack(plans), key_offsets=last.key_offsets.astype(np.int32),
-                       share_lens=last.share_lens.astype(np.int32), pages_per_shard=pages_per_shard)
+    return ContextPlan(full=_stack(plans), pages_per_shard=pages_per_shard)  # (no offsets: one shape a capacity)
 
 
 # ---------------------------------------------------------------------------------------------

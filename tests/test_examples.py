@@ -410,9 +410,10 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
     cache split on heads; prefill, decode and two-level cascade attention through
     jaxinfer.sharding.head_parallel; with chunk, the mixed step through head_parallel_ragged), and
     with cp = 3 on three (the cache split on pages: one plan per device and step, or with chunk
-    the mixed step through context_parallel_ragged), serves shared-prefix requests with n > 1
-    samples to the tokens of one device (the engine of the serving tests above, same weights and
-    shapes). Under CP the greedy step compiles once for prefill and once for decode (with chunk:
+    the mixed step through context_parallel_ragged; decode steps sharing prefixes through the
+    cascade with its levels split), serves shared-prefix requests with n > 1 samples to the
+    tokens of one device (the engine of the serving tests above, same weights and shapes). Under
+    CP the greedy step compiles once for prefill and once for (cascade) decode (with chunk:
     once), and a request's pages lie on its even-split devices, device by device (after a cached
     prefix, never before its last device). tp or cp past the devices, and cp with a stacked
     (scan) cache, are refused."""
@@ -427,6 +428,7 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
             f"engine = serve.Engine(cfg, seed={SERVE_SEED}, page_size=8, num_pages=96, max_batch=6, chunk={chunk}, cp=3)\n"
             f"out.append(engine.run({scenario}))\n"
             "stats.append(sum('XLA compilation of jit(step)' in m for m in compiles))\n"
+            "stats.append(engine.stats['cascade_steps'])\n"
             "engine.allocator = serve.PageAllocator(96, num_shards=3)\n"
             "stats.append(engine._place(np.zeros(0, np.int32), 2, 3, 2))\n"
             "stats.append(engine._place(np.array([33], np.int32), 2, 3, 1))\n"
@@ -444,13 +446,15 @@ def test_serve_tensor_and_context_parallel_on_host_devices(chunk):
     for run in got:
         assert run == {str(k): v for k, v in want.items()}
     assert stats[0] > 0 or chunk  # TP ran cascade steps
-    # CP: one prefill and one decode program, or one mixed step program with chunk
+    # CP: one prefill and one decode program (every decode step here shares a prefix: the
+    # cascade's, its levels split over the devices), or one mixed step program with chunk
     assert len(got) == 2 and stats[1] == (2 if chunk is None else 1)
+    assert stats[2] > 0 or chunk  # CP ran cascade steps
     # 5 pages on 3 devices (2, 2, 1): the 2 shared ones on device 0, each sample's 3 on 1, 1, 2;
     # after a cached page on device 1, all on devices 1 and 2.
-    assert stats[2] == [[0, 0], [1, 1, 2], [1, 1, 2]]
-    assert stats[3] == [[1], [1, 1, 2]]
-    assert "layer_loop" in stats[4]
+    assert stats[3] == [[0, 0], [1, 1, 2], [1, 1, 2]]
+    assert stats[4] == [[1], [1, 1, 2]]
+    assert "layer_loop" in stats[5]
     with pytest.raises(ValueError, match="cfg.tp"):
         serve.Engine(llama.get_config("tiny", tp=2))  # one device in this process
     with pytest.raises(ValueError, match="cp must lie"):
