@@ -379,6 +379,18 @@ class ContextPlan:
                    base=base, has_full=has_full)
 
 
+def _device_pages(num_shards, pages_per_shard, num_pages):
+    """The pages of the cache a device's plans address: the global num_pages (replicated cache,
+    pages_per_shard None) or its block, pages_per_shard (ValueError unless num_pages is
+    num_shards x pages_per_shard)."""
+    if pages_per_shard is None:
+        return num_pages
+    if num_pages != num_shards * pages_per_shard:
+        raise ValueError(f"num_pages ({num_pages}) must be num_shards x pages_per_shard "
+                         f"({num_shards} x {pages_per_shard})")
+    return pages_per_shard
+
+
 def _stack(plans):
     """One pytree with a leading device axis; ValueError when the devices' plans differ in shape.
     Host leaves (the planners' NumPy arrays) stay on the host: one transfer places the stacked
@@ -461,13 +473,7 @@ def context_plan(wrapper, split, *, num_pages, horizon=1, q_data_type=None, kv_d
             raise ValueError("BatchMLAPagedAttention splits its keys under CP (split_page_table)")
         return _query_plan(wrapper, split, num_pages, q_data_type, kv_data_type)
     n = split.num_shards
-    if split.pages_per_shard is None:
-        local_pages = num_pages
-    elif num_pages != n * split.pages_per_shard:
-        raise ValueError(f"num_pages ({num_pages}) must be num_shards x pages_per_shard "
-                         f"({n} x {split.pages_per_shard})")
-    else:
-        local_pages = split.pages_per_shard
+    local_pages = _device_pages(n, split.pages_per_shard, num_pages)
     key_offsets, share_lens = split.key_offsets, split.share_lens
     if fixed_shapes:
         if wrapper.max_batch_size is None:
@@ -588,12 +594,7 @@ def _cascade_context_plan(wrapper, split, num_pages, horizon):
         raise ValueError("a causal cascade under CP takes one query row per last-level group (decode): a "
                          "row's causal diagonal would cut a device's pages")
     n, pages_per_shard = split.num_shards, split.splits[0].pages_per_shard
-    if pages_per_shard is None:
-        local_pages = num_pages
-    elif num_pages != n * pages_per_shard:
-        raise ValueError(f"num_pages ({num_pages}) must be num_shards x pages_per_shard ({n} x {pages_per_shard})")
-    else:
-        local_pages = pages_per_shard
+    local_pages = _device_pages(n, pages_per_shard, num_pages)
     plans = [wrapper.plan([CascadeLevel(qo, *s.tables[k]) for qo, s in zip(split.qo_indptrs, split.splits)],
                           num_pages=local_pages) for k in range(n)]
     return ContextPlan(full=_stack(plans), pages_per_shard=pages_per_shard)  # (no offsets: one shape a capacity)
@@ -740,13 +741,9 @@ def _query_plan(wrapper, split, num_pages, q_data_type, kv_data_type):
         raise ValueError("context parallel by rows needs the wrapper's max_num_tokens (and max_batch_size, "
                          "max_num_pages)")
     n = split.num_shards
-    if split.gather is None:
-        local_pages = num_pages  # the replicated cache itself
-    elif num_pages != n * split.pages_per_shard:
-        raise ValueError(f"num_pages ({num_pages}) must be num_shards x pages_per_shard "
-                         f"({n} x {split.pages_per_shard})")
-    else:
-        local_pages = split.gather.size  # the lent pages of every device
+    local_pages = _device_pages(n, split.pages_per_shard, num_pages)
+    if split.gather is not None:
+        local_pages = split.gather.size  # the lent pages of every device, gathered
     cap = int(wrapper.max_num_tokens)
     if split.max_tokens > cap:
         raise ValueError(f"a device gets {split.max_tokens} rows, past the wrapper's max_num_tokens ({cap})")
@@ -945,6 +942,8 @@ def _context_sharded(wrapper, mesh, cp_axis, tp_axis, shard_pages, finish, out, 
         if isinstance(plan, QueryPlan) and shard_pages and kv_cache.num_pages != n * plan.pages_per_shard:
             raise ValueError(f"kv_cache has {kv_cache.num_pages} pages; the plan was split for {n} devices of "
                              f"{plan.pages_per_shard}")
+        if isinstance(plan, QueryPlan) and q.shape[0] != plan.src.shape[1]:
+            raise ValueError(f"q has {q.shape[0]} rows; the plan was split for {plan.src.shape[1]} (num_rows)")
         if kv_lens is not None and not decode:
             raise ValueError("kv_lens is a decode wrapper's argument")
         return sharded(q, kv_cache, plan, kv_lens)
@@ -1080,6 +1079,9 @@ def _mla_context_parallel(wrapper, mesh, cp_axis, tp_axis, shard_pages, return_l
     def run(q_nope, q_pe, ckv_cache, kpe_cache, plan, ckv_scale=None, kpe_scale=None):
         if not isinstance(plan, ContextPlan) or plan.diag is not None:
             raise ValueError("plan must be a ContextPlan of this BatchMLAPagedAttention (context_plan)")
+        if plan.src is not None and q_nope.shape[0] != plan.src.shape[1]:
+            raise ValueError(f"q_nope has {q_nope.shape[0]} rows; the plan places {plan.src.shape[1]} "
+                             "(the wrapper's max_num_tokens)")
         if (plan.pages_per_shard is not None) != shard_pages:
             raise ValueError(f"plan was split for a {'page-sharded' if plan.pages_per_shard else 'replicated'} "
                              f"cache but shard_pages={shard_pages}")

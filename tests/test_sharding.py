@@ -153,8 +153,12 @@ def test_split_queries_covers_every_row_once():
     with pytest.raises(ValueError, match="ContextPlan"):
         sharding.context_partial_states(pre, mesh)(None, None, sharding.context_plan(pre, one, num_pages=per))
     small = ji.PagedKVCache(*(np.zeros((per - 1, page, 2, 32), np.float32),) * 2)  # not the split's pages
+    one_plan = sharding.context_plan(pre, one, num_pages=per)
     with pytest.raises(ValueError, match="kv_cache"):
-        sharding.context_parallel(pre, mesh)(None, small, sharding.context_plan(pre, one, num_pages=per))
+        sharding.context_parallel(pre, mesh)(np.zeros((1, 4, 32), np.float32), small, one_plan)
+    whole = ji.PagedKVCache(*(np.zeros((per, page, 2, 32), np.float32),) * 2)
+    with pytest.raises(ValueError, match="num_rows"):  # q of 5 rows, the split's num_rows 1
+        sharding.context_parallel(pre, mesh)(np.zeros((5, 4, 32), np.float32), whole, one_plan)
 
 
 def test_context_plan_mla_splits():
@@ -183,6 +187,9 @@ def test_context_plan_mla_splits():
     plan = sharding.context_plan(mla, mtp, num_pages=n * per, q_data_type=jnp.float32)
     np.testing.assert_array_equal(plan.full_rows[:, :3], [[2, 3, 4], [0, 1, 2]])
     np.testing.assert_array_equal(plan.src, [[5, 5, 0, 1, 2], [0, 1, 2, 3, 4]])
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("cp",))
+    with pytest.raises(ValueError, match="q_nope"):  # 4 rows where the plan places 5
+        sharding.context_parallel(mla, mesh)(np.zeros((4, 4, 64)), np.zeros((4, 4, 16)), None, None, plan)
     rows = sharding.split_queries(np.array([0, 1, 2], np.int32), *table, page, n, pages_per_shard=per)
     with pytest.raises(ValueError, match="split_page_table"):
         sharding.context_plan(mla, rows, num_pages=n * per)
@@ -578,6 +585,13 @@ def _check_cp_merges(case, tp, cp, base="any", ref=None, shard_pages=None):
                   case.reference() if ref is None else ref)
 
 
+def _poison_unlisted(case):
+    """NaN in K and V of every page no request of case lists: a read of one shows in o."""
+    import jax.numpy as jnp
+    unlisted = np.setdiff1d(np.arange(case.num_pages), case.table[1][: case.table[0][-1]])
+    case.k, case.v = (x.at[jnp.asarray(unlisted)].set(jnp.nan) for x in (case.k, case.v))
+
+
 def _check_cp_rows(case, tp, cp, gather_capacity=None):
     """context_parallel with a QueryPlan (split_queries: query rows split, each device's rows
     whole over their keys, the lent pages of a page-sharded cache gathered) against one device;
@@ -595,6 +609,7 @@ def _check_cp_rows(case, tp, cp, gather_capacity=None):
     w = cls(hs.num_qo_heads, hs.num_kv_heads, case.d, case.page, causal=case.causal, layout=case.layout, num_ctas=8,
             max_batch_size=split.max_requests, max_num_tokens=split.max_tokens, max_num_pages=split.max_pages)
     plan = sharding.put(sharding.context_plan(w, split, num_pages=case.num_pages), NamedSharding(mesh, P("cp")))
+    _poison_unlisted(case)  # (the gather's padding lends local page 0, which may be one of them)
     cache = case.cache()
     if hs.kv_replicas > 1:
         cache = sharding.replicate_kv_heads(cache, hs.kv_replicas)
@@ -970,6 +985,8 @@ def _check_mla_cp(rng, tp, cp, heads=8, merge="auto", qo=None, causal=True):
     num_pages = cp * per
     mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     q_nope, q_pe, ckv, kpe = mk((t, heads, dc)), mk((t, heads, dr)), mk((num_pages, page, dc)), mk((num_pages, page, dr))
+    unlisted = jnp.asarray(np.setdiff1d(np.arange(num_pages), table[1]))  # NaN: a read of one shows in o
+    ckv, kpe = ckv.at[unlisted].set(jnp.nan), kpe.at[unlisted].set(jnp.nan)
     caps = dict(max_batch_size=t, max_num_tokens=t, max_num_pages=int(table[0][-1]) * int(qo.max()))
     one = ji.BatchMLAPagedAttention(heads, dc, dr, page, causal=causal, sm_scale=scale, **caps)
     ref = one.run(q_nope, q_pe, ckv, kpe, one.plan(cu, table[0], table[1], kv, num_pages=num_pages,
@@ -1010,7 +1027,9 @@ def _check_cascade_cp(rng, tp, cp, hq=8, hkv=2):
     levels, saved = ji.two_level_cascade(np.arange(b + 1, dtype=np.int32), indptr, indices, last, page)
     assert saved > 0
     mk = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    q, cache = mk((b, hq, d)), ji.PagedKVCache(mk((num_pages, page, hkv, d)), mk((num_pages, page, hkv, d)))
+    unlisted = jnp.asarray(np.setdiff1d(np.arange(num_pages), indices))  # NaN: a read of one shows in o
+    q, cache = mk((b, hq, d)), ji.PagedKVCache(*(mk((num_pages, page, hkv, d)).at[unlisted].set(jnp.nan)
+                                                 for _ in "kv"))
     one = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, num_ctas=8)
     ref = one.run(q, cache, one.plan(indptr, indices, last, num_pages=num_pages), return_lse=True)
     mesh = _mesh(tp, cp)
