@@ -426,16 +426,11 @@ class Engine:
         positions = (lens - 1).astype(np.int32)
         bcap = self.max_batch
         rows = pad(np.arange(batch, dtype=np.int32), bcap, -1)
-        if self.cp > 1:
-            levels, saved = None, 0
-            if self.cascade_mode == "always":  # (auto: the decode wrapper's choice, which has no CP path)
-                levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices,
-                                                     last, self.page_size, causal=False)
-            wrapper, note = self.decode, "decode"
-            if saved:
-                wrapper, note = self.cascade, self._count_cascade(levels, saved)
+        if self.cp > 1:  # (cascade "auto" is the decode wrapper's choice, which has no CP path)
+            levels, note = self._shared_levels(kv_indptr, kv_indices, last)
+            wrapper, note = (self.decode, "decode") if levels is None else (self.cascade, note)
             attention = self._context_attention(wrapper, kv_indptr, kv_indices, last, rows, pad(positions, bcap, -1),
-                                                levels=levels if saved else None)
+                                                levels=levels)
         else:
             plan, wrapper, note = self._decode_plan(kv_indptr, kv_indices, last)
             attention = llama.PagedAttention(
@@ -448,22 +443,26 @@ class Engine:
             s.tokens.append(int(t))
         return note
 
-    def _count_cascade(self, levels, saved):
-        """Counts a cascade step in self.stats; returns its note."""
+    def _shared_levels(self, kv_indptr, kv_indices, last):
+        """(the two cascade levels, the step's note) of a decode step whose batch shares pages
+        (cascade "always"), counted in self.stats; else (None, None)."""
+        if self.cascade_mode != "always":
+            return None, None
+        batch = kv_indptr.shape[0] - 1
+        levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices, last,
+                                             self.page_size, causal=False)
+        if not saved:
+            return None, None
         self.stats["cascade_steps"] += 1
         self.stats["page_reads_saved"] += saved
         groups = int(np.count_nonzero(np.diff(levels[0].kv_indptr)))
-        return f"cascade ({groups} shared prefix group(s), {saved} page reads saved)"
+        return levels, f"cascade ({groups} shared prefix group(s), {saved} page reads saved)"
 
     def _decode_plan(self, kv_indptr, kv_indices, last):
         """(plan, wrapper, note): a two-level cascade where the batch shares pages (per cascade mode)."""
-        batch = kv_indptr.shape[0] - 1
-        if self.cascade_mode == "always":
-            levels, saved = ji.two_level_cascade(np.arange(batch + 1, dtype=np.int32), kv_indptr, kv_indices,
-                                                 last, self.page_size, causal=False)
-            if saved:
-                return self.cascade.plan(levels, num_pages=self.num_pages), self.cascade, self._count_cascade(levels,
-                                                                                                              saved)
+        levels, note = self._shared_levels(kv_indptr, kv_indices, last)
+        if levels is not None:
+            return self.cascade.plan(levels, num_pages=self.num_pages), self.cascade, note
         plan = self.decode.plan(kv_indptr, kv_indices, last, num_pages=self.num_pages,
                                 cascade="auto" if self.cascade_mode == "auto" else None)
         if isinstance(plan, ji.CascadePlan):
