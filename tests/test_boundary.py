@@ -15,7 +15,8 @@ the grid follows the constants when they change:
   prefill_short -> prefill_triton on the cost model, before or at the cut).
 Key lengths: page edges (k * page - 1, k * page, k * page + 1) and the split-KV edges
 (SPLIT_TOKENS: the planners' min_split_tokens defaults and ragged's MIN_CHUNK_UNITS x CHUNK_UNIT).
-Heads: GQA groups 1, 2, 4, 8 and (Hq, Hkv) = (6, 1), (20, 4); head_dim 32; float32.
+Heads: GQA groups 1, 2, 4, 8 and (Hq, Hkv) = (6, 1), (20, 4); head_dim 32; float32 (GRID; the
+items marked gpu, run with -m gpu on a GPU machine: bfloat16, head_dim 128, dispatch's GPU kernels).
 Steps: each length alone, and all of a group's lengths mixed in one step with qo_len 0 requests
 (and a step of qo_len 0 requests only where the API allows); page sizes 1, 8, 16; NHD and HND;
 causal and not.
@@ -35,7 +36,7 @@ fixed shapes, ragged_paged_attention's group 6, ...) run under `-m slow`, as doe
 (every row, every length alone). test_plan_boundaries crosses every planner boundary of every
 group with planning alone (no kernels), and test_default_grid_reaches_every_impl checks that the
 default grid reaches every plan.impl a CPU can. Cache slots past kv_len hold finite random values
-(NaN poisoning is tested elsewhere); the Mosaic impls are not run here.
+(NaN poisoning is tested elsewhere); the Mosaic impls run in the gpu items only.
 """
 import collections
 import dataclasses
@@ -43,6 +44,7 @@ import functools
 import inspect
 import itertools
 import traceback
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,7 @@ import pytest
 
 import jaxinfer as ji
 from helpers import TOL, assert_lse_close, rel_err
-from jaxinfer import dispatch, ragged_plan
+from jaxinfer import _backend, dispatch, ragged_plan
 from jaxinfer import reference as ref
 from planner import batch as batch_planner
 from planner import decode as decode_planner
@@ -59,11 +61,29 @@ from planner import prefill as prefill_planner
 
 HEADS = {1: (4, 4), 2: (8, 4), 4: (8, 2), 8: (8, 1), 6: (6, 1), 5: (20, 4)}  # group: (Hq, Hkv)
 GROUPS = tuple(HEADS)
-D = 32
 PAGE_SIZES = (1, 8, 16)
 LAYOUTS = ("NHD", "HND")
 CAUSAL = (True, False)
-NUM_CTAS = 8  # cells = 8 // Hkv: small interpret-mode grids, and long requests still split
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """How the runners below run: the inputs' dtype and head_dim, the wrappers' num_ctas (None:
+    dispatch's own grids), whether plans are told the dtypes (q_data_type, as FlashInfer's users
+    pass it: BatchAttention's mixed launch needs it), the tolerances, and whether each plan.impl
+    must be the CPU's route (expected_impl; a GPU adds the Mosaic rows). The default is the CPU's:
+    float32, head_dim 32, 8 CTAs (cells = 8 // Hkv: small interpret-mode grids, and long
+    requests still split)."""
+    dtype: object = jnp.float32
+    head_dim: int = 32
+    num_ctas: Optional[int] = 8
+    told: bool = False
+    tol: float = TOL[jnp.float32]
+    lse_tol: float = 1e-4
+    cpu_routes: bool = True
+
+
+GRID = Grid()
 
 
 def _default(fn, name):
@@ -79,25 +99,30 @@ SPLIT_TOKENS = tuple(sorted({
 
 
 # ---------------------------------------------------------------- boundaries, from the code
-def _dispatch_flips(group, longest=160):
+def _dispatch_flips(group, head_dim, longest=160):
     """The lengths after which dispatch's choice for a one-request paged prefill step changes."""
     hq, hkv = HEADS[group]
-    problem = dispatch.Problem("prefill", hq, hkv, D, "paged", 16)
+    problem = dispatch.Problem("prefill", hq, hkv, head_dim, "paged", 16)
     names = [dispatch.choose(problem, np.array([n]), np.array([max(n, 64)]), True).name
              for n in range(1, longest)]
     return [n for n in range(1, len(names)) if names[n] != names[n - 1]]
 
 
-@functools.lru_cache(maxsize=None)
 def edge_classes(group):
-    """{query length: the kinds of boundary it is b - 1, b or b + 1 of}, for one GQA group."""
+    """{query length: the kinds of boundary it is b - 1, b or b + 1 of}, for one GQA group (at
+    GRID's head_dim)."""
+    return _edge_classes(group, GRID.head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _edge_classes(group, head_dim):
     cap = batch_planner.short_cap(group)
     bounds = [("short_cut", cap)]
     bounds += [("short_tokens", t) for t in batch_planner.SHORT_TOKENS if t < cap]
     bounds += [("tile_rows", rows // group) for rows in prefill_planner.TILE_ROWS if rows >= group]
     for c in ragged_plan.classes(1 << 12, 64, 4, group):
         bounds.append(("ragged_class", c.tokens_per_item if c.prefill else c.max_q))
-    bounds += [("dispatch", b) for b in _dispatch_flips(group)]
+    bounds += [("dispatch", b) for b in _dispatch_flips(group, head_dim)]
     out = collections.defaultdict(set)
     for kind, b in bounds:
         for n in (b - 1, b, b + 1):
@@ -221,11 +246,11 @@ class Failures(list):
         except AssertionError as e:
             self.append(f"{what}: {e}")
             return
-        if not err < TOL[jnp.float32]:
+        if not err < GRID.tol:
             self.append(f"{what}: rel_err {err:.3g}")
         if lse is not None:
             try:
-                assert_lse_close(lse, want_lse)
+                assert_lse_close(lse, want_lse, tol=GRID.lse_tol)
             except AssertionError as e:
                 worst = np.nanmax(np.abs(np.where(np.isfinite(want_lse), np.asarray(lse, np.float64) - want_lse, 0)))
                 self.append(f"{what}: lse differs (max abs {worst:.3g}; {str(e).strip().splitlines()[0]})")
@@ -239,17 +264,30 @@ class Failures(list):
 
 
 def _randn(rng, shape):
-    return rng.standard_normal(shape).astype(np.float32)
+    """Random normal host values (float32) that GRID's dtype holds exactly: the reference sees
+    what the kernels see."""
+    return rng.standard_normal(shape).astype(GRID.dtype).astype(np.float32)
+
+
+def _dev(x):
+    """A host array of _randn's on the device, in GRID's dtype."""
+    return jnp.asarray(x, GRID.dtype)
+
+
+def _told():
+    """plan()'s dtype arguments under GRID."""
+    return dict(q_data_type=GRID.dtype, kv_data_type=GRID.dtype) if GRID.told else {}
 
 
 class PagedCache:
-    """A random (finite) float32 cache of num_pages pages and its host copy."""
+    """A random (finite) cache of num_pages pages in GRID's dtype and its host copy (float32)."""
 
     def __init__(self, rng, num_pages, page, hkv, layout):
-        shape = (num_pages, page, hkv, D) if layout == "NHD" else (num_pages, hkv, page, D)
+        d = GRID.head_dim
+        shape = (num_pages, page, hkv, d) if layout == "NHD" else (num_pages, hkv, page, d)
         self.k, self.v = _randn(rng, shape), _randn(rng, shape)
         self.page, self.layout, self.num_pages = page, layout, num_pages
-        self.cache = ji.PagedKVCache(jnp.asarray(self.k), jnp.asarray(self.v), layout)
+        self.cache = ji.PagedKVCache(_dev(self.k), _dev(self.v), layout)
 
     def table(self, rng, kv):
         """A CSR page table of distinct random pages for key lengths kv."""
@@ -265,7 +303,7 @@ class PagedCache:
         kp, vp = k[pages], v[pages]
         if self.layout == "HND":
             kp, vp = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
-        return kp.reshape(-1, kp.shape[2], D)[:n], vp.reshape(-1, vp.shape[2], D)[:n]
+        return kp.reshape(-1, kp.shape[2], GRID.head_dim)[:n], vp.reshape(-1, vp.shape[2], GRID.head_dim)[:n]
 
 
 def _num_pages(steps, page, extra=4):
@@ -316,16 +354,17 @@ def expected_impl(entry, group, qo, kv, causal, problem=None, fixed=False):
     return dispatch.choose(problem, qo, kv, causal).name
 
 
-def make_paged_wrapper(entry, cfg, caps=None):
+def make_paged_wrapper(entry, cfg, caps=None, impl="auto"):
     hq, hkv = cfg.heads
-    return PAGED_PREFILL[entry](hq, hkv, D, cfg.page, causal=cfg.causal, layout=cfg.layout, num_ctas=NUM_CTAS,
-                                **(caps or {}))
+    return PAGED_PREFILL[entry](hq, hkv, GRID.head_dim, cfg.page, causal=cfg.causal, layout=cfg.layout,
+                                num_ctas=GRID.num_ctas, impl=impl, **(caps or {}))
 
 
 def _plan_paged(w, cache, rng, step):
     indptr, indices, last = cache.table(rng, step.kv)
     qo_indptr = np.concatenate([[0], np.cumsum(step.qo)]).astype(np.int32)
-    return w.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages), (qo_indptr, indptr, indices, last)
+    plan = w.plan(qo_indptr, indptr, indices, last, num_pages=cache.num_pages, **_told())
+    return plan, (qo_indptr, indptr, indices, last)
 
 
 def _route(plan):
@@ -389,17 +428,17 @@ class _HostTable:
     table = PagedCache.table
 
 
-def run_paged_prefill(entry, cfg, steps, rng, fixed):
-    """Plans and runs every step through one wrapper with all three capacities (one jitted run());
-    fixed: fixed_shapes (plans of one structure: one compile), else fixed_shapes=False (each step's
-    own kernels under the same shapes: one compile per class, as without capacities). Returns
-    (Failures, impls seen, number of compiles)."""
+def run_paged_prefill(entry, cfg, steps, rng, fixed, impl="auto"):
+    """Plans and runs every step through one wrapper (impl: the wrapper's) with all three
+    capacities (one jitted run()); fixed: fixed_shapes (plans of one structure: one compile), else
+    fixed_shapes=False (each step's own kernels under the same shapes: one compile per class, as
+    without capacities). Returns (Failures, impls seen, number of compiles)."""
     hq, hkv = cfg.heads
     tcap = max(int(s.qo.sum()) for s in steps) + 5  # + rows past the step (must give o = 0)
     num_pages = _num_pages(steps, cfg.page)
     caps = dict(max_batch_size=max(len(s.qo) for s in steps), max_num_tokens=tcap, max_num_pages=num_pages,
                 fixed_shapes=fixed)
-    w = make_paged_wrapper(entry, cfg, caps)
+    w = make_paged_wrapper(entry, cfg, caps, impl)
     cache = PagedCache(rng, num_pages, cfg.page, hkv, cfg.layout)
     run = _jit_counted(lambda q, c, p: w.run(q, c, p, return_lse=True))
     fails, seen = Failures(), set()
@@ -410,10 +449,10 @@ def run_paged_prefill(entry, cfg, steps, rng, fixed):
             what += f" impl={plan.impl} {_route(plan)}"
             seen.add(plan.impl)
             want_impl = expected_impl(entry, cfg.group, step.qo, step.kv, cfg.causal, w.problem, fixed)
-            if plan.impl != want_impl:
+            if GRID.cpu_routes and plan.impl != want_impl:
                 fails.append(f"{what}: impl {plan.impl}, the routing rule says {want_impl}")
-            q = _randn(rng, (tcap, hq, D))
-            o, lse = (np.asarray(x) for x in run(jnp.asarray(q), cache.cache, plan))
+            q = _randn(rng, (tcap, hq, GRID.head_dim))
+            o, lse = (np.asarray(x) for x in run(_dev(q), cache.cache, plan))
         except Exception as e:  # noqa: BLE001 - reported with the step
             fails.raised(what, e)
             continue
@@ -503,10 +542,12 @@ def run_rpa(cfg, steps, rng):
     t_cap = max(int(s.qo.sum()) for s in steps) + 3      # + padding rows
     pps = max(int(np.max(-(-s.kv // page))) for s in steps)
     cache = PagedCache(rng, _num_pages(steps, page), page, hkv, cfg.layout)
-    long_impl = dispatch.ragged_long_impl(dispatch.Problem("prefill", hq, hkv, D, "paged", page, cfg.layout),
-                                          "auto", jnp.float32, jnp.float32, False, 1.0)
-    classes = ragged_plan.classes(t_cap, s_cap, NUM_CTAS // hkv, cfg.group)
-    fn = _jit_counted(lambda *a: ji.ragged_paged_attention(*a, causal=cfg.causal, num_ctas=NUM_CTAS))
+    problem = dispatch.Problem("prefill", hq, hkv, GRID.head_dim, "paged", page, cfg.layout,
+                               interpret=_backend.use_interpret())
+    long_impl = dispatch.ragged_long_impl(problem, "auto", GRID.dtype, GRID.dtype, False, 1.0)
+    cells = max(1, (GRID.num_ctas or 2 * _backend.num_sms()) // hkv)  # (the classes' bounds do not depend on it)
+    classes = ragged_plan.classes(t_cap, s_cap, cells, cfg.group, mixed=long_impl.name == "batch_mosaic")
+    fn = _jit_counted(lambda *a: ji.ragged_paged_attention(*a, causal=cfg.causal, num_ctas=GRID.num_ctas))
     fails, taken = Failures(), set()
     for step in steps:
         what = f"ragged_paged_attention {cfg} {step} (long impl {long_impl.name})"
@@ -524,7 +565,7 @@ def run_rpa(cfg, steps, rng):
         kv_lens[:n] = kv
         n_decode = int(np.argmax(q_len != 1)) if np.any(q_len != 1) else n
         dist = np.array([n_decode, n_decode, n], np.int32)
-        q, k_new, v_new = (_randn(rng, (t_cap, h, D)) for h in (hq, hkv, hkv))
+        q, k_new, v_new = (_randn(rng, (t_cap, h, GRID.head_dim)) for h in (hq, hkv, hkv))
         want_k, want_v = cache.k.copy(), cache.v.copy()
         for i in range(n):
             for j in range(q_len[i]):
@@ -536,7 +577,7 @@ def run_rpa(cfg, steps, rng):
             if np.any((q_len >= c.min_q) & (q_len <= c.max_q)):
                 taken.add((c.min_q, c.max_q, "prefill" if c.prefill else f"decode x{c.tokens_per_item}"))
         try:
-            out, new_cache = fn(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), cache.cache,
+            out, new_cache = fn(_dev(q), _dev(k_new), _dev(v_new), cache.cache,
                                 jnp.asarray(kv_lens), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(cu),
                                 jnp.asarray(dist))
             out = np.asarray(out)
@@ -588,8 +629,8 @@ def decode_steps(cfg, slow):
 def run_decode(cfg, steps, rng):
     hq, hkv = cfg.heads
     bcap, num_pages = max(len(s.kv) for s in steps), _num_pages(steps, cfg.page)
-    w = ji.BatchDecodeWithPagedKVCache(hq, hkv, D, cfg.page, layout=cfg.layout, max_batch_size=bcap,
-                                       max_num_pages=num_pages, num_ctas=NUM_CTAS)
+    w = ji.BatchDecodeWithPagedKVCache(hq, hkv, GRID.head_dim, cfg.page, layout=cfg.layout, max_batch_size=bcap,
+                                       max_num_pages=num_pages, num_ctas=GRID.num_ctas)
     cache = PagedCache(rng, num_pages, cfg.page, hkv, cfg.layout)
     run = _jit_counted(lambda q, c, p: w.run(q, c, p, return_lse=True))
     fails, seen = Failures(), set()
@@ -600,8 +641,8 @@ def run_decode(cfg, steps, rng):
             plan = w.plan(indptr, indices, last, num_pages=num_pages)
             seen.add(plan.impl)
             what += f" impl={plan.impl}"
-            q = _randn(rng, (bcap, hq, D))
-            o, lse = (np.asarray(x) for x in run(jnp.asarray(q), cache.cache, plan))
+            q = _randn(rng, (bcap, hq, GRID.head_dim))
+            o, lse = (np.asarray(x) for x in run(_dev(q), cache.cache, plan))
         except Exception as e:  # noqa: BLE001
             fails.raised(what, e)
             continue
@@ -641,7 +682,7 @@ def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, gr
     """The paged and ragged prefill wrappers and the cascade (every length alone and mixed),
     ragged_paged_attention and decode at head dims 64-256 and groups 3, 7 and 16: the kernels'
     tiles and the classes' edges follow both."""
-    monkeypatch.setitem(globals(), "D", head_dim)  # the runners above read this module's D and HEADS
+    monkeypatch.setitem(globals(), "GRID", dataclasses.replace(GRID, head_dim=head_dim))  # (runners read GRID, HEADS)
     monkeypatch.setitem(HEADS, group, OTHER_HEADS[group])
     cfg = Cfg(group, page, layout, causal)
     for entry in PAGED_PREFILL:
@@ -675,7 +716,7 @@ def ragged_steps(cfg, slow):
     steps = alone_steps(cfg.group, 1, kv_index=cfg.pick)
     if not slow:
         hq, hkv = cfg.heads
-        w = ji.BatchPrefillWithRaggedKVCache(hq, hkv, D, causal=cfg.causal, num_ctas=NUM_CTAS)
+        w = ji.BatchPrefillWithRaggedKVCache(hq, hkv, GRID.head_dim, causal=cfg.causal, num_ctas=GRID.num_ctas)
         plans = [_ragged_plan(w, s, int(s.kv.sum()))[0] for s in steps]
         steps = select_alone(steps, plans, impl_edges(steps, plans))
     return steps + [mixed_step(cfg.group, 1, kv_index=cfg.pick)]
@@ -684,7 +725,8 @@ def ragged_steps(cfg, slow):
 def run_ragged(cfg, steps, rng):
     hq, hkv = cfg.heads
     tcap, kcap = max(int(s.qo.sum()) for s in steps) + 3, max(int(s.kv.sum()) for s in steps) + 1
-    w = ji.BatchPrefillWithRaggedKVCache(hq, hkv, D, causal=cfg.causal, num_ctas=NUM_CTAS, max_num_tokens=tcap,
+    w = ji.BatchPrefillWithRaggedKVCache(hq, hkv, GRID.head_dim, causal=cfg.causal, num_ctas=GRID.num_ctas,
+                                         max_num_tokens=tcap,
                                          max_batch_size=max(len(s.qo) for s in steps) + 1)
     run = _jit_counted(lambda q, k, v, p: w.run(q, k, v, p, return_lse=True))
     fails, seen = Failures(), set()
@@ -694,8 +736,8 @@ def run_ragged(cfg, steps, rng):
             plan, qo_indptr, kv_indptr = _ragged_plan(w, step, kcap)
             seen.add(plan.impl)
             what += f" impl={plan.impl} {_route(plan)}"
-            q, k, v = _randn(rng, (tcap, hq, D)), _randn(rng, (kcap, hkv, D)), _randn(rng, (kcap, hkv, D))
-            o, lse = (np.asarray(x) for x in run(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), plan))
+            q, k, v = (_randn(rng, (n, h, GRID.head_dim)) for n, h in ((tcap, hq), (kcap, hkv), (kcap, hkv)))
+            o, lse = (np.asarray(x) for x in run(_dev(q), _dev(k), _dev(v), plan))
         except Exception as e:  # noqa: BLE001
             fails.raised(what, e)
             continue
@@ -742,14 +784,14 @@ def run_bsr(group, rows, cols, rng):
     hq, hkv = HEADS[group]
     bsr = bsr_case(rng, group, rows, cols)
     m, n = bsr.shape
-    w = ji.BlockSparseAttention(hq, hkv, D, num_ctas=NUM_CTAS)
+    w = ji.BlockSparseAttention(hq, hkv, GRID.head_dim, num_ctas=GRID.num_ctas)
     fails = Failures()
     what = f"BlockSparseAttention g{group}({hq}/{hkv}) R={rows} C={cols} M={m} N={n}"
     try:
         plan = w.plan(bsr)
         what += f" impl={plan.impl} {_route(plan)}"
-        q, k, v = _randn(rng, (m, hq, D)), _randn(rng, (n, hkv, D)), _randn(rng, (n, hkv, D))
-        o, lse = (np.asarray(x) for x in w.run(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), plan, return_lse=True))
+        q, k, v = (_randn(rng, (r, h, GRID.head_dim)) for r, h in ((m, hq), (n, hkv), (n, hkv)))
+        o, lse = (np.asarray(x) for x in w.run(_dev(q), _dev(k), _dev(v), plan, return_lse=True))
     except Exception as e:  # noqa: BLE001
         fails.raised(what, e)
         return fails, None
@@ -822,9 +864,9 @@ def run_cascade(cfg, steps, rng):
     hq, hkv = cfg.heads
     num_pages = sum(int(np.sum(-(-s.kv // cfg.page))) + 2 * len(s.qo) for s in steps) + 4
     tcap = max(int(s.qo.sum()) for s in steps) + 3
-    w = ji.MultiLevelCascadeAttention(2, hq, hkv, D, cfg.page, causal=cfg.causal, layout=cfg.layout,
+    w = ji.MultiLevelCascadeAttention(2, hq, hkv, GRID.head_dim, cfg.page, causal=cfg.causal, layout=cfg.layout,
                                       max_batch_size=max(len(s.qo) for s in steps), max_num_tokens=tcap,
-                                      max_num_pages=num_pages, num_ctas=NUM_CTAS)
+                                      max_num_pages=num_pages, num_ctas=GRID.num_ctas)
     cache = PagedCache(rng, num_pages, cfg.page, hkv, cfg.layout)
     run = _jit_counted(lambda q, c, p: w.run(q, c, p, return_lse=True))
     fails, seen = Failures(), set()
@@ -837,8 +879,8 @@ def run_cascade(cfg, steps, rng):
             plan = w.plan(levels, num_pages=num_pages)
             seen.add(plan.impl)
             what += f" impl={plan.impl} saved_pages={saved}"
-            q = _randn(rng, (tcap, hq, D))
-            o, lse = (np.asarray(x) for x in run(jnp.asarray(q), cache.cache, plan))
+            q = _randn(rng, (tcap, hq, GRID.head_dim))
+            o, lse = (np.asarray(x) for x in run(_dev(q), cache.cache, plan))
         except Exception as e:  # noqa: BLE001
             fails.raised(what, e)
             continue
@@ -870,13 +912,13 @@ def test_cascade_boundaries_full(rng, cfg):
 # ---------------------------------------------------------------- single request
 def run_single(group, qo, kv, causal, rng):
     hq, hkv = HEADS[group]
-    q, k, v = _randn(rng, (qo, hq, D)), _randn(rng, (kv, hkv, D)), _randn(rng, (kv, hkv, D))
+    q, k, v = (_randn(rng, (n, h, GRID.head_dim)) for n, h in ((qo, hq), (kv, hkv), (kv, hkv)))
     fails = Failures()
     what = (f"single_prefill_with_kv_cache g{group}({hq}/{hkv}) qo={qo} kv={kv} causal={causal} "
             f"(tile rows {prefill_planner.choose_tile_rows(np.array([qo]), group)})")
     try:
         o, lse = (np.asarray(x) for x in ji.single_prefill_with_kv_cache(
-            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=causal, return_lse=True))
+            _dev(q), _dev(k), _dev(v), causal=causal, return_lse=True))
     except Exception as e:  # noqa: BLE001
         fails.raised(what, e)
         return fails
@@ -946,19 +988,20 @@ def _default_grid_plans():
         for step in paged_prefill_steps(entry, cfg, slow=False):
             yield entry, _plan_paged(w, table, rng, step)[0].impl
     for cfg in DEFAULT_DECODE:
-        w = ji.BatchDecodeWithPagedKVCache(*cfg.heads, D, cfg.page, num_ctas=NUM_CTAS)
+        w = ji.BatchDecodeWithPagedKVCache(*cfg.heads, GRID.head_dim, cfg.page, num_ctas=GRID.num_ctas)
         for step in decode_steps(cfg, slow=False):
             table = _HostTable(cfg.page).table(rng, step.kv)
             yield "BatchDecodeWithPagedKVCache", w.plan(*table, num_pages=1 << 14).impl
     for cfg in DEFAULT_RAGGED:
-        w = ji.BatchPrefillWithRaggedKVCache(*cfg.heads, D, causal=cfg.causal, num_ctas=NUM_CTAS)
+        w = ji.BatchPrefillWithRaggedKVCache(*cfg.heads, GRID.head_dim, causal=cfg.causal, num_ctas=GRID.num_ctas)
         for step in ragged_steps(cfg, slow=False):
             yield "BatchPrefillWithRaggedKVCache", _ragged_plan(w, step, int(step.kv.sum()))[0].impl
     for group, rows, cols in BSR_DEFAULT:
-        bsa = ji.BlockSparseAttention(*HEADS[group], D)
+        bsa = ji.BlockSparseAttention(*HEADS[group], GRID.head_dim)
         yield "BlockSparseAttention", bsa.plan(bsr_case(rng, group, rows, cols)).impl
     for cfg in DEFAULT_CASCADE:
-        w = ji.MultiLevelCascadeAttention(2, *cfg.heads, D, cfg.page, causal=cfg.causal, num_ctas=NUM_CTAS)
+        w = ji.MultiLevelCascadeAttention(2, *cfg.heads, GRID.head_dim, cfg.page, causal=cfg.causal,
+                                          num_ctas=GRID.num_ctas)
         for step in cascade_steps(cfg, slow=False):
             indptr, indices, last, _ = _cascade_table(rng, step, cfg.page, 1 << 14)
             qo_indptr = np.concatenate([[0], np.cumsum(step.qo)]).astype(np.int32)
@@ -993,3 +1036,50 @@ def test_edges_follow_the_constants():
                 assert prefill_planner.choose_tile_rows(np.array([n + 1]), group) > rows
         for c in ragged_plan.classes(1 << 12, 64, 4, group):
             assert (c.tokens_per_item if c.prefill else c.max_q) + 1 in edges
+
+
+# ---------------------------------------------------------------- on a GPU
+# The grid at dispatch's GPU defaults (-m gpu, on a GPU machine): bfloat16, head_dim 128, dispatch's
+# own grids, each paged wrapper told the dtypes or not (BatchAttention's mixed launch needs them),
+# and the Mosaic kernels forced where they run (NHD, pages of 8 or 16 rows): impl="mosaic" for the
+# prefill wrapper, impl="mixed" for BatchAttention. The routes are dispatch's (the CPU's rule does
+# not hold: the Mosaic rows join), so only the outputs are checked.
+GPU_GRID = Grid(dtype=jnp.bfloat16, head_dim=128, num_ctas=None, told=True, tol=TOL[jnp.bfloat16], lse_tol=3e-2,
+                cpu_routes=False)
+GPU_ROWS = [pairwise_row(i) for i in range(len(GROUPS))]  # each group once; pages 1, 8, 16; NHD, HND; causal, not
+MOSAIC_ROWS = [Cfg(g, 16, "NHD", True, pick=g) for g in GROUPS if g != 6] + [pairwise_row(2), pairwise_row(4)]
+GPU_PAGED = ([(entry, "auto", False, told, cfg) for entry in PAGED_PREFILL for told in (False, True)
+              for cfg in GPU_ROWS]
+             + [("BatchAttention", "auto", True, True, cfg) for cfg in GPU_ROWS]
+             + [(entry, impl, fixed, True, cfg) for entry, impl, fixed in (
+                 ("BatchPrefillWithPagedKVCache", "mosaic", False), ("BatchAttention", "mixed", False),
+                 ("BatchAttention", "mixed", True)) for cfg in MOSAIC_ROWS])
+
+
+def _on_gpu(monkeypatch, told=True):
+    assert jax.default_backend() == "gpu", "-m gpu runs the grid on a GPU"
+    monkeypatch.setitem(globals(), "GRID", dataclasses.replace(GPU_GRID, told=told))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry, impl, fixed, told, cfg", GPU_PAGED, ids=str)
+def test_gpu_paged_boundaries(rng, monkeypatch, entry, impl, fixed, told, cfg):
+    _on_gpu(monkeypatch, told)
+    steps = paged_prefill_steps(entry, cfg, slow=True)
+    fails, _, compiles = run_paged_prefill(entry, cfg, steps, rng, fixed, impl)
+    fails.check(f"{entry} impl={impl} {cfg} fixed={fixed} told={told}")
+    assert compiles == 1 or not fixed, compiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GPU_ROWS, ids=str)
+def test_gpu_other_entry_boundaries(rng, monkeypatch, cfg):
+    """ragged_paged_attention (its mixed launch on Hopper), decode and ragged prefill."""
+    _on_gpu(monkeypatch)
+    fails, taken, classes, traces = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
+    fails.check(f"ragged_paged_attention {cfg}")
+    assert traces == 1 and {(c.min_q, c.max_q) for c in classes} == {t[:2] for t in taken}, (classes, taken)
+    fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
+    fails.check(f"BatchDecodeWithPagedKVCache {cfg}")
+    fails, _, _ = run_ragged(cfg, ragged_steps(cfg, slow=True), rng)
+    fails.check(f"BatchPrefillWithRaggedKVCache {cfg}")
