@@ -4,6 +4,7 @@ Runners are cached per (heads, page size, causal, dtype) with fixed capacities, 
 once and serves every step of every test that uses it (also the compile-once test's claim).
 """
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -562,3 +563,79 @@ def test_fp8_grid_matches_float64_reference(rng, num_heads, page_size, cache_dty
         out, want = run_step(rng, num_heads, page_size, True, qo_lens, kv_lens, "bfloat16", poison=True,
                              cache_dtype=cache_dtype, scales=(0.4, 0.7))
         check(out, want, 8e-3)
+
+
+# ---------------------------------------------------------------- boundaries
+def qo_edges(num_heads, longest=70):
+    """Query lengths at the MLA planner's edges for num_heads: a tile of M rows (M = 16, 32, 64:
+    planner.mla.block_rows_for) holds M / H tokens, so 1 and n - 1, n, n + 1 at n = M / H, and
+    2 M / H -1 / +1 (a second tile); ceil(M / H) and one more (the tile height moves past M)."""
+    out = {1}
+    for m in (16, 32, 64):
+        per_tile = max(1, m // num_heads)
+        out |= {per_tile - 1, per_tile, per_tile + 1, 2 * per_tile - 1, 2 * per_tile + 1}
+        out |= {-(-m // num_heads), -(-m // num_heads) + 1}
+    return sorted(n for n in out if 1 <= n <= longest)
+
+
+def kv_edges(qo, page_size):
+    """Key lengths >= qo at the edges: the causal diagonal (qo), qo + 1, the first two page ends,
+    the kernel's 32- and 64-key blocks and the 256-key chunks (MLAConfig.min_chunk), -1 / 0 / +1."""
+    edges = {qo, qo + 1}
+    for n in (page_size, 2 * page_size, 32, 64, 256):
+        edges |= {n - 1, n, n + 1}
+    return sorted(n for n in edges if n >= max(qo, 1))
+
+
+def boundary_steps(num_heads, page_size):
+    """Each of qo_edges alone (its key lengths cycling through kv_edges), then all of them in one
+    step with a request of no query rows and one of no keys."""
+    lengths = qo_edges(num_heads)
+    steps = []
+    for i, q in enumerate(lengths):
+        kvs = kv_edges(q, page_size)
+        steps.append(([q], [kvs[i % len(kvs)]]))
+    kvs = [kv_edges(q, page_size)[-1 - i % 3] for i, q in enumerate(lengths)]
+    return steps + [(lengths + [0, 1], kvs + [5, 0])]
+
+
+def run_boundaries(rng, num_heads, page_size, causal, capacities):
+    """Every boundary step through one wrapper (capacities: all three and small grids, so one
+    compilation and split tiles; else the default config, a plan layout per step), against the
+    float64 oracle, with NaN in unlisted pages, stale slots and q rows past the step."""
+    steps = boundary_steps(num_heads, page_size)
+    t_cap, b_cap = max(sum(q) for q, _ in steps) + 3, max(len(q) for q, _ in steps)
+    num_pages = max(int(np.sum(-(-np.asarray(k) // page_size))) for _, k in steps) + 6
+    kw = dict(max_batch_size=b_cap, max_num_tokens=t_cap, max_num_pages=num_pages,
+              config=MLAConfig(num_cells=3, min_chunk=64)) if capacities else {}
+    mla = BatchMLAPagedAttention(num_heads, CKV, KPE, page_size, causal=causal, sm_scale=SCALE, **kw)
+    traces = []
+    run = jax.jit(lambda *a: (traces.append(1), mla.run(*a, return_lse=True))[1])
+    for qo_lens, kv_lens in steps:
+        table = step(rng, qo_lens, kv_lens, page_size, num_pages)
+        n = t_cap if capacities else sum(qo_lens)
+        q_nope, q_pe, ckv, kpe = (rng.standard_normal(shape).astype(np.float32) for shape in (
+            (n, num_heads, CKV), (n, num_heads, KPE), (num_pages, page_size, CKV), (num_pages, page_size, KPE)))
+        want = oracle(q_nope, q_pe, ckv, kpe, *table, causal)
+        _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size)
+        plan = mla.plan(*table, num_pages=num_pages)
+        out = run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan)
+        try:
+            check(out, want, 2e-5)
+        except AssertionError as e:
+            raise AssertionError(f"qo {qo_lens} kv {kv_lens} block_rows {plan.layout.block_rows}: {e}") from None
+    assert len(traces) == 1 or not capacities
+
+
+# (num_heads, page_size, causal, capacities) by default; the rest of the product under slow (without
+# capacities each step compiles its own plan layout: ~20 s a row).
+BOUNDARY_ROWS = [(3, 1, True, True), (16, 64, False, True), (128, 16, True, True), (16, 64, False, False)]
+
+
+@pytest.mark.parametrize("num_heads, page_size, causal, capacities", BOUNDARY_ROWS + [
+    pytest.param(*row, marks=pytest.mark.slow) for row in itertools.product(
+        (1, 3, 8, 16, 32, 64, 128), (1, 16, 64), (True, False), (True, False)) if row not in BOUNDARY_ROWS])
+def test_boundaries(rng, num_heads, page_size, causal, capacities):
+    """Query lengths at every tile edge of num_heads, alone and together, at page, block and chunk
+    edges of the keys: tests/test_boundary.py's grid for MLA."""
+    run_boundaries(rng, num_heads, page_size, causal, capacities)

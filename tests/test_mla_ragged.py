@@ -2,6 +2,7 @@
 mixed compositions through one jitted call (one trace), the cache writes bit for bit, NaN-poisoned
 unlisted pages and stale slots, fp8 caches with scales, the device plan's capacities, ValueErrors."""
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 import jaxinfer
 from jaxinfer import mla_ragged
 from pallas_kernels.mla import MLAConfig
+import test_mla  # (its boundary lengths)
 
 DC, DR, SCALE = 64, 16, 0.3
 S, T = 6, 24
@@ -31,21 +33,21 @@ def _pages_per_seq(page_size):
     return -(-MAX_KV // page_size)
 
 
-def _num_pages(page_size):
-    return S * _pages_per_seq(page_size) + 5  # every sequence's pages plus unlisted ones
+def _num_pages(page_size, num_seqs=S):
+    return num_seqs * _pages_per_seq(page_size) + 5  # every sequence's pages plus unlisted ones
 
 
-def metadata(rng, q_lens, kv_lens, dist, page_size):
+def metadata(rng, q_lens, kv_lens, dist, page_size, num_seqs=S):
     """Device metadata of a composition: kv_lens [S], page_indices [S * pages_per_seq] (random
     distinct pages; entries past each sequence's pages are garbage ids), cu_q_lens [S + 1]."""
     n, pps = dist[2], _pages_per_seq(page_size)
-    kv = np.zeros(S, np.int32)
+    kv = np.zeros(num_seqs, np.int32)
     kv[:n] = kv_lens
-    cu = np.zeros(S + 1, np.int32)
+    cu = np.zeros(num_seqs + 1, np.int32)
     cu[1:n + 1] = np.cumsum(q_lens)
     cu[n + 1:] = cu[n]
-    pi = np.full(S * pps, 10 ** 6, np.int32)  # garbage past the pages in use (never read)
-    perm = rng.permutation(_num_pages(page_size))
+    pi = np.full(num_seqs * pps, 10 ** 6, np.int32)  # garbage past the pages in use (never read)
+    perm = rng.permutation(_num_pages(page_size, num_seqs))
     used = 0
     for s in range(n):
         k = -(-kv[s] // page_size)
@@ -54,8 +56,8 @@ def metadata(rng, q_lens, kv_lens, dist, page_size):
     return kv, pi, cu, np.asarray(dist, np.int32)
 
 
-def caches(rng, page_size, dtype=np.float32):
-    shape = (_num_pages(page_size), page_size)
+def caches(rng, page_size, dtype=np.float32, num_seqs=S):
+    shape = (_num_pages(page_size, num_seqs), page_size)
     return (rng.standard_normal(shape + (DC,)).astype(dtype), rng.standard_normal(shape + (DR,)).astype(dtype))
 
 
@@ -112,9 +114,10 @@ def oracle(ql_nope, q_pe, ckv, kpe, kv, pi, cu, dist, page_size, causal=True, ck
     return o
 
 
-def new_rows(rng, heads, dtype=np.float32):
-    return (rng.standard_normal((T, heads, DC)).astype(dtype), rng.standard_normal((T, heads, DR)).astype(dtype),
-            rng.standard_normal((T, DC)).astype(dtype), rng.standard_normal((T, DR)).astype(dtype))
+def new_rows(rng, heads, dtype=np.float32, num_tokens=T):
+    t = num_tokens
+    return (rng.standard_normal((t, heads, DC)).astype(dtype), rng.standard_normal((t, heads, DR)).astype(dtype),
+            rng.standard_normal((t, DC)).astype(dtype), rng.standard_normal((t, DR)).astype(dtype))
 
 
 def _bits(x):
@@ -446,3 +449,63 @@ def test_mosaic_kernel_lowers_for_cuda():
             jnp.arange(s * pps, dtype=jnp.int32), jnp.array([0, 1, 2, 3, 8], jnp.int32), jnp.array([3, 3, 4], jnp.int32))
     fn = functools.partial(jaxinfer.mla_ragged_paged_attention, sm_scale=SCALE, backend="gpu", impl="mosaic")
     assert MOSAIC_CALL in lower_for_cuda(fn, *args)
+
+
+# ---------------------------------------------------------------- boundaries
+def boundary_compositions(heads, page_size, num_tokens, num_seqs):
+    """test_mla's query lengths at the tile edges of `heads` that fit num_tokens rows, each alone
+    (decode where q_len is 1), then decode rows first and as many of the others as fit (a padding
+    sequence left over); key lengths at the page, block and chunk edges."""
+    lengths = [q for q in test_mla.qo_edges(heads) if q <= num_tokens]
+    comps = []
+    for i, q in enumerate(lengths):
+        kvs = [k for k in test_mla.kv_edges(q, page_size) if k <= MAX_KV]
+        comps.append(([q], [kvs[i % len(kvs)]], (1, 1, 1) if q == 1 else (0, 0, 1)))
+    decode = [1] * min(2, num_seqs - 1)
+    rest, room = [], num_tokens - len(decode)
+    for q in sorted((q for q in lengths if q > 1), reverse=True):
+        if q <= room and len(decode) + len(rest) < num_seqs - 1:
+            rest.append(q)
+            room -= q
+    q_lens = decode + rest
+    kv_lens = [max(q, (300, 129, 65, 64, 17, 2)[i % 6]) for i, q in enumerate(q_lens)]
+    return comps + [(q_lens, kv_lens, (len(decode), len(decode), len(q_lens)))]
+
+
+# (heads, page_size, causal, (T, S)) by default: T / S sets the tile height (mla_ragged.tile_rows);
+# the rest of the product under slow.
+BOUNDARY_ROWS = [(3, 1, True, (24, 6)), (16, 64, False, (24, 24)), (128, 16, True, (80, 2))]
+
+
+@pytest.mark.parametrize("heads, page_size, causal, shape", BOUNDARY_ROWS + [
+    pytest.param(*row, marks=pytest.mark.slow) for row in itertools.product(
+        (1, 3, 8, 16, 32, 64, 128), (1, 16, 64), (True, False), ((24, 6), (24, 24), (80, 2)))
+    if row not in BOUNDARY_ROWS])
+def test_boundaries(heads, page_size, causal, shape):
+    """Every boundary composition through one jitted call: the caches written bit for bit, o
+    against the float64 oracle with NaN in unlisted pages and stale slots, padding rows 0."""
+    num_tokens, num_seqs = shape
+    traces = []
+
+    def fn(*args):
+        traces.append(1)
+        return jaxinfer.mla_ragged_paged_attention(*args, sm_scale=SCALE, causal=causal, num_cells=CELLS,
+                                                   config=CONFIG)
+
+    call = jax.jit(fn)
+    rng = np.random.default_rng(heads * 7 + page_size)
+    for q_lens, kv_lens, dist in boundary_compositions(heads, page_size, num_tokens, num_seqs):
+        what = f"q {q_lens} kv {kv_lens}"
+        kv, pi, cu, dist = metadata(rng, q_lens, kv_lens, dist, page_size, num_seqs)
+        ckv, kpe = poison(*caches(rng, page_size, num_seqs=num_seqs), kv, pi, cu, dist, page_size)
+        qn, qp, nc, npe = new_rows(rng, heads, num_tokens=num_tokens)
+        o, ckv_out, kpe_out = call(qn, qp, nc, npe, ckv, kpe, kv, pi, cu, dist)
+        want_ckv, want_kpe = expected_caches(ckv, kpe, nc, npe, kv, pi, cu, dist, page_size)
+        np.testing.assert_array_equal(_bits(ckv_out), _bits(want_ckv), err_msg=what)
+        np.testing.assert_array_equal(_bits(kpe_out), _bits(want_kpe), err_msg=what)
+        o = np.asarray(o)
+        assert np.all(np.isfinite(o)), what
+        want = oracle(qn, qp, want_ckv, want_kpe, kv, pi, cu, dist, page_size, causal)
+        np.testing.assert_allclose(o, want, atol=2e-4, rtol=2e-4, err_msg=what)
+        assert np.all(o[cu[dist[2]]:] == 0), what
+    assert len(traces) == 1
