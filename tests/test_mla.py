@@ -599,10 +599,11 @@ def boundary_steps(num_heads, page_size):
     return steps + [(lengths + [0, 1], kvs + [5, 0])]
 
 
-def run_boundaries(rng, num_heads, page_size, causal, capacities):
+def run_boundaries(rng, num_heads, page_size, causal, capacities, dtype=jnp.float32, tol=2e-5):
     """Every boundary step through one wrapper (capacities: all three and small grids, so one
     compilation and split tiles; else the default config, a plan layout per step), against the
-    float64 oracle, with NaN in unlisted pages, stale slots and q rows past the step."""
+    float64 oracle (on the inputs as dtype holds them), with NaN in unlisted pages, stale slots
+    and q rows past the step."""
     steps = boundary_steps(num_heads, page_size)
     t_cap, b_cap = max(sum(q) for q, _ in steps) + 3, max(len(q) for q, _ in steps)
     num_pages = max(int(np.sum(-(-np.asarray(k) // page_size))) for _, k in steps) + 6
@@ -614,16 +615,17 @@ def run_boundaries(rng, num_heads, page_size, causal, capacities):
     for qo_lens, kv_lens in steps:
         table = step(rng, qo_lens, kv_lens, page_size, num_pages)
         n = t_cap if capacities else sum(qo_lens)
-        q_nope, q_pe, ckv, kpe = (rng.standard_normal(shape).astype(np.float32) for shape in (
+        q_nope, q_pe, ckv, kpe = (rng.standard_normal(shape).astype(dtype).astype(np.float32) for shape in (
             (n, num_heads, CKV), (n, num_heads, KPE), (num_pages, page_size, CKV), (num_pages, page_size, KPE)))
         want = oracle(q_nope, q_pe, ckv, kpe, *table, causal)
         _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, page_size)
-        plan = mla.plan(*table, num_pages=num_pages)
-        out = run(*map(jnp.asarray, (q_nope, q_pe, ckv, kpe)), plan)
+        plan = mla.plan(*table, num_pages=num_pages, q_dtype=dtype)
+        out = run(*(jnp.asarray(x, dtype) for x in (q_nope, q_pe, ckv, kpe)), plan)
         try:
-            check(out, want, 2e-5)
+            check(out, want, tol)
         except AssertionError as e:
-            raise AssertionError(f"qo {qo_lens} kv {kv_lens} block_rows {plan.layout.block_rows}: {e}") from None
+            raise AssertionError(f"qo {qo_lens} kv {kv_lens} {plan.impl} block_rows {plan.layout.block_rows}: "
+                                 f"{e}") from None
     assert len(traces) == 1 or not capacities
 
 
@@ -639,3 +641,14 @@ def test_boundaries(rng, num_heads, page_size, causal, capacities):
     """Query lengths at every tile edge of num_heads, alone and together, at page, block and chunk
     edges of the keys: tests/test_boundary.py's grid for MLA."""
     run_boundaries(rng, num_heads, page_size, causal, capacities)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads, page_size, causal, capacities", [
+    (h, p, c, True) for h in (16, 32, 64, 128) for p in (1, 64) for c in (True, False)] + [(16, 64, True, False),
+                                                                                          (128, 64, False, False)])
+def test_boundaries_on_a_gpu(rng, num_heads, page_size, causal, capacities):
+    """The grid above in bfloat16 on a GPU (-m gpu), where dispatch picks the Mosaic kernel for
+    the tiles it takes (pages of 64 rows; 64 or 128 heads, decode at 16 and 32)."""
+    assert jax.default_backend() == "gpu", "-m gpu runs the grid on a GPU"
+    run_boundaries(rng, num_heads, page_size, causal, capacities, jnp.bfloat16, 2e-2)
