@@ -1072,13 +1072,20 @@ def test_gpu_paged_boundaries(rng, monkeypatch, entry, impl, fixed, told, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", GPU_ROWS, ids=str)
-def test_gpu_other_entry_boundaries(rng, monkeypatch, cfg):
-    """ragged_paged_attention (its mixed launch on Hopper), decode and ragged prefill."""
+@pytest.mark.parametrize("cfg", GPU_ROWS + MOSAIC_ROWS[:-2], ids=str)
+def test_gpu_rpa_boundaries(rng, monkeypatch, cfg):
+    """ragged_paged_attention: its mixed launch on Hopper where the cache is NHD with pages of 8
+    or 16 rows (MOSAIC_ROWS' five causal rows: not yet run on a GPU), Triton elsewhere."""
     _on_gpu(monkeypatch)
     fails, taken, classes, traces = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
     fails.check(f"ragged_paged_attention {cfg}")
     assert traces == 1 and {(c.min_q, c.max_q) for c in classes} == {t[:2] for t in taken}, (classes, taken)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GPU_ROWS, ids=str)
+def test_gpu_decode_and_ragged_boundaries(rng, monkeypatch, cfg):
+    _on_gpu(monkeypatch)
     fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
     fails.check(f"BatchDecodeWithPagedKVCache {cfg}")
     fails, _, _ = run_ragged(cfg, ragged_steps(cfg, slow=True), rng)
