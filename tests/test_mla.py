@@ -643,10 +643,12 @@ def test_boundaries(rng, num_heads, page_size, causal, capacities):
     run_boundaries(rng, num_heads, page_size, causal, capacities)
 
 
+GPU_BOUNDARY_ROWS = [(h, p, c, True) for h in (16, 32, 64, 128) for p in (1, 64) for c in (True, False)] + [
+    (16, 64, True, False), (128, 64, False, False)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads, page_size, causal, capacities", [
-    (h, p, c, True) for h in (16, 32, 64, 128) for p in (1, 64) for c in (True, False)] + [(16, 64, True, False),
-                                                                                          (128, 64, False, False)])
+@pytest.mark.parametrize("num_heads, page_size, causal, capacities", GPU_BOUNDARY_ROWS)
 def test_boundaries_on_a_gpu(rng, num_heads, page_size, causal, capacities):
     """The grid above in bfloat16 on a GPU (-m gpu), where dispatch picks the Mosaic kernel for
     the tiles it takes (pages of 64 rows; 64 or 128 heads, decode at 16 and 32)."""
