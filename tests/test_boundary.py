@@ -280,14 +280,18 @@ def _told():
 
 
 class PagedCache:
-    """A random (finite) cache of num_pages pages in GRID's dtype and its host copy (float32)."""
+    """A random (finite) cache of num_pages pages in GRID's dtype and its host copy (float32; K and
+    V apart, NHD_FUSED's as NHD)."""
 
     def __init__(self, rng, num_pages, page, hkv, layout):
         d = GRID.head_dim
-        shape = (num_pages, page, hkv, d) if layout == "NHD" else (num_pages, hkv, page, d)
+        shape = (num_pages, hkv, page, d) if layout == "HND" else (num_pages, page, hkv, d)
         self.k, self.v = _randn(rng, shape), _randn(rng, shape)
         self.page, self.layout, self.num_pages = page, layout, num_pages
-        self.cache = ji.PagedKVCache(_dev(self.k), _dev(self.v), layout)
+        if layout == "NHD_FUSED":  # RPA v3's fused cache, as jaxinfer reads it: [P, S, Hkv, 2, D]
+            self.cache = ji.PagedKVCache.fused(_dev(np.stack([self.k, self.v], axis=3)))
+        else:
+            self.cache = ji.PagedKVCache(_dev(self.k), _dev(self.v), layout)
 
     def table(self, rng, kv):
         """A CSR page table of distinct random pages for key lengths kv."""
@@ -483,7 +487,8 @@ DEFAULT_PAGED = [("BatchPrefillWithPagedKVCache", pairwise_row(0)), ("BatchPrefi
                  ("BatchAttention", pairwise_row(4))]
 SLOW_PAGED = [("BatchPrefillWithPagedKVCache", pairwise_row(1)), ("BatchAttention", pairwise_row(3)),
               ("BatchAttention", pairwise_row(5))]
-DEFAULT_RPA = [pairwise_row(18)]  # group 1 (T_s = T_l: two classes), page 1, HND, not causal
+# group 1 (T_s = T_l: two classes), page 1, HND, not causal; group 4 on RPA v3's fused cache (NHD_FUSED)
+DEFAULT_RPA = [pairwise_row(18), Cfg(4, 16, "NHD_FUSED", True, pick=2)]
 SLOW_RPA = [pairwise_row(6), pairwise_row(4)]  # group 1 causal; group 6 (three classes: test_poison's group 2 by default)
 DEFAULT_DECODE = [pairwise_row(3)]  # page 1
 SLOW_DECODE = [pairwise_row(2)]     # page 16
@@ -571,7 +576,7 @@ def run_rpa(cfg, steps, rng):
             for j in range(q_len[i]):
                 pos = kv[i] - q_len[i] + j
                 pg, slot = page_indices[i, pos // page], pos % page
-                idx = (pg, slot) if cfg.layout == "NHD" else (pg, slice(None), slot)
+                idx = (pg, slice(None), slot) if cfg.layout == "HND" else (pg, slot)
                 want_k[idx], want_v[idx] = k_new[cu[i] + j], v_new[cu[i] + j]
         for c in classes:
             if np.any((q_len >= c.min_q) & (q_len <= c.max_q)):
@@ -1038,6 +1043,26 @@ def test_edges_follow_the_constants():
             assert (c.tokens_per_item if c.prefill else c.max_q) + 1 in edges
 
 
+# ---------------------------------------------------------------- RPA v3's fused cache
+FUSED_ROWS = [Cfg(g, 16, "NHD_FUSED", c, pick=g) for g in GROUPS for c in CAUSAL]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", FUSED_ROWS, ids=str)
+def test_fused_layout_boundaries(rng, cfg):
+    """Every paged entry point on RPA v3's fused cache (NHD_FUSED: K and V of a slot in one array),
+    read and written in place: the paged wrappers, ragged_paged_attention, decode and cascade."""
+    for entry in PAGED_PREFILL:
+        fails, _, _ = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=True), rng, False)
+        fails.check(f"{entry} {cfg}")
+    fails, _, _, _ = run_rpa(cfg, rpa_steps(cfg, slow=True), rng)
+    fails.check(f"ragged_paged_attention {cfg}")
+    fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
+    fails.check(f"BatchDecodeWithPagedKVCache {cfg}")
+    fails, _, _ = run_cascade(cfg, cascade_steps(cfg, slow=False), rng)
+    fails.check(f"MultiLevelCascadeAttention {cfg}")
+
+
 # ---------------------------------------------------------------- on a GPU
 # The grid at dispatch's GPU defaults (-m gpu, on a GPU machine): bfloat16, head_dim 128, dispatch's
 # own grids, each paged wrapper told the dtypes or not (BatchAttention's mixed launch needs them),
@@ -1048,12 +1073,13 @@ GPU_GRID = Grid(dtype=jnp.bfloat16, head_dim=128, num_ctas=None, told=True, tol=
                 cpu_routes=False)
 GPU_ROWS = [pairwise_row(i) for i in range(len(GROUPS))]  # each group once; pages 1, 8, 16; NHD, HND; causal, not
 MOSAIC_ROWS = [Cfg(g, 16, "NHD", True, pick=g) for g in GROUPS if g != 6] + [pairwise_row(2), pairwise_row(4)]
+GPU_FUSED_ROWS = [row for row in FUSED_ROWS if row.group in (1, 4, 8)]  # RPA v3's cache (not yet run on a GPU)
 GPU_PAGED = ([(entry, "auto", False, told, cfg) for entry in PAGED_PREFILL for told in (False, True)
               for cfg in GPU_ROWS]
              + [("BatchAttention", "auto", True, True, cfg) for cfg in GPU_ROWS]
              + [(entry, impl, fixed, True, cfg) for entry, impl, fixed in (
                  ("BatchPrefillWithPagedKVCache", "mosaic", False), ("BatchAttention", "mixed", False),
-                 ("BatchAttention", "mixed", True)) for cfg in MOSAIC_ROWS])
+                 ("BatchAttention", "mixed", True)) for cfg in MOSAIC_ROWS + GPU_FUSED_ROWS])
 
 
 def _on_gpu(monkeypatch, told=True):
@@ -1072,10 +1098,11 @@ def test_gpu_paged_boundaries(rng, monkeypatch, entry, impl, fixed, told, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", GPU_ROWS + MOSAIC_ROWS[:-2], ids=str)
+@pytest.mark.parametrize("cfg", GPU_ROWS + MOSAIC_ROWS[:-2] + GPU_FUSED_ROWS, ids=str)
 def test_gpu_rpa_boundaries(rng, monkeypatch, cfg):
-    """ragged_paged_attention: its mixed launch on Hopper where the cache is NHD with pages of 8
-    or 16 rows (MOSAIC_ROWS' five causal rows: not yet run on a GPU), Triton elsewhere."""
+    """ragged_paged_attention: its mixed launch on Hopper where the cache is NHD or NHD_FUSED with
+    pages of 8 or 16 rows (MOSAIC_ROWS' five causal rows and the fused ones: not yet run on a
+    GPU), Triton elsewhere."""
     _on_gpu(monkeypatch)
     fails, taken, classes, traces = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
     fails.check(f"ragged_paged_attention {cfg}")
