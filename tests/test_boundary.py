@@ -1111,9 +1111,12 @@ def test_gpu_rpa_boundaries(rng, monkeypatch, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", GPU_ROWS, ids=str)
-def test_gpu_decode_and_ragged_boundaries(rng, monkeypatch, cfg):
+def test_gpu_decode_ragged_and_cascade_boundaries(rng, monkeypatch, cfg):
+    """Decode, ragged prefill and (not yet run on a GPU) the two-level cascade."""
     _on_gpu(monkeypatch)
     fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
     fails.check(f"BatchDecodeWithPagedKVCache {cfg}")
     fails, _, _ = run_ragged(cfg, ragged_steps(cfg, slow=True), rng)
     fails.check(f"BatchPrefillWithRaggedKVCache {cfg}")
+    fails, _, _ = run_cascade(cfg, cascade_steps(cfg, slow=True), rng)
+    fails.check(f"MultiLevelCascadeAttention {cfg}")
