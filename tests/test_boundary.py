@@ -697,12 +697,17 @@ def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, gr
     fails, taken, classes, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
     fails.check(f"ragged_paged_attention {cfg} head_dim {head_dim}")
     assert {(c.min_q, c.max_q) for c in classes} == {t[:2] for t in taken}, (classes, taken)
+    check_decode_ragged_and_cascade(cfg, rng, f" head_dim {head_dim}")
+
+
+def check_decode_ragged_and_cascade(cfg, rng, label=""):
+    """Decode, ragged prefill and the two-level cascade on cfg's row, each checked."""
     fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
-    fails.check(f"BatchDecodeWithPagedKVCache {cfg} head_dim {head_dim}")
+    fails.check(f"BatchDecodeWithPagedKVCache {cfg}{label}")
     fails, _, _ = run_ragged(cfg, ragged_steps(cfg, slow=True), rng)
-    fails.check(f"BatchPrefillWithRaggedKVCache {cfg} head_dim {head_dim}")
+    fails.check(f"BatchPrefillWithRaggedKVCache {cfg}{label}")
     fails, _, _ = run_cascade(cfg, cascade_steps(cfg, slow=True), rng)
-    fails.check(f"MultiLevelCascadeAttention {cfg} head_dim {head_dim}")
+    fails.check(f"MultiLevelCascadeAttention {cfg}{label}")
 
 # ---------------------------------------------------------------- ragged (contiguous) K/V prefill
 def _ragged_plan(w, step, kcap):
@@ -1114,9 +1119,4 @@ def test_gpu_rpa_boundaries(rng, monkeypatch, cfg):
 def test_gpu_decode_ragged_and_cascade_boundaries(rng, monkeypatch, cfg):
     """Decode, ragged prefill and (not yet run on a GPU) the two-level cascade."""
     _on_gpu(monkeypatch)
-    fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)
-    fails.check(f"BatchDecodeWithPagedKVCache {cfg}")
-    fails, _, _ = run_ragged(cfg, ragged_steps(cfg, slow=True), rng)
-    fails.check(f"BatchPrefillWithRaggedKVCache {cfg}")
-    fails, _, _ = run_cascade(cfg, cascade_steps(cfg, slow=True), rng)
-    fails.check(f"MultiLevelCascadeAttention {cfg}")
+    check_decode_ragged_and_cascade(cfg, rng)
