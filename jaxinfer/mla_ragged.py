@@ -30,6 +30,7 @@ from planner import mla as mla_planner
 from planner.work_items import MLA
 
 ITEM_COST = 64  # an item's fixed cost in keys (cell balance; the host planner's item_cost)
+WAVE_GRID = 64  # candidates per grid of chunk_keys' search
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,8 @@ def sizes(num_tokens, num_heads, num_seqs, config, num_cells, implementation=Non
     run, so at most ceil(T H / M) + S + 1 tiles. The chunk L is at least the step's keys / (2 x
     cells) (plan), so sum(ceil(kv / L) - 1) <= keys / L <= 2 x cells extra items; a split tile has
     more than L keys, so fewer than 2 x cells tiles split, into ceil(kv / L) < 2 kv / L chunks:
-    fewer than 4 x cells chunks of M partial rows in all."""
+    fewer than 4 x cells chunks of M partial rows in all. One wave (chunk_keys) holds at most
+    cells items, so fewer than cells chunks of split tiles."""
     implementation = implementation or dispatch.IMPLEMENTATIONS_BY_NAME["mla_triton"]
     tiling = dispatch.mla_tiling(implementation, config, _backend.num_sms(),
                                  tile_rows(num_tokens, num_heads, num_seqs, config))
@@ -74,15 +76,53 @@ def sizes(num_tokens, num_heads, num_seqs, config, num_cells, implementation=Non
                     tile_merge=tiling.tile_merge)
 
 
+def chunk_keys(kv_hi, live, sz):
+    """(The chunk L, whether each item runs on a cell of its own) for tiles with kv_hi keys
+    (live: the tiles in use, a prefix). L is a multiple of block_kv, at least min_chunk.
+
+    One wave (planner.mla.chunk_keys'): when the live tiles fit the cells, the least L whose
+    chunks still do, each item a cell of its own (no run of several items, the fewest partial
+    states). L is searched on two grids of WAVE_GRID steps between keys / cells and the longest
+    tile (exact up to (range / WAVE_GRID^2) keys). Spread: L = ceil(keys / (CHUNKS_PER_CELL x
+    cells)), the items dealt in contiguous runs, each run at most about the mean plus one chunk.
+    The wave is taken where its longest item is no longer than that bound (uniform lengths;
+    skewed ones over many heads a tile spread: a wave would leave the longest tiles whole)."""
+    bk, cells = sz.block_kv, sz.cells
+
+    def up(x):
+        return jnp.maximum(-(-x // bk) * bk, sz.min_chunk)
+
+    head, head_live = kv_hi[:cells], live[:cells]  # (one wave: the live tiles are among these)
+
+    def fits(cand):  # [G + 1] -> whether the live tiles cut in chunks of at most cand keys fit the cells
+        chunks = jnp.where(head_live[None, :], jnp.maximum(-(-head[None, :] // cand[:, None]), 1), 0)
+        return jnp.sum(chunks, axis=1) <= cells
+
+    total = jnp.sum(kv_hi)
+    lo, hi = up(-(-total // cells)), up(jnp.max(kv_hi))  # no L under lo fits; hi fits when the tiles do
+    j = jnp.arange(WAVE_GRID + 1, dtype=kv_hi.dtype)
+    coarse = lo + (hi - lo) // bk * j // WAVE_GRID * bk  # [G + 1] from lo to hi
+    first = jnp.argmax(fits(coarse))
+    a, b = coarse[jnp.maximum(first - 1, 0)], coarse[first]  # the least fitting L is in (a, b]
+    fine = a + (b - a) // bk * j // WAVE_GRID * bk
+    wave_chunk = jnp.min(jnp.where(fits(fine), fine, b))
+
+    spread = up(-(-total // (CHUNKS_PER_CELL * cells)))
+    n_spread = jnp.sum(jnp.where(live, jnp.maximum(-(-kv_hi // spread), 1), 0))
+    spread_run = (total + n_spread * ITEM_COST) // cells + spread  # a run's bound
+    wave = (jnp.sum(live) <= cells) & (wave_chunk + ITEM_COST <= spread_run)
+    return jnp.where(wave, wave_chunk, spread), wave
+
+
 def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_seq, causal, sz):
     """The device plan (all int32 jnp, fixed shapes): tiles of sz.block_rows (token, head) rows of
     each valid sequence (q / o viewed as [T * H, D], token-major), then of the padding rows
     (cu_q_lens[distribution[2]] * H to T * H: no key, o = 0), each against the keys it can see
     (causal: up to its last token's diagonal), cut into even chunks (multiples of block_kv) where
-    they exceed L = max(ceil(step keys / (CHUNKS_PER_CELL x cells)), min_chunk) keys. Items in
-    tile order, dealt to the cells in contiguous runs of about equal cost (keys + ITEM_COST): no
-    run costs much over the mean, as the longest item is at most half a cell's mean (unless
-    min_chunk is). Kernel columns: planner.work_items.MLA.
+    they exceed L keys (chunk_keys). Items in tile order, one a cell (chunk_keys' one wave), or
+    dealt to the cells in contiguous runs of about equal cost (keys + ITEM_COST): no run costs
+    much over the mean, as the longest item is at most half a cell's mean (unless min_chunk is).
+    Kernel columns: planner.work_items.MLA.
 
     Returns dict(items [sz.items, 9], cell_indptr [cells + 1], merge_indptr [groups + 1],
     merge_dest [groups], num_groups (0-d: groups past it are not merged))."""
@@ -108,9 +148,7 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
     kv_hi = jnp.where(t_ok, kv_hi, 0)
 
     # Chunks: L keys at most, tiles cut evenly (multiples of block_kv).
-    total = jnp.sum(kv_hi)
-    c = CHUNKS_PER_CELL * sz.cells
-    chunk = jnp.maximum(-(-(-(-total // c)) // bk) * bk, sz.min_chunk)
+    chunk, wave = chunk_keys(kv_hi, t_ok, sz)
     n_chunks = jnp.where(t_ok, jnp.maximum(-(-kv_hi // chunk), 1), 0)
     size = -(-(-(-kv_hi // jnp.maximum(n_chunks, 1))) // bk) * bk
     split = n_chunks > 1
@@ -132,7 +170,8 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
 
     cost = jnp.where(i_ok, kv_end - kv_start + ITEM_COST, 0).astype(jnp.float32)
     start = excl_cumsum(cost)
-    cell_of = jnp.where(i_ok, jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * sz.cells), sz.cells)
+    run = jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * sz.cells)  # contiguous runs of about equal cost
+    cell_of = jnp.where(i_ok, jnp.where(wave, jnp.arange(sz.items, dtype=jnp.float32), run), sz.cells)
     cell_indptr = jnp.searchsorted(cell_of, jnp.arange(sz.cells + 1, dtype=jnp.float32), side="left",
                                    method="compare_all").astype(jnp.int32)
 

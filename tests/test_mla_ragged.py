@@ -251,13 +251,15 @@ def _plan_np(q_lens, kv_lens, n, heads, cells, causal=True):
     return {k: np.asarray(v) for k, v in sec.items()}, sz, cu, t
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
-def test_plan_covers_every_row_within_capacity(seed):  # (seeds 1 and 2: other random compositions, under slow)
+@pytest.mark.parametrize("seed,cells", [(0, 2), (0, 64), pytest.param(1, 2, marks=pytest.mark.slow),
+                                        pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_plan_covers_every_row_within_capacity(seed, cells):  # (seeds 1 and 2: other random compositions, under slow)
     """Every (token, head) row is in exactly one tile, its tile's chunks cover the keys it sees
     exactly once, split tiles' rows have one merge group each, and the item, partial-row and group
-    counts stay within the static capacities, for long sequences over few cells (many splits)."""
+    counts stay within the static capacities, for long sequences over few cells (many splits, the
+    items in runs) and over more cells than tiles (one wave: an item a cell)."""
     rng = np.random.default_rng(seed)
-    heads, cells, s = 4, 2, 7
+    heads, s = 4, 7
     q_lens = rng.integers(0, 9, s)
     kv_lens = q_lens + rng.integers(0, 900, s)
     sec, sz, cu, t = _plan_np(q_lens, kv_lens, s, heads, cells)
@@ -316,6 +318,29 @@ def test_plan_tile_merge_for_the_mosaic_kernel():
     for g in range(ng):
         lo, hi = sec["merge_indptr"][g:g + 2]
         assert sorted(chunks[int(sec["merge_dest"][g]) * 64]) == list(range(lo, hi))
+
+
+def _cells_and_keys(sec, sz):
+    """Each cell's item count and each item's keys."""
+    ip, items = sec["cell_indptr"], sec["items"]
+    col = {name: i for i, name in enumerate(mla_ragged.MLA.names)}
+    keys = items[:ip[-1], col["kv_end"]] - items[:ip[-1], col["kv_start"]]
+    return np.diff(ip), keys
+
+
+def test_plan_one_wave_when_the_tiles_fit_the_cells():
+    """Uniform decode with fewer tiles than cells: the host planner's one wave (each tile cut into
+    the most chunks that still give every item a cell of its own, one item a cell); with one long
+    request among short ones the step's keys are spread in short chunks instead (a wave would run
+    the long request whole on one cell)."""
+    sec, sz, _, _ = _plan_np([1] * 8, [4096] * 8, 8, 16, 40)
+    per_cell, keys = _cells_and_keys(sec, sz)
+    assert per_cell.max() == 1 and per_cell.sum() == 8 * 4 + 3  # 4 chunks of 1024 a request, 3 padding tiles
+    assert keys.max() == 1024 and int(sec["num_groups"]) == 8 * 16  # (merged row by row)
+
+    sec, sz, _, _ = _plan_np([1] * 5, [8192] + [64] * 4, 5, 16, 8)
+    per_cell, keys = _cells_and_keys(sec, sz)
+    assert keys.max() <= 576 and per_cell.max() > 1
 
 
 def test_plan_worst_case_capacity():
