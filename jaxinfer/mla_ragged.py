@@ -22,7 +22,7 @@ import numpy as np
 from jaxinfer import _backend, dispatch, ragged_plan
 from jaxinfer.ragged import check_metadata
 from jaxinfer.formats import check_kv_dtype, check_power_of_two, check_q, check_scale
-from jaxinfer.ragged_plan import CHUNKS_PER_CELL, excl_cumsum, owner
+from jaxinfer.ragged_plan import excl_cumsum, owner
 from pallas_kernels import merge as merge_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels.kv_write import write_rows
@@ -30,7 +30,8 @@ from planner import mla as mla_planner
 from planner.work_items import MLA
 
 ITEM_COST = 64  # an item's fixed cost in keys (cell balance; the host planner's item_cost)
-WAVE_GRID = 64  # candidates per grid of chunk_keys' search
+WAVE_GRID = 64  # candidates per grid of wave_chunk's search
+WAVE_SLACK = 1.125  # a wave's longest item may cost this many cells' shares (it needs fewer merges)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,10 +42,10 @@ class MLASizes:
     min_chunk: int   # no tile's keys are split into chunks shorter than this (a multiple of block_kv)
     cells: int       # the kernel's grid
     tiles: int       # tile capacity: ceil(T H / block_rows) + S + 1 (padding rows' tiles included)
-    items: int       # item capacity: tiles + CHUNKS_PER_CELL x cells (extra chunks)
-    parts: int       # partial-state rows: 2 x CHUNKS_PER_CELL x cells x block_rows
-    groups: int      # merge groups: one per row of a split tile (CHUNKS_PER_CELL x cells x block_rows),
-                     # or per split tile with tile_merge (CHUNKS_PER_CELL x cells)
+    items: int       # item capacity: tiles + cells (pieces of cut tiles)
+    parts: int       # partial-state rows: 2 x cells x block_rows
+    groups: int      # merge groups: one per row of a split tile (cells x block_rows),
+                     # or per split tile with tile_merge (cells)
     tile_merge: bool = False  # split tiles' partial rows chunk by chunk, merged whole (the Mosaic kernel)
 
 
@@ -59,34 +60,26 @@ def sizes(num_tokens, num_heads, num_seqs, config, num_cells, implementation=Non
     dispatch.mla_tiling of tile_rows; cells: num_cells, else the row's.
 
     Bounds: a sequence's rows make ceil(rows / M) <= rows / M + 1 tiles, the padding rows one more
-    run, so at most ceil(T H / M) + S + 1 tiles. The chunk L is at least the step's keys / (2 x
-    cells) (plan), so sum(ceil(kv / L) - 1) <= keys / L <= 2 x cells extra items; a split tile has
-    more than L keys, so fewer than 2 x cells tiles split, into ceil(kv / L) < 2 kv / L chunks:
-    fewer than 4 x cells chunks of M partial rows in all. One wave (chunk_keys) holds at most
-    cells items, so fewer than cells chunks of split tiles."""
+    run, so at most ceil(T H / M) + S + 1 tiles. One wave holds at most `cells` items. The
+    balanced cut adds a piece for each of the cells - 1 share boundaries that falls inside a tile:
+    at most tiles + cells items; a split tile of k boundaries has k + 1 <= 2k pieces, so at most
+    2 x cells chunks of M partial rows and fewer than `cells` split tiles."""
     implementation = implementation or dispatch.IMPLEMENTATIONS_BY_NAME["mla_triton"]
     tiling = dispatch.mla_tiling(implementation, config, _backend.num_sms(),
                                  tile_rows(num_tokens, num_heads, num_seqs, config))
     block_rows, block_kv, cells = tiling.block_rows, tiling.block_kv, int(num_cells or tiling.num_cells)
     tiles = -(-num_tokens * num_heads // block_rows) + num_seqs + 1
-    c = CHUNKS_PER_CELL * cells
     min_chunk = max(-(-int(config.min_chunk) // block_kv), 1) * block_kv
     return MLASizes(block_rows=block_rows, block_kv=block_kv, min_chunk=min_chunk, cells=cells, tiles=tiles,
-                    items=tiles + c, parts=2 * c * block_rows, groups=c * (1 if tiling.tile_merge else block_rows),
-                    tile_merge=tiling.tile_merge)
+                    items=tiles + cells, parts=2 * cells * block_rows,
+                    groups=cells * (1 if tiling.tile_merge else block_rows), tile_merge=tiling.tile_merge)
 
 
-def chunk_keys(kv_hi, live, sz):
-    """(The chunk L, whether each item runs on a cell of its own) for tiles with kv_hi keys
-    (live: the tiles in use, a prefix). L is a multiple of block_kv, at least min_chunk.
-
-    One wave (planner.mla.chunk_keys'): when the live tiles fit the cells, the least L whose
-    chunks still do, each item a cell of its own (no run of several items, the fewest partial
-    states). L is searched on two grids of WAVE_GRID steps between keys / cells and the longest
-    tile (exact up to (range / WAVE_GRID^2) keys). Spread: L = ceil(keys / (CHUNKS_PER_CELL x
-    cells)), the items dealt in contiguous runs, each run at most about the mean plus one chunk.
-    The wave is taken where its longest item is no longer than that bound (uniform lengths;
-    skewed ones over many heads a tile spread: a wave would leave the longest tiles whole)."""
+def wave_chunk(kv_hi, live, sz):
+    """One wave (planner.mla.chunk_keys'): the least chunk L (a multiple of block_kv, at least
+    min_chunk) whose even chunks of the live tiles (a prefix; kv_hi keys each) fit the cells,
+    searched on two grids of WAVE_GRID steps between keys / cells and the longest tile (exact up
+    to range / WAVE_GRID^2 keys). Meaningful when the live tiles fit the cells."""
     bk, cells = sz.block_kv, sz.cells
 
     def up(x):
@@ -98,31 +91,43 @@ def chunk_keys(kv_hi, live, sz):
         chunks = jnp.where(head_live[None, :], jnp.maximum(-(-head[None, :] // cand[:, None]), 1), 0)
         return jnp.sum(chunks, axis=1) <= cells
 
-    total = jnp.sum(kv_hi)
-    lo, hi = up(-(-total // cells)), up(jnp.max(kv_hi))  # no L under lo fits; hi fits when the tiles do
+    lo, hi = up(-(-jnp.sum(kv_hi) // cells)), up(jnp.max(kv_hi))  # no L under lo fits; hi fits when the tiles do
     j = jnp.arange(WAVE_GRID + 1, dtype=kv_hi.dtype)
     coarse = lo + (hi - lo) // bk * j // WAVE_GRID * bk  # [G + 1] from lo to hi
     first = jnp.argmax(fits(coarse))
     a, b = coarse[jnp.maximum(first - 1, 0)], coarse[first]  # the least fitting L is in (a, b]
     fine = a + (b - a) // bk * j // WAVE_GRID * bk
-    wave_chunk = jnp.min(jnp.where(fits(fine), fine, b))
+    return jnp.min(jnp.where(fits(fine), fine, b))
 
-    spread = up(-(-total // (CHUNKS_PER_CELL * cells)))
-    n_spread = jnp.sum(jnp.where(live, jnp.maximum(-(-kv_hi // spread), 1), 0))
-    spread_run = (total + n_spread * ITEM_COST) // cells + spread  # a run's bound
-    wave = (jnp.sum(live) <= cells) & (wave_chunk + ITEM_COST <= spread_run)
-    return jnp.where(wave, wave_chunk, spread), wave
+
+class _Quota:
+    """Cells' equal shares of W cost units: cell c owns [start(c), start(c + 1)), the first W % C
+    cells one unit more (int32 throughout: no product of W and C)."""
+
+    def __init__(self, total, cells):
+        self.q, self.r, self.cells = total // cells, total % cells, cells
+
+    def start(self, c):
+        return c * self.q + jnp.minimum(c, self.r)
+
+    def cell(self, x):
+        """The cell whose share holds unit x (0 <= x < W)."""
+        big = self.r * (self.q + 1)
+        return jnp.where(x < big, x // (self.q + 1), self.r + (x - big) // jnp.maximum(self.q, 1))
 
 
 def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_seq, causal, sz):
     """The device plan (all int32 jnp, fixed shapes): tiles of sz.block_rows (token, head) rows of
     each valid sequence (q / o viewed as [T * H, D], token-major), then of the padding rows
     (cu_q_lens[distribution[2]] * H to T * H: no key, o = 0), each against the keys it can see
-    (causal: up to its last token's diagonal), cut into even chunks (multiples of block_kv) where
-    they exceed L keys (chunk_keys). Items in tile order, one a cell (chunk_keys' one wave), or
-    dealt to the cells in contiguous runs of about equal cost (keys + ITEM_COST): no run costs
-    much over the mean, as the longest item is at most half a cell's mean (unless min_chunk is).
-    Kernel columns: planner.work_items.MLA.
+    (causal: up to its last token's diagonal). Two ways to cut the keys, items in tile order:
+    - one wave, where the tiles fit the cells: even chunks of at most wave_chunk's L keys, each item
+      a cell of its own (as the host planner's);
+    - balanced: the tiles' KV blocks, each tile ITEM_COST keys more, laid end to end and cut into
+      the cells' equal shares (_Quota); a share boundary inside a tile's blocks cuts it there, so
+      each cell's items cost its share give or take a block and an item, whatever the lengths.
+    The wave is taken where its longest item costs at most WAVE_SLACK shares: it needs fewer
+    partial states and merges. Kernel columns: planner.work_items.MLA.
 
     Returns dict(items [sz.items, 9], cell_indptr [cells + 1], merge_indptr [groups + 1],
     merge_dest [groups], num_groups (0-d: groups past it are not merged))."""
@@ -147,17 +152,37 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
         kv_hi = jnp.clip(first_pos + (row_start + jnp.maximum(rows, 1) - 1) // h + 1, 0, kv_hi)
     kv_hi = jnp.where(t_ok, kv_hi, 0)
 
-    # Chunks: L keys at most, tiles cut evenly (multiples of block_kv).
-    chunk, wave = chunk_keys(kv_hi, t_ok, sz)
-    n_chunks = jnp.where(t_ok, jnp.maximum(-(-kv_hi // chunk), 1), 0)
-    size = -(-(-(-kv_hi // jnp.maximum(n_chunks, 1))) // bk) * bk
+    # One wave: tiles cut evenly in chunks of at most L keys (multiples of block_kv), an item a cell.
+    chunk = wave_chunk(kv_hi, t_ok, sz)
+    wave_n = jnp.where(t_ok, jnp.maximum(-(-kv_hi // chunk), 1), 0)
+    size = -(-(-(-kv_hi // jnp.maximum(wave_n, 1))) // bk) * bk
+    # Balanced: the tiles' blocks (each tile ITEM_COST more) laid end to end and cut into the cells'
+    # equal shares; a share's boundary inside a tile's blocks cuts the tile there.
+    c0 = max(ITEM_COST // bk, 1)
+    nb = -(-kv_hi // bk)  # [tiles] blocks
+    cost = jnp.where(t_ok, nb + c0, 0)
+    first_unit = excl_cumsum(cost)  # [tiles]
+    quota = _Quota(jnp.sum(cost), sz.cells)
+    blocks_at = first_unit + c0  # the tile's first block's unit
+    cut0 = quota.cell(blocks_at)  # boundaries c > cut0 lie past the tile's first block
+    last = jnp.minimum(quota.cell(first_unit + cost - 1), sz.cells - 1)
+    bal_n = jnp.where(t_ok, 1 + jnp.where(nb > 1, jnp.maximum(last - cut0, 0), 0), 0)
+    # The wave where its longest item costs at most WAVE_SLACK x a share (no merges; even chunks).
+    share = -(-jnp.sum(cost) // sz.cells) * bk + ITEM_COST
+    wave = (jnp.sum(t_ok) <= sz.cells) & (chunk + ITEM_COST <= WAVE_SLACK * share)
+    n_chunks = jnp.where(wave, wave_n, bal_n)
     split = n_chunks > 1
     part_rows = jnp.where(split, n_chunks * m, 0)
     part_base = excl_cumsum(part_rows)  # split tile g: rows [base_g, base_g + M k_g)
 
     tile, piece, i_ok = owner(n_chunks, sz.items)  # [items]
-    kv_start = jnp.minimum(piece * size[tile], kv_hi[tile])
-    kv_end = jnp.minimum(kv_start + size[tile], kv_hi[tile])
+    lo_cut = jnp.where(piece == 0, 0, quota.start(cut0[tile] + piece) - blocks_at[tile])
+    hi_cut = jnp.where(piece == n_chunks[tile] - 1, nb[tile], quota.start(cut0[tile] + piece + 1) - blocks_at[tile])
+    kv_start = jnp.where(wave, piece * size[tile], lo_cut * bk)
+    kv_end = jnp.where(wave, kv_start + size[tile], hi_cut * bk)
+    kv_start, kv_end = jnp.minimum(kv_start, kv_hi[tile]), jnp.minimum(kv_end, kv_hi[tile])
+    bal_cell = jnp.minimum(cut0[tile] + piece, sz.cells - 1)  # piece 0: the share of the tile's first block
+    cell_of = jnp.where(i_ok, jnp.where(wave, jnp.arange(sz.items), bal_cell), sz.cells)
     zero = jnp.zeros_like(tile)
     cols = MLA.ordered(
         page_base=jnp.minimum(tseq[tile], s - 1) * pages_per_seq, q_row=start_x[tseq[tile]] + row_start[tile],
@@ -168,11 +193,7 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
         part_stride=(zero + 1) if sz.tile_merge else n_chunks[tile] + zero)
     items = jnp.stack(cols, axis=1).astype(jnp.int32)
 
-    cost = jnp.where(i_ok, kv_end - kv_start + ITEM_COST, 0).astype(jnp.float32)
-    start = excl_cumsum(cost)
-    run = jnp.floor(start / jnp.maximum(jnp.sum(cost), 1.0) * sz.cells)  # contiguous runs of about equal cost
-    cell_of = jnp.where(i_ok, jnp.where(wave, jnp.arange(sz.items, dtype=jnp.float32), run), sz.cells)
-    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(sz.cells + 1, dtype=jnp.float32), side="left",
+    cell_indptr = jnp.searchsorted(cell_of, jnp.arange(sz.cells + 1, dtype=cell_of.dtype), side="left",
                                    method="compare_all").astype(jnp.int32)
 
     if sz.tile_merge:  # merge groups: split tile g whole, parts [base_g / M, base_g / M + k_g) of whole tiles

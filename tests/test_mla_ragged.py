@@ -302,7 +302,7 @@ def test_plan_tile_merge_for_the_mosaic_kernel():
     t = int(cu[-1]) + 2
     sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=64), cells,
                           jaxinfer.dispatch.IMPLEMENTATIONS_BY_NAME["mla_mosaic"])
-    assert sz.tile_merge and sz.block_rows == 64 and sz.groups == 2 * cells
+    assert sz.tile_merge and sz.block_rows == 64 and sz.groups == cells
     sec = jax.jit(functools.partial(mla_ragged.plan, num_tokens=t, num_heads=heads, pages_per_seq=16, causal=True,
                                     sz=sz))(kv_lens.astype(np.int32), cu, np.asarray([0, 0, s], np.int32))
     sec = {k: np.asarray(v) for k, v in sec.items()}
@@ -328,19 +328,24 @@ def _cells_and_keys(sec, sz):
     return np.diff(ip), keys
 
 
-def test_plan_one_wave_when_the_tiles_fit_the_cells():
+def test_plan_one_wave_or_balanced_shares():
     """Uniform decode with fewer tiles than cells: the host planner's one wave (each tile cut into
-    the most chunks that still give every item a cell of its own, one item a cell); with one long
-    request among short ones the step's keys are spread in short chunks instead (a wave would run
-    the long request whole on one cell)."""
-    sec, sz, _, _ = _plan_np([1] * 8, [4096] * 8, 8, 16, 40)
+    the most even chunks that still give every item a cell of its own). With one long request
+    among short ones a wave would run the long one whole on one cell: the tiles' blocks are cut
+    into the cells' equal shares instead, each cell's items within a block of its share."""
+    sec, sz, _, _ = _plan_np([1] * 8, [4096] * 8, 8, 16, 36)
     per_cell, keys = _cells_and_keys(sec, sz)
     assert per_cell.max() == 1 and per_cell.sum() == 8 * 4 + 3  # 4 chunks of 1024 a request, 3 padding tiles
     assert keys.max() == 1024 and int(sec["num_groups"]) == 8 * 16  # (merged row by row)
 
-    sec, sz, _, _ = _plan_np([1] * 5, [8192] + [64] * 4, 5, 16, 8)
+    cells, bk = 8, sz.block_kv
+    sec, sz, _, _ = _plan_np([1] * 5, [8192] + [64] * 4, 5, 16, cells)
     per_cell, keys = _cells_and_keys(sec, sz)
-    assert keys.max() <= 576 and per_cell.max() > 1
+    c0 = max(mla_ragged.ITEM_COST // bk, 1)  # an item's cost in blocks
+    assert per_cell.min() >= 1
+    units = np.add.reduceat(-(-keys // bk) + c0, np.cumsum(per_cell) - per_cell)  # [cells]
+    mean = (8192 // bk + 4 + 8 * c0) / cells  # 5 tiles and 3 padding tiles
+    assert units.max() <= mean + c0 + 1  # (a cut piece's own item cost, rounding)
 
 
 def test_plan_worst_case_capacity():
