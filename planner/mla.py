@@ -3,7 +3,9 @@
 Request b's query rows are its qo_len x num_heads (token, head) pairs, token-major; they are cut
 into tiles of block_rows rows. Each tile meets the request's keys it can see (causal:
 up to its last token's diagonal), cut into even chunks where that exceeds L (chunk_keys: one
-wave over the cells, or Algorithm 1's L = ceil(all keys / cells)). The chunks of a tile
+wave over the cells, or Algorithm 1's L = ceil(all keys / cells)); where the tiles fit the cells
+but one wave's longest item would cost over WAVE_SLACK cells' shares (skewed lengths), the tiles'
+blocks are cut into the cells' equal shares instead (balanced_cut). The chunks of a tile
 write partial states, merged row by row (merge_indptr / merge_dest). With max_batch_size,
 max_num_tokens and max_num_pages every plan has one layout, so run() compiles once.
 """
@@ -71,7 +73,8 @@ class MLALayout(PackedLayout):
 def fixed_layout(*, num_heads, block_rows, num_tokens, batch, index_cap, num_cells, tile_merge=False):
     """The layout of every plan under capacities. Bounds: tiles <= ceil(T H / M) + B + 1 (padding
     included); Algorithm 1's chunk L >= keys / cells adds at most `cells` items, splits fewer than
-    `cells` tiles into at most 2 keys / L chunks each."""
+    `cells` tiles into at most 2 keys / L chunks each; balanced_cut adds a piece per share
+    boundary inside a tile (fewer than `cells`), a split tile's k boundaries making k + 1 <= 2k."""
     tiles = -(-num_tokens * num_heads // block_rows) + batch + 1
     return MLALayout(num_heads=num_heads, block_rows=block_rows, num_tokens=num_tokens, index_cap=index_cap,
                      num_cells=num_cells, item_cap=tiles + num_cells, part_cap=2 * num_cells * block_rows,
@@ -102,6 +105,41 @@ def chunk_keys(kv_hi, num_cells, min_chunk, block_kv):
         else:
             lo = mid + block_kv
     return lo
+
+
+WAVE_SLACK = 1.125  # a wave's longest item may cost this many cells' balanced shares (it needs fewer merges)
+
+
+def balanced_cut(kv_hi, num_cells, block_kv, item_cost):
+    """The tiles' KV blocks (kv_hi keys each), each tile item_cost keys more (at least a block),
+    laid end to end and cut into the cells' equal shares: a share boundary inside a tile's blocks
+    cuts the tile there. Returns (pieces int64[tiles], item_tile, piece, kv_start, kv_end, cell:
+    int64[items], the items in tile order and so in cell order, share: a cell's cost in keys)."""
+    c0 = max(int(item_cost) // block_kv, 1)
+    nb = -(-kv_hi.astype(np.int64) // block_kv)
+    cost = nb + c0
+    first = np.cumsum(cost) - cost
+    q, r = divmod(int(cost.sum()), num_cells)  # cell c's share starts at c q + min(c, r)
+
+    def start(c):
+        return c * q + np.minimum(c, r)
+
+    def cell(x):  # the share holding unit x
+        return np.where(x < r * (q + 1), x // (q + 1), r + (x - r * (q + 1)) // max(q, 1))
+
+    blocks_at = first + c0
+    cut0 = cell(blocks_at)  # share boundaries past cut0 cut the tile
+    last = np.minimum(cell(first + cost - 1), num_cells - 1)
+    pieces = 1 + np.where(nb > 1, np.maximum(last - cut0, 0), 0)
+    item_tile = np.repeat(scheduler.arange(kv_hi.shape[0]), pieces)
+    piece = scheduler.arange(item_tile.shape[0]) - (np.cumsum(pieces) - pieces)[item_tile]
+    t_at, c = blocks_at[item_tile], cut0[item_tile] + piece
+    lo = np.where(piece == 0, 0, start(c) - t_at)
+    hi = np.where(piece == pieces[item_tile] - 1, nb[item_tile], start(c + 1) - t_at)
+    kv_start = np.minimum(lo * block_kv, kv_hi[item_tile])
+    kv_end = np.minimum(hi * block_kv, kv_hi[item_tile])
+    share = (q + (r > 0)) * block_kv + int(item_cost)
+    return pieces, item_tile, piece, kv_start, kv_end, np.minimum(c, num_cells - 1), share
 
 
 def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_cells, block_rows, causal,
@@ -181,14 +219,22 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         kv_hi[:n_real] = np.clip(t["first_pos"][:n_real] + last_token + 1, 0, kv_hi[:n_real])
 
     chunk = chunk_keys(kv_hi, num_cells, min_chunk, block_kv)
-    nchunks = np.maximum(-(-kv_hi // chunk), 1)
+    balanced = None
+    if 0 < n_tiles <= num_cells:  # one wave, unless its longest item costs over WAVE_SLACK balanced shares
+        balanced = balanced_cut(kv_hi, num_cells, block_kv, item_cost)
+        if chunk + item_cost <= WAVE_SLACK * balanced[-1]:
+            balanced = None
+    if balanced is None:
+        nchunks = np.maximum(-(-kv_hi // chunk), 1)
+        # A split tile's chunks are even (multiples of block_kv, each non-empty): no short remainder.
+        size = -(-(-(-kv_hi // nchunks)) // block_kv) * block_kv
+        item_tile = np.repeat(scheduler.arange(n_tiles), nchunks)
+        piece = scheduler.arange(item_tile.shape[0]) - (np.cumsum(nchunks) - nchunks)[item_tile]
+        kv_start = piece * size[item_tile]
+        kv_end = np.minimum(kv_hi[item_tile], kv_start + size[item_tile])
+    else:
+        nchunks, item_tile, piece, kv_start, kv_end, item_cell, _ = balanced
     split = nchunks > 1
-    # A split tile's chunks are even (multiples of block_kv, each non-empty): no short remainder.
-    size = -(-(-(-kv_hi // nchunks)) // block_kv) * block_kv
-    item_tile = np.repeat(scheduler.arange(n_tiles), nchunks)
-    piece = scheduler.arange(item_tile.shape[0]) - (np.cumsum(nchunks) - nchunks)[item_tile]
-    kv_start = piece * size[item_tile]
-    kv_end = np.minimum(kv_hi[item_tile], kv_start + size[item_tile])
     # Split tile g owns partial rows [base_g, base_g + M k_g): row r's k_g chunks are consecutive.
     part_rows = np.where(split, nchunks * m, 0)
     part_base = np.cumsum(part_rows) - part_rows
@@ -220,9 +266,13 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
     else:  # row r's chunks at base + r k + i
         work[:, _COL["part_base"]] = np.where(split[item_tile], part_base[item_tile] + piece, -1)
         work[:, _COL["part_stride"]] = nchunks[item_tile]
-    costs = kv_end - kv_start + int(item_cost)
-    order, _ = scheduler.assign_cells(costs, layout.num_cells, out=sec["cell_indptr"])
-    sec["items"][:n_items] = work[order]
+    if balanced is None:  # Algorithm 1's items (or one wave), longest first to the least loaded cell
+        order, _ = scheduler.assign_cells(kv_end - kv_start + int(item_cost), layout.num_cells,
+                                          out=sec["cell_indptr"])
+        work = work[order]
+    else:  # each piece's cell is its share's
+        sec["cell_indptr"][:] = np.searchsorted(item_cell, scheduler.arange(layout.num_cells + 1), side="left")
+    sec["items"][:n_items] = work
 
     tiles = np.flatnonzero(split)
     if tile_merge:  # merge groups: each split tile g, parts [base_g / M, base_g / M + k_g) of whole tiles
@@ -239,6 +289,6 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         sec["merge_dest"][:n_groups] = dest.reshape(-1)
         sec["merge_dest"][n_groups:] = -1
     sec["num_groups"][0] = n_groups
-    info = dict(chunk=chunk, num_items=n_items, num_tiles=n_tiles, num_split=int(tiles.shape[0]),
+    info = dict(chunk=chunk if balanced is None else None, num_items=n_items, num_tiles=n_tiles, num_split=int(tiles.shape[0]),
                 num_groups=n_groups, kv_len=kv_len)
     return layout, buf, info

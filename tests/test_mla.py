@@ -250,42 +250,64 @@ def test_planner_covers_every_visible_key_once(rng):
     for _ in range(20):
         batch = int(rng.integers(0, 6))
         qo, kv = rng.integers(0, 6, batch).astype(np.int32), rng.integers(0, 400, batch).astype(np.int32)
-        h, page, causal, cells = int(rng.choice([8, 16, 20, 64])), int(rng.choice([1, 16, 64])), bool(rng.integers(2)), 5
-        tile_merge = h == 64  # the Mosaic kernel's plans: 64-row tiles, split tiles merged whole
-        table = step(rng, qo, kv, page, num_pages=2000)
-        layout, buf, info = mla_planner.plan(*table, page_size=page, num_heads=h, num_cells=cells,
-                                             block_rows=mla_planner.block_rows_for(h, 4), causal=causal,
-                                             max_batch_size=6, max_num_tokens=30, max_num_pages=2000,
-                                             min_chunk=64, tile_merge=tile_merge)
-        sec = layout.named([buf[a:b] for a, b in layout.offsets.values()])
-        assert sec["cell_indptr"][-1] == info["num_items"] <= layout.item_cap
-        seen, written = np.zeros((30 * h, 400), np.int64), np.zeros(30 * h, np.int64)
-        parts = np.zeros(layout.part_cap, np.int64)  # partial rows: each written once
-        for it in mla_planner.work_items(sec["items"][:info["num_items"]]):
-            for r in range(it.rows):
-                last = it.first_pos + (it.row_start + r) // h if causal else 400
-                seen[it.q_row + r, it.kv_start:max(min(it.kv_end, last + 1), it.kv_start)] += 1
-                if it.part_base >= 0:
-                    parts[it.part_base + r * it.part_stride] += 1
-            if it.part_base < 0:
-                written[it.q_row:it.q_row + it.rows] += 1
-        assert parts.max(initial=0) <= 1
-        dest = sec["merge_dest"][:info["num_groups"]]
-        if tile_merge:  # group g: whole tile dest[g] (rows 64 dest .. 64 dest + 63), parts in tile units
-            m = layout.block_rows
-            for g in np.flatnonzero(dest >= 0):
-                written[dest[g] * m:(dest[g] + 1) * m] += 1
-                lo, hi = sec["merge_indptr"][g:g + 2]
-                np.testing.assert_array_equal(parts[lo * m:hi * m], 1)
-        else:
-            np.add.at(written, dest[dest >= 0], 1)
-        np.testing.assert_array_equal(written, 1)
-        want = np.zeros_like(seen)
-        for b in range(batch):
-            for t in range(qo[b]):
-                row = (table[0][b] + t) * h
-                want[row:row + h, :max(min(kv[b], kv[b] - qo[b] + t + 1) if causal else kv[b], 0)] = 1
-        np.testing.assert_array_equal(seen, want)
+        h, page, causal = int(rng.choice([8, 16, 20, 64])), int(rng.choice([1, 16, 64])), bool(rng.integers(2))
+        check_plan_covers(rng, qo, kv, h, page, causal)
+
+
+def test_planner_cuts_skewed_lengths_into_equal_shares(rng):
+    """One long request beside short ones, fewer tiles than cells: one wave would run the long tile
+    whole on one cell, so the plan cuts the tiles' blocks into the cells' equal shares (each cell's
+    items within an item's cost of its share), every key still met once."""
+    for h, causal in ((64, True), (16, False)):
+        qo, kv = np.array([1, 1, 1, 1], np.int32), np.array([390, 10, 20, 5], np.int32)
+        sec, info, cells = check_plan_covers(rng, qo, kv, h, 16, causal, capacities=False)
+        assert info["chunk"] is None and info["num_split"] == 1
+        ip, items = sec["cell_indptr"], sec["items"]
+        keys = items[:ip[-1], mla_planner.COLUMNS.index("kv_end")] - items[:ip[-1], mla_planner.COLUMNS.index("kv_start")]
+        cost = np.add.reduceat(-(-keys // 64) + 1, ip[:-1][np.diff(ip) > 0])  # blocks + an item's cost a piece
+        assert np.diff(ip).min() >= 1 and cost.max() <= -(-(7 + 3 + 4) // cells) + 1
+
+
+def check_plan_covers(rng, qo, kv, h, page, causal, capacities=True, cells=5):
+    """Plans the step on `cells` cells (under capacities: 6 requests, 30 tokens) and checks the
+    coverage above. Returns (the plan's sections, its info, cells)."""
+    tile_merge = h == 64  # the Mosaic kernel's plans: 64-row tiles, split tiles merged whole
+    table = step(rng, qo, kv, page, num_pages=2000)
+    caps = dict(max_batch_size=6, max_num_tokens=30, max_num_pages=2000) if capacities else {}
+    layout, buf, info = mla_planner.plan(*table, page_size=page, num_heads=h, num_cells=cells,
+                                         block_rows=mla_planner.block_rows_for(h, 4), causal=causal,
+                                         min_chunk=64, tile_merge=tile_merge, **caps)
+    t_cap = 30 if capacities else int(np.sum(qo))
+    sec = layout.named([buf[a:b] for a, b in layout.offsets.values()])
+    assert sec["cell_indptr"][-1] == info["num_items"] <= layout.item_cap
+    seen, written = np.zeros((t_cap * h, 400), np.int64), np.zeros(t_cap * h, np.int64)
+    parts = np.zeros(layout.part_cap, np.int64)  # partial rows: each written once
+    for it in mla_planner.work_items(sec["items"][:info["num_items"]]):
+        for r in range(it.rows):
+            last = it.first_pos + (it.row_start + r) // h if causal else 400
+            seen[it.q_row + r, it.kv_start:max(min(it.kv_end, last + 1), it.kv_start)] += 1
+            if it.part_base >= 0:
+                parts[it.part_base + r * it.part_stride] += 1
+        if it.part_base < 0:
+            written[it.q_row:it.q_row + it.rows] += 1
+    assert parts.max(initial=0) <= 1
+    dest = sec["merge_dest"][:info["num_groups"]]
+    if tile_merge:  # group g: whole tile dest[g] (rows 64 dest .. 64 dest + 63), parts in tile units
+        m = layout.block_rows
+        for g in np.flatnonzero(dest >= 0):
+            written[dest[g] * m:(dest[g] + 1) * m] += 1
+            lo, hi = sec["merge_indptr"][g:g + 2]
+            np.testing.assert_array_equal(parts[lo * m:hi * m], 1)
+    else:
+        np.add.at(written, dest[dest >= 0], 1)
+    np.testing.assert_array_equal(written, 1)
+    want = np.zeros_like(seen)
+    for b in range(qo.shape[0]):
+        for t in range(qo[b]):
+            row = (table[0][b] + t) * h
+            want[row:row + h, :max(min(kv[b], kv[b] - qo[b] + t + 1) if causal else kv[b], 0)] = 1
+    np.testing.assert_array_equal(seen, want)
+    return sec, info, cells
 
 
 @pytest.mark.parametrize("bad,match", [
