@@ -101,11 +101,11 @@ def wave_chunk(kv_hi, live, sz):
 
 
 class _Quota:
-    """Cells' equal shares of W cost units: cell c owns [start(c), start(c + 1)), the first W % C
-    cells one unit more (int32 throughout: no product of W and C)."""
+    """N equal shares of W cost units: share c is [start(c), start(c + 1)), the first W % N one
+    unit more (int32 throughout: no product of W and N)."""
 
-    def __init__(self, total, cells):
-        self.q, self.r, self.cells = total // cells, total % cells, cells
+    def __init__(self, total, shares):
+        self.q, self.r = total // shares, total % shares
 
     def start(self, c):
         return c * self.q + jnp.minimum(c, self.r)
@@ -124,8 +124,9 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
     - one wave, where the tiles fit the cells: even chunks of at most wave_chunk's L keys, each item
       a cell of its own (as the host planner's);
     - balanced: the tiles' KV blocks, each tile ITEM_COST keys more, laid end to end and cut into
-      the cells' equal shares (_Quota); a share boundary inside a tile's blocks cuts it there, so
-      each cell's items cost its share give or take a block and an item, whatever the lengths.
+      equal shares (_Quota), one a cell (fewer where a share would be under min_chunk); a share
+      boundary inside a tile's blocks cuts it there, so each cell's items cost its share give or
+      take a block and an item, whatever the lengths.
     The wave is taken where its longest item costs at most WAVE_SLACK shares: it needs fewer
     partial states and merges. Kernel columns: planner.work_items.MLA.
 
@@ -162,13 +163,14 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
     nb = -(-kv_hi // bk)  # [tiles] blocks
     cost = jnp.where(t_ok, nb + c0, 0)
     first_unit = excl_cumsum(cost)  # [tiles]
-    quota = _Quota(jnp.sum(cost), sz.cells)
+    shares = jnp.clip(jnp.sum(cost) // (sz.min_chunk // bk), 1, sz.cells)  # (no share under min_chunk)
+    quota = _Quota(jnp.sum(cost), shares)
     blocks_at = first_unit + c0  # the tile's first block's unit
     cut0 = quota.cell(blocks_at)  # boundaries c > cut0 lie past the tile's first block
-    last = jnp.minimum(quota.cell(first_unit + cost - 1), sz.cells - 1)
+    last = jnp.minimum(quota.cell(first_unit + cost - 1), shares - 1)
     bal_n = jnp.where(t_ok, 1 + jnp.where(nb > 1, jnp.maximum(last - cut0, 0), 0), 0)
     # The wave where its longest item costs at most WAVE_SLACK x a share (no merges; even chunks).
-    share = -(-jnp.sum(cost) // sz.cells) * bk + ITEM_COST
+    share = -(-jnp.sum(cost) // shares) * bk + ITEM_COST
     wave = (jnp.sum(t_ok) <= sz.cells) & (chunk + ITEM_COST <= WAVE_SLACK * share)
     n_chunks = jnp.where(wave, wave_n, bal_n)
     split = n_chunks > 1
@@ -181,7 +183,7 @@ def plan(kv_lens, cu_q_lens, distribution, *, num_tokens, num_heads, pages_per_s
     kv_start = jnp.where(wave, piece * size[tile], lo_cut * bk)
     kv_end = jnp.where(wave, kv_start + size[tile], hi_cut * bk)
     kv_start, kv_end = jnp.minimum(kv_start, kv_hi[tile]), jnp.minimum(kv_end, kv_hi[tile])
-    bal_cell = jnp.minimum(cut0[tile] + piece, sz.cells - 1)  # piece 0: the share of the tile's first block
+    bal_cell = jnp.minimum(cut0[tile] + piece, shares - 1)  # piece 0: the share of the tile's first block
     cell_of = jnp.where(i_ok, jnp.where(wave, jnp.arange(sz.items), bal_cell), sz.cells)
     zero = jnp.zeros_like(tile)
     cols = MLA.ordered(

@@ -110,16 +110,18 @@ def chunk_keys(kv_hi, num_cells, min_chunk, block_kv):
 WAVE_SLACK = 1.125  # a wave's longest item may cost this many cells' balanced shares (it needs fewer merges)
 
 
-def balanced_cut(kv_hi, num_cells, block_kv, item_cost):
+def balanced_cut(kv_hi, num_cells, block_kv, item_cost, min_chunk):
     """The tiles' KV blocks (kv_hi keys each), each tile item_cost keys more (at least a block),
-    laid end to end and cut into the cells' equal shares: a share boundary inside a tile's blocks
-    cuts the tile there. Returns (pieces int64[tiles], item_tile, piece, kv_start, kv_end, cell:
-    int64[items], the items in tile order and so in cell order, share: a cell's cost in keys)."""
+    laid end to end and cut into equal shares, one a cell (fewer where a share would be under
+    min_chunk keys): a share boundary inside a tile's blocks cuts the tile there. Returns (pieces
+    int64[tiles], item_tile, piece, kv_start, kv_end, cell: int64[items], the items in tile order
+    and so in cell order, share: a cell's cost in keys)."""
     c0 = max(int(item_cost) // block_kv, 1)
     nb = -(-kv_hi.astype(np.int64) // block_kv)
     cost = nb + c0
     first = np.cumsum(cost) - cost
-    q, r = divmod(int(cost.sum()), num_cells)  # cell c's share starts at c q + min(c, r)
+    shares = int(np.clip(int(cost.sum()) // max(int(min_chunk) // block_kv, 1), 1, num_cells))
+    q, r = divmod(int(cost.sum()), shares)  # share c starts at c q + min(c, r)
 
     def start(c):
         return c * q + np.minimum(c, r)
@@ -129,7 +131,7 @@ def balanced_cut(kv_hi, num_cells, block_kv, item_cost):
 
     blocks_at = first + c0
     cut0 = cell(blocks_at)  # share boundaries past cut0 cut the tile
-    last = np.minimum(cell(first + cost - 1), num_cells - 1)
+    last = np.minimum(cell(first + cost - 1), shares - 1)
     pieces = 1 + np.where(nb > 1, np.maximum(last - cut0, 0), 0)
     item_tile = np.repeat(scheduler.arange(kv_hi.shape[0]), pieces)
     piece = scheduler.arange(item_tile.shape[0]) - (np.cumsum(pieces) - pieces)[item_tile]
@@ -139,7 +141,7 @@ def balanced_cut(kv_hi, num_cells, block_kv, item_cost):
     kv_start = np.minimum(lo * block_kv, kv_hi[item_tile])
     kv_end = np.minimum(hi * block_kv, kv_hi[item_tile])
     share = (q + (r > 0)) * block_kv + int(item_cost)
-    return pieces, item_tile, piece, kv_start, kv_end, np.minimum(c, num_cells - 1), share
+    return pieces, item_tile, piece, kv_start, kv_end, np.minimum(c, shares - 1), share
 
 
 def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_cells, block_rows, causal,
@@ -221,7 +223,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
     chunk = chunk_keys(kv_hi, num_cells, min_chunk, block_kv)
     balanced = None
     if 0 < n_tiles <= num_cells:  # one wave, unless its longest item costs over WAVE_SLACK balanced shares
-        balanced = balanced_cut(kv_hi, num_cells, block_kv, item_cost)
+        balanced = balanced_cut(kv_hi, num_cells, block_kv, item_cost, min_chunk)
         if chunk + item_cost <= WAVE_SLACK * balanced[-1]:
             balanced = None
     if balanced is None:
