@@ -111,7 +111,7 @@ class _Quota:
         return c * self.q + jnp.minimum(c, self.r)
 
     def cell(self, x):
-        """The cell whose share holds unit x (0 <= x < W)."""
+        """The share holding unit x (0 <= x < W): its cell."""
         big = self.r * (self.q + 1)
         return jnp.where(x < big, x // (self.q + 1), self.r + (x - big) // jnp.maximum(self.q, 1))
 
