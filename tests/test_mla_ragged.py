@@ -12,6 +12,7 @@ import pytest
 import jaxinfer
 from jaxinfer import mla_ragged
 from pallas_kernels.mla import MLAConfig
+from planner import mla as mla_planner
 import test_mla  # (its boundary lengths)
 
 DC, DR, SCALE = 64, 16, 0.3
@@ -346,6 +347,47 @@ def test_plan_one_wave_or_balanced_shares():
     units = np.add.reduceat(-(-keys // bk) + c0, np.cumsum(per_cell) - per_cell)  # [cells]
     mean = (8192 // bk + 4 + 8 * c0) / cells  # 5 tiles and 3 padding tiles
     assert units.max() <= mean + c0 + 1  # (a cut piece's own item cost, rounding)
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_plan_equals_the_host_plan_where_the_tiles_fit_the_cells(heads, skewed):
+    """Where a step's tiles fit the cells (one wave, or skewed lengths cut into equal shares), the
+    device plan's items are the host planner's (planner.mla.plan with the same tiles, cells, block
+    and costs): the same rows, keys and cells; steps without padding rows."""
+    rng = np.random.default_rng(heads + skewed)
+    s, cells = 6, (8 if skewed else 24)
+    q_lens = np.ones(s, np.int64)  # (a tile a request: the wave fills the 24 cells with 4 chunks each)
+    kv_lens = np.r_[4000, rng.integers(1, 60, s - 1)] if skewed else q_lens + rng.integers(3000, 3100, s)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1])
+    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=64), cells,
+                          jaxinfer.dispatch.IMPLEMENTATIONS_BY_NAME["mla_mosaic" if heads == 64 else "mla_triton"])
+    dev = jax.jit(functools.partial(mla_ragged.plan, num_tokens=t, num_heads=heads, pages_per_seq=256, causal=True,
+                                    sz=sz))(kv_lens.astype(np.int32), cu, np.asarray([0, 0, s], np.int32))
+    pages = -(-kv_lens // 16)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    layout, buf, info = mla_planner.plan(cu, kv_indptr, np.arange(kv_indptr[-1], dtype=np.int32),
+                                         kv_lens.astype(np.int32), page_size=16, num_heads=heads, num_cells=cells,
+                                         block_rows=sz.block_rows, causal=True, block_kv=sz.block_kv,
+                                         min_chunk=sz.min_chunk, item_cost=mla_ragged.ITEM_COST,
+                                         tile_merge=sz.tile_merge)
+    host = layout.named([buf[a:b] for a, b in layout.offsets.values()])
+    assert info["num_tiles"] <= cells  # (the regime this test is about)
+    col = [mla_ragged.MLA.names.index(n) for n in ("q_row", "rows", "kv_start", "kv_end")]
+
+    def by_cell(sec):  # {cell: sorted (q_row, rows, kv_start, kv_end) of its items}
+        ip = np.asarray(sec["cell_indptr"])
+        return {c: sorted(map(tuple, np.asarray(sec["items"])[ip[c]:ip[c + 1]][:, col].tolist()))
+                for c in range(cells) if ip[c + 1] > ip[c]}
+
+    want, got = by_cell(host), by_cell(dev)
+    assert (info["chunk"] is None) == skewed
+    if skewed:  # equal shares: the same items on the same cells
+        assert got == want
+    else:  # one wave: the same items, each on a cell of its own (the host lists them longest first)
+        assert sorted(sum(got.values(), [])) == sorted(sum(want.values(), []))
+        assert max(map(len, got.values())) == 1
 
 
 def test_plan_worst_case_capacity():
