@@ -268,6 +268,26 @@ def test_planner_cuts_skewed_lengths_into_equal_shares(rng):
         assert np.diff(ip).min() >= 1 and cost.max() <= -(-(7 + 3 + 4) // cells) + 1
 
 
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_kernels_on_equal_shares(rng, impl):
+    """A plan cut into equal shares (one long request beside short ones on three cells: pieces
+    that start and end mid-page, several tiles' pieces on one cell) against the float64 oracle,
+    NaN in unlisted pages and stale slots; the Triton kernel in interpret mode, the Mosaic one in
+    its interpreter (64 heads, bf16)."""
+    heads, dtype, tol = (16, np.float32, 2e-5) if impl == "triton" else (64, jnp.bfloat16, 1e-2)
+    mla = BatchMLAPagedAttention(heads, CKV, KPE, 64, causal=True, sm_scale=SCALE, impl=impl,
+                                 config=MLAConfig(num_cells=3, min_chunk=64))
+    qo_lens, kv_lens = [1, 1, 1], [600, 5, 70]
+    table = step(rng, qo_lens, kv_lens, 64)
+    plan = mla.plan(*table, num_pages=_num_pages(64))
+    assert plan.info["chunk"] is None and plan.info["num_split"] == 1  # (equal shares, not one wave)
+    q_nope, q_pe, ckv, kpe = (np.array(jnp.asarray(x, dtype), np.float32)  # (writable: poisoned below)
+                              for x in inputs(rng, sum(qo_lens), heads, 64, np.float32))
+    want = oracle(q_nope, q_pe, ckv, kpe, *table, True)
+    _poison(q_nope, q_pe, ckv, kpe, table, kv_lens, 64)
+    check(mla.run(*(jnp.asarray(x, dtype) for x in (q_nope, q_pe, ckv, kpe)), plan, return_lse=True), want, tol)
+
+
 def check_plan_covers(rng, qo, kv, h, page, causal, capacities=True, cells=5):
     """Plans the step on `cells` cells (under capacities: 6 requests, 30 tokens) and checks the
     coverage above. Returns (the plan's sections, its info, cells)."""
