@@ -46,7 +46,8 @@ SWIZZLE = 64   # bytes: 32 bf16 columns, so that a block's 32 keys are one wgmma
 TILE_ROWS = (8, 16, 32, 64)  # a tile's rows: 64; fewer (one token of 8-32 heads, decode) pad the wgmma's M
 LOG2E = math.log2(math.e)
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread (2 x 232 + 40 warps of 128 fit 64K)
-_LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()  # (see prefill_mosaic)
+_LOAD_IDX = (((),) if getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default", None)
+             is inspect.Parameter.empty else ())  # plgpu.load's index, where required (see prefill_mosaic)
 
 
 def limits(*, num_heads, head_dim_ckv, head_dim_kpe, page_size):

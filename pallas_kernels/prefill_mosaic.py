@@ -29,9 +29,10 @@ from pallas_kernels import _common
 WG_ROWS = 64  # query rows per compute warpgroup
 LOG2E = math.log2(math.e)
 MEMORY_REGISTERS = {2: 40, 3: 24}  # per thread of the memory warpgroup, by compute warpgroups
-# plgpu.load takes an index argument up to jax 0.11 (the empty index: the whole ref); 0.12
-# dropped it (load the ref itself).
-_LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()
+# plgpu.load's index argument: required in jax 0.10 (the empty index: the whole ref), optional and
+# deprecated in 0.11 (left out, the whole ref, the same load), gone in 0.12.
+_LOAD_IDX = (((),) if getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default", None)
+             is inspect.Parameter.empty else ())
 
 
 def _warn_if_interpreter_pool_too_small(num_warpgroups):
