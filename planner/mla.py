@@ -110,12 +110,22 @@ def chunk_keys(kv_hi, num_cells, min_chunk, block_kv):
 WAVE_SLACK = 1.125  # a wave's longest item may cost this many cells' balanced shares (it needs fewer merges)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cut:
+    """Tiles cut into pieces by balanced_cut: the items in tile order, and so in cell order."""
+    pieces: np.ndarray     # int64[tiles]: each tile's pieces (1: not split)
+    item_tile: np.ndarray  # int64[items]: the item's tile
+    piece: np.ndarray      # int64[items]: its index among its tile's pieces
+    kv_start: np.ndarray   # int64[items]: its keys [kv_start, kv_end) of the tile's
+    kv_end: np.ndarray
+    cell: np.ndarray       # int64[items]: its cell (non-decreasing)
+    share: int             # a cell's cost in keys (its share of blocks, plus an item's cost)
+
+
 def balanced_cut(kv_hi, num_cells, block_kv, item_cost, min_chunk):
     """The tiles' KV blocks (kv_hi keys each), each tile item_cost keys more (at least a block),
     laid end to end and cut into equal shares, one a cell (fewer where a share would be under
-    min_chunk keys): a share boundary inside a tile's blocks cuts the tile there. Returns (pieces
-    int64[tiles], item_tile, piece, kv_start, kv_end, cell: int64[items], the items in tile order
-    and so in cell order, share: a cell's cost in keys)."""
+    min_chunk keys): a share boundary inside a tile's blocks cuts the tile there. Returns a Cut."""
     c0 = max(int(item_cost) // block_kv, 1)
     nb = -(-kv_hi.astype(np.int64) // block_kv)
     cost = nb + c0
@@ -140,8 +150,8 @@ def balanced_cut(kv_hi, num_cells, block_kv, item_cost, min_chunk):
     hi = np.where(piece == pieces[item_tile] - 1, nb[item_tile], start(c + 1) - t_at)
     kv_start = np.minimum(lo * block_kv, kv_hi[item_tile])
     kv_end = np.minimum(hi * block_kv, kv_hi[item_tile])
-    share = (q + (r > 0)) * block_kv + int(item_cost)
-    return pieces, item_tile, piece, kv_start, kv_end, np.minimum(c, shares - 1), share
+    return Cut(pieces=pieces, item_tile=item_tile, piece=piece, kv_start=kv_start, kv_end=kv_end,
+               cell=np.minimum(c, shares - 1), share=(q + (r > 0)) * block_kv + int(item_cost))
 
 
 def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_cells, block_rows, causal,
@@ -224,7 +234,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
     balanced = None
     if 0 < n_tiles <= num_cells:  # one wave, unless its longest item costs over WAVE_SLACK balanced shares
         balanced = balanced_cut(kv_hi, num_cells, block_kv, item_cost, min_chunk)
-        if chunk + item_cost <= WAVE_SLACK * balanced[-1]:
+        if chunk + item_cost <= WAVE_SLACK * balanced.share:
             balanced = None
     if balanced is None:
         nchunks = np.maximum(-(-kv_hi // chunk), 1)
@@ -235,7 +245,8 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
         kv_start = piece * size[item_tile]
         kv_end = np.minimum(kv_hi[item_tile], kv_start + size[item_tile])
     else:
-        nchunks, item_tile, piece, kv_start, kv_end, item_cell, _ = balanced
+        nchunks, item_tile, piece = balanced.pieces, balanced.item_tile, balanced.piece
+        kv_start, kv_end = balanced.kv_start, balanced.kv_end
     split = nchunks > 1
     # Split tile g owns partial rows [base_g, base_g + M k_g): row r's k_g chunks are consecutive.
     part_rows = np.where(split, nchunks * m, 0)
@@ -273,7 +284,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, kv_len, *, page_size, num_heads, num_
                                           out=sec["cell_indptr"])
         work = work[order]
     else:  # each piece's cell is its share's
-        sec["cell_indptr"][:] = np.searchsorted(item_cell, scheduler.arange(layout.num_cells + 1), side="left")
+        sec["cell_indptr"][:] = np.searchsorted(balanced.cell, scheduler.arange(layout.num_cells + 1), side="left")
     sec["items"][:n_items] = work
 
     tiles = np.flatnonzero(split)
