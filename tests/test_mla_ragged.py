@@ -350,18 +350,19 @@ def test_plan_one_wave_or_balanced_shares():
 
 
 @pytest.mark.parametrize("heads", [16, 64])
-@pytest.mark.parametrize("skewed", [False, True])
-def test_plan_equals_the_host_plan_where_the_tiles_fit_the_cells(heads, skewed):
-    """Where a step's tiles fit the cells (one wave, or skewed lengths cut into equal shares), the
-    device plan's items are the host planner's (planner.mla.plan with the same tiles, cells, block
-    and costs): the same rows, keys and cells; steps without padding rows."""
+@pytest.mark.parametrize("skewed,cells,min_chunk", [(False, 24, 64), (True, 8, 64), (True, 6, 1024)])
+def test_plan_equals_the_host_plan_where_the_tiles_fit_the_cells(heads, skewed, cells, min_chunk):
+    """Where a step's tiles fit the cells (one wave, or skewed lengths cut into equal shares; with
+    min_chunk 1024 fewer shares than cells, none under min_chunk), the device plan's items are the
+    host planner's (planner.mla.plan with the same tiles, cells, block and costs): the same rows,
+    keys and cells; steps without padding rows."""
     rng = np.random.default_rng(heads + skewed)
-    s, cells = 6, (8 if skewed else 24)
+    s = 6
     q_lens = np.ones(s, np.int64)  # (a tile a request: the wave fills the 24 cells with 4 chunks each)
     kv_lens = np.r_[4000, rng.integers(1, 60, s - 1)] if skewed else q_lens + rng.integers(3000, 3100, s)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t = int(cu[-1])
-    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=64), cells,
+    sz = mla_ragged.sizes(t, heads, s, MLAConfig(min_chunk=min_chunk), cells,
                           jaxinfer.dispatch.IMPLEMENTATIONS_BY_NAME["mla_mosaic" if heads == 64 else "mla_triton"])
     dev = jax.jit(functools.partial(mla_ragged.plan, num_tokens=t, num_heads=heads, pages_per_seq=256, causal=True,
                                     sz=sz))(kv_lens.astype(np.int32), cu, np.asarray([0, 0, s], np.int32))
@@ -385,6 +386,10 @@ def test_plan_equals_the_host_plan_where_the_tiles_fit_the_cells(heads, skewed):
     assert (info["chunk"] is None) == skewed
     if skewed:  # equal shares: the same items on the same cells
         assert got == want
+        if min_chunk > 64:  # fewer shares than cells, each of at least min_chunk keys' cost (in blocks)
+            bk, c0 = sz.block_kv, max(mla_ragged.ITEM_COST // sz.block_kv, 1)
+            assert len(got) < cells and min(sum(-(-(e - b) // bk) + c0 for _, _, b, e in items)
+                                            for items in got.values()) * bk >= min_chunk
     else:  # one wave: the same items, each on a cell of its own (the host lists them longest first)
         assert sorted(sum(got.values(), [])) == sorted(sum(want.values(), []))
         assert max(map(len, got.values())) == 1
