@@ -641,6 +641,8 @@ class Fuzzer:
         batch = int(rng.integers(2, MAXB + 1))
         shared = int(rng.integers(1, 4))  # pages every request starts with
         own = rng.integers(0, 3, batch)
+        while batch * shared + own.sum() > MAXPG:  # the flat table fits the capacity (nothing may be shared)
+            own[np.argmax(own)] -= 1
         pages = rng.permutation(NP)
         indices = np.concatenate([np.concatenate([pages[:shared], pages[shared + 3 * b: shared + 3 * b + own[b]]])
                                   for b in range(batch)])
