@@ -156,20 +156,13 @@ def _pow2(n):
     return n & (n - 1) == 0
 
 
-def _triton_prefill_unsupported(problem, explicit):
-    """Distinct head dims, compiled (Triton tiles are powers of two): a head_dim (q, K) that is not
-    runs as column blocks of powers of two >= 16 (no query / key transforms then); head_dim_vo
-    (V, o) must be one."""
-    if problem.interpret or problem.head_dim_vo is None:
-        return None
-    if not _pow2(problem.head_dim_vo):
-        return f"head_dim_vo must be a power of two, got {problem.head_dim_vo}"
-    if not _pow2(problem.head_dim):
-        if problem.head_dim % 16:
-            return f"head_dim {problem.head_dim} is neither a power of two nor a multiple of 16"
-        v = problem.variant
-        if v is not None and (v.has_query_transform or v.has_key_transform):
-            return f"variant {v.name!r} transforms whole q / K rows: head_dim must be a power of two"
+def _triton_unsupported(problem, explicit):
+    """The Triton kernels take any head_dim: one that Triton cannot tile (a power of two >= 16)
+    runs in column blocks or padded with zero columns (pallas_kernels._common.tile_width), which
+    a query / key transform (RoPE) would see: those need a tileable head_dim."""
+    v, d = problem.variant, problem.head_dim
+    if v is not None and (v.has_query_transform or v.has_key_transform) and not (d >= 16 and _pow2(d)):
+        return f"variant {v.name!r} transforms whole q / K rows: head_dim must be a power of two >= 16, got {d}"
     return None
 
 
@@ -198,6 +191,9 @@ def _short_cost(problem, qo_lens, kv_lens, causal):
 
 
 def _short_unsupported(problem, explicit):
+    why = _triton_unsupported(problem, explicit)
+    if why is not None:
+        return why
     if problem.kv_format != "paged":
         return "short-query tiles read paged caches only"
     if problem.head_dim_vo is not None:
@@ -383,8 +379,8 @@ def _mla_cost(problem, qo_lens, kv_lens, causal, kernel="mla_triton"):
 
 
 IMPLEMENTATIONS = (
-    Implementation("decode_triton", "decode", "triton", DecodeConfig, _always, _decode_cost),
-    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _triton_prefill_unsupported,
+    Implementation("decode_triton", "decode", "triton", DecodeConfig, _triton_unsupported, _decode_cost),
+    Implementation("prefill_triton", "prefill", "triton", PrefillConfig, _triton_unsupported,
                    _triton_prefill_cost, kernel=prefill_kernels.run_triton),
     Implementation("prefill_mosaic", "prefill", "mosaic", MosaicPrefillConfig, _mosaic_unsupported,
                    _mosaic_prefill_cost, _mosaic_dtypes_unsupported, takes_scales=False, whole_tiles=True,

@@ -21,6 +21,8 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     may be of another width Dv (v_ref's). q may also be a tuple of column blocks of q whose widths
     are powers of two (_common.pow2_columns: a D that is not one, for Triton's tiles); K is then
     read in the same blocks and q.K summed over them (no query / key transforms or kv_pairs).
+    Otherwise a D (or Dv) that Triton cannot tile comes in tiles of _common.tile_width columns,
+    the extra ones 0: q [M, tile_width(D)], acc [M, tile_width(Dv)].
 
     Token t of the request lives in page kv_indices[page_base + t // page_size]
     at slot t % page_size (its K and V rows: _common.kv_rows of the cache layout); with
@@ -69,12 +71,14 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
     pairs = kv_pairs is not None
     d = q_blocks[0].shape[1]
     q_parts = jnp.unstack(q_blocks[0].reshape(rows_q, d // 2, 2), axis=-1) if pairs else q_blocks  # even, odd
-    dv = v_ref.shape[1] * (2 if pairs else 1)  # V's width (pairs: uint16 column pairs)
+    dv = _common.tile_width(v_ref.shape[1]) * (2 if pairs else 1)  # V's tile width (pairs: uint16 column pairs)
+    zero_k_padding = widen and not pairs and not blocks  # fp8 K: a padded tile's extra columns are undefined
     acc_parts = 2 if pairs else 1
 
     def load(ref, rows, valid, masked, cols=None):  # [BK, C]; masked rows past the range read as 0
         if not masked:                               # (fp8: undefined, Triton cannot fill 8-bit loads)
-            return ref[rows] if cols is None else _common.load_rows(ref, rows, None, columns=cols)
+            return (_common.whole_rows(ref, rows, fill=ref.dtype.itemsize > 1) if cols is None
+                    else _common.load_rows(ref, rows, None, columns=cols))
         return _common.load_rows(ref, rows, valid, fill=ref.dtype.itemsize > 1, columns=cols)
 
     def widened(x, valid, masked):  # fp8 -> float16; masked rows zeroed
@@ -100,6 +104,8 @@ def attend(q, k_ref, v_ref, kv_indices_ref, page_base, tok_start, n_tok, head, *
             ks, vs = _common.widen_fp8_pairs(k[0], kv_pairs), _common.widen_fp8_pairs(v, kv_pairs)
         elif widen:
             ks, vs = tuple(widened(x, valid, masked) for x in k), (widened(v, valid, masked),)
+            if zero_k_padding:
+                ks = tuple(_common.zero_padding(x, k_ref.shape[1]) for x in ks)
         else:
             ks, vs = k, (v,)
         kv_pos = None

@@ -70,6 +70,21 @@ def next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def tile_width(d):
+    """Columns of an in-kernel tile of rows d wide: d where Triton can tile it (a power of two,
+    at least 16), else the next such power. The extra columns read as 0 and are never stored
+    (load_rows, whole_rows, store_rows), so head dims like 80 or 96 run exactly."""
+    return d if d >= 16 and d & (d - 1) == 0 else max(16, next_pow2(d))
+
+
+def padded_columns(d, store=False):
+    """(column ids, which are real), both [tile_width(d)]. The ids past d are masked off: a load
+    repeats d - 1 there, a store points them past the end (interpret mode drops those; repeated
+    ids would race the real column's write)."""
+    cols = jnp.arange(tile_width(d))
+    return (cols if store else jnp.minimum(cols, d - 1)), cols < d
+
+
 def pow2_columns(d):
     """A width d that is not a power of two as column blocks of powers of two, widest first
     (192: ((0, 128), (128, 64))), for Triton's power-of-two tiles; None when d is one."""
@@ -157,10 +172,12 @@ def fp8_pairs(rows):
 
 
 def maybe_fp8_pairs(k_rows, v_rows, variant, enabled):
-    """(kv_pairs, k_rows, v_rows): fp8 K/V as column pairs when enabled and no key transform
-    needs whole rows (kv_pairs is then their fp8 dtype, else None and the rows unchanged)."""
+    """(kv_pairs, k_rows, v_rows): fp8 K/V as column pairs when enabled, no key transform
+    needs whole rows and Triton can tile the pairs (kv_pairs is then their fp8 dtype, else None
+    and the rows unchanged)."""
     key_transform = variant is not None and variant.has_key_transform
-    if not enabled or v_rows.dtype.itemsize != 1 or key_transform:
+    half = k_rows.shape[1] // 2
+    if not enabled or v_rows.dtype.itemsize != 1 or key_transform or tile_width(half) != half:
         return None, k_rows, v_rows
     return v_rows.dtype, fp8_pairs(k_rows), fp8_pairs(v_rows)
 
@@ -285,6 +302,9 @@ def store_rows(ref, rows, val, row_mask):
     rows = jnp.where(row_mask, rows, ref.shape[0])
     if val.ndim == 1:
         plgpu.store(ref.at[rows], val, mask=row_mask)
+    elif val.shape[1] != ref.shape[1]:  # a padded tile [M, tile_width(D)]: its first D columns
+        cols, real = padded_columns(ref.shape[1], store=True)
+        plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=row_mask[:, None] & real[None, :])
     else:
         cols = jnp.arange(val.shape[1])
         plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=row_mask[:, None])
@@ -294,17 +314,37 @@ def load_rows(ref, rows, row_mask, fill=True, columns=None):
     """Gathers rows `rows` [M] of ref [R, D] where row_mask [M]; other rows read as 0 (with
     fill=False they are undefined: Triton cannot fill fp8 loads). For a 1-D ref, rows and
     row_mask may have any (matching) shape. columns (start, width), static: only those columns
-    ([M, width]); row_mask None: every row (an unmasked load).
+    ([M, width]); row_mask None: every row (an unmasked load). Without columns, a D that Triton
+    cannot tile comes as [M, tile_width(D)], the extra columns 0 (undefined with fill=False).
 
     Masked-off rows access no memory on the GPU."""
     other = 0 if fill else None
     if len(ref.shape) == 1:
         return plgpu.load(ref.at[rows], mask=row_mask, other=other)
+    if columns is None and tile_width(ref.shape[1]) != ref.shape[1]:
+        cols, real = padded_columns(ref.shape[1])
+        mask = real[None, :] if row_mask is None else row_mask[:, None] & real[None, :]
+        return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
     start, width = (0, ref.shape[1]) if columns is None else columns
     cols = start + jnp.arange(width)
     if row_mask is None:
         return plgpu.load(ref.at[rows[:, None], cols[None, :]])
     return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=row_mask[:, None], other=other)
+
+
+def zero_padding(x, d):
+    """x [M, tile_width(d)] with the columns past d set to 0 (fp8 tiles, loaded unfilled)."""
+    if x.shape[1] == d:
+        return x
+    return jnp.where(padded_columns(d)[1][None, :], x, jnp.zeros_like(x))
+
+
+def whole_rows(ref, rows, fill=True):
+    """Rows `rows` [M] of ref [R, D], every column: ref[rows], or where Triton cannot tile D a
+    [M, tile_width(D)] tile (load_rows)."""
+    if tile_width(ref.shape[1]) == ref.shape[1]:
+        return ref[rows]
+    return load_rows(ref, rows, None, fill=fill)
 
 
 def flatten_params(params):

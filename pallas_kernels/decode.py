@@ -61,7 +61,7 @@ def _decode_kernel(items_ref, cell_indptr_ref, kv_lens_ref, kv_indices_ref, q_re
         q_tok = jnp.minimum(t_local, jnp.maximum(qo_len, 1) - 1)
         q_rows = (q_start + q_tok) * q_stride + heads
         o_rows = (q_start + q_tok) * num_qo_heads + heads
-        q = q_ref[q_rows]  # [rows, D]
+        q = _common.whole_rows(q_ref, q_rows)  # [rows, D] (D padded: _common.tile_width)
         first_pos = kv_len - qo_len  # position of the item's first query token
         n_head, var_kw, visible = 0, {}, None
         if variant is not None:

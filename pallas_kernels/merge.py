@@ -37,15 +37,40 @@ def _empty(hb, d):
             jnp.zeros((hb,), jnp.float32))
 
 
+def _load_heads(ref, n, j, hb, heads):
+    """[hb, W]: row n's heads j hb ... (the slice `heads`) of ref [N, H, D] (W =
+    _common.tile_width(D); columns past D 0)."""
+    d = ref.shape[-1]
+    if _common.tile_width(d) == d:
+        return ref[n, heads, :]
+    cols, real = _common.padded_columns(d)
+    heads = j * hb + jnp.arange(hb)
+    return plgpu.load(ref.at[n, heads[:, None], cols[None, :]],
+                      mask=jnp.broadcast_to(real[None, :], (hb, cols.shape[0])), other=0)
+
+
+def _store_heads(ref, n, j, hb, val, heads=None):
+    """Stores val [hb, W] (_load_heads' tile) to row n's heads j hb ... (the slice `heads`, or
+    made here) of ref [N, H, D]."""
+    d = ref.shape[-1]
+    if _common.tile_width(d) == d:
+        ref[n, pl.ds(j * hb, hb) if heads is None else heads, :] = val
+        return
+    cols, real = _common.padded_columns(d, store=True)
+    heads = j * hb + jnp.arange(hb)
+    plgpu.store(ref.at[n, heads[:, None], cols[None, :]], val,
+                mask=jnp.broadcast_to(real[None, :], (hb, cols.shape[0])))
+
+
 def _pair_kernel(oa_ref, la_ref, ob_ref, lb_ref, mask_ref, o_ref, lse_ref, *, hb):
     n, j = pl.program_id(0), pl.program_id(1)
     heads = pl.ds(j * hb, hb)
-    oa, la = oa_ref[n, heads, :], la_ref[n, heads]
+    oa, la = _load_heads(oa_ref, n, j, hb, heads), la_ref[n, heads]
     acc, m, s = _accumulate(*_empty(hb, oa.shape[-1]), oa, la)
-    acc, m, s = _accumulate(acc, m, s, ob_ref[n, heads, :], lb_ref[n, heads])
+    acc, m, s = _accumulate(acc, m, s, _load_heads(ob_ref, n, j, hb, heads), lb_ref[n, heads])
     o, lse = _finish(acc, m, s)
     keep_a = mask_ref[n] == 0
-    o_ref[n, heads, :] = jnp.where(keep_a, oa.astype(jnp.float32), o).astype(o_ref.dtype)
+    _store_heads(o_ref, n, j, hb, jnp.where(keep_a, oa.astype(jnp.float32), o).astype(o_ref.dtype), heads)
     lse_ref[n, heads] = jnp.where(keep_a, la, lse)
 
 
@@ -76,7 +101,8 @@ def _varlen_kernel(indptr_ref, dest_ref, live_ref, op_ref, lp_ref, *refs, hb, pa
     p, j = pl.program_id(0), pl.program_id(1)
     d = op_ref.shape[-1]
     heads = j * hb + jnp.arange(hb)
-    cols = jnp.arange(d)
+    cols, real = (jnp.arange(d), None) if _common.tile_width(d) == d else _common.padded_columns(d)
+    width = cols.shape[0]
 
     def merge_group(n):
         first, last = indptr_ref[n], indptr_ref[n + 1]
@@ -88,7 +114,8 @@ def _varlen_kernel(indptr_ref, dest_ref, live_ref, op_ref, lp_ref, *refs, hb, pa
             lse_i = plgpu.load(lp_ref.at[parts[:, None], heads[None, :]], mask=ok[:, None],
                                other=-jnp.inf)  # [PB, Hb]
             o_i = plgpu.load(op_ref.at[parts[:, None, None], heads[None, :, None], cols[None, None, :]],
-                             mask=ok[:, None, None], other=0)  # [PB, Hb, D]
+                             mask=ok[:, None, None] if real is None else ok[:, None, None] & real[None, None, :],
+                             other=0)  # [PB, Hb, W] (W = D, or D padded)
             m_new = jnp.maximum(m, jnp.max(lse_i, axis=0))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             scale_old = jnp.exp(m - m_safe)
@@ -97,13 +124,13 @@ def _varlen_kernel(indptr_ref, dest_ref, live_ref, op_ref, lp_ref, *refs, hb, pa
             return (acc * scale_old[:, None] + jnp.sum(contrib, axis=0), m_new,
                     s * scale_old + jnp.sum(w, axis=0))
 
-        acc, m, s = jax.lax.fori_loop(0, pl.cdiv(last - first, parts_per_step), body, _empty(hb, d))
+        acc, m, s = jax.lax.fori_loop(0, pl.cdiv(last - first, parts_per_step), body, _empty(hb, width))
         o, lse = _finish(acc, m, s)
         row = dest_ref[n]
 
         @pl.when(row >= 0)
         def _():
-            o_ref[row, pl.ds(j * hb, hb), :] = o.astype(o_ref.dtype)
+            _store_heads(o_ref, row, j, hb, o.astype(o_ref.dtype))
             lse_ref[row, pl.ds(j * hb, hb)] = lse
 
     num_groups = indptr_ref.shape[0] - 1

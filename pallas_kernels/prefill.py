@@ -61,7 +61,7 @@ def _prefill_kernel(items_ref, cell_indptr_ref, kv_indices_ref, mask_ref, q_ref,
         kv_start, kv_end, mask_base = field(w, "kv_start"), field(w, "kv_end"), field(w, "mask_base")
         q_flat = query_rows(w)[1]  # [rows]
         if q_columns is None:
-            q = q_ref[q_flat]  # [rows, D]
+            q = _common.whole_rows(q_ref, q_flat)  # [rows, D] (D padded: _common.tile_width)
         else:  # [rows, width] each
             q = tuple(_common.load_rows(q_ref, q_flat, None, columns=c) for c in q_columns)
         offset = kv_len - qo_len
@@ -178,7 +178,8 @@ def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
 
     q [nnz, Hq, D]; k_rows [num_pages*page_size*Hkv, D], v_rows [.., Dv]: the cache's rows (q's dtype
     or fp8; Dv may differ from D: o is then [.., Dv]; a D that is not a power of two is read in
-    column blocks that are); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D]
+    column blocks that are where it is a multiple of 16, else padded, as Dv is:
+    _common.tile_width); kv_indices int32[*], or None for contiguous K/V ([tokens, Hkv, D]
     rows; page_base is then each request's first row); mask int8[*] (custom masks, or None); items
     int32[W, columns.width] (columns: planner.work_items.PREFILL); cell_indptr int32[cells + 1]; rows: the tile height (see
     tile_rows); config: a PrefillConfig; scales: (k_scale, v_scale) f32[Hkv] or None; variant /
@@ -193,7 +194,7 @@ def run_triton(q, k_rows, v_rows, kv_indices, items, cell_indptr, *, mask=None, 
     group = num_qo_heads // num_kv_heads
     num_stages = config.num_stages or (2 if kv_indices is None else 3)
     block_kv = _common.fit_block_kv(config.block_kv, d, k_rows.dtype.itemsize, num_stages, head_dim_vo=dv)
-    q_columns = _common.pow2_columns(d)
+    q_columns = _common.pow2_columns(d) if d % 16 == 0 else None  # else q and K padded (tile_width)
     kv_pairs, k_rows, v_rows = _common.maybe_fp8_pairs(k_rows, v_rows, variant,
                                                        config.fp8_pairs and d == dv and q_columns is None)
     leaves, treedef, scalar = _common.flatten_params(params)

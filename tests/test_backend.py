@@ -179,6 +179,41 @@ def test_gpu_kernels_lower_for_cuda_on_any_host():
         assert MOSAIC_CALL in lower_for_cuda(run, qp, cache, plan, V.default_params(var, hq))
 
 
+@pytest.mark.parametrize("d", [96, 80])
+def test_triton_kernels_lower_for_cuda_at_head_dims_they_pad(d):
+    """Triton tiles only powers of two: q, K, V and o of head dims like 96 (Phi-3) or 80 are read
+    and stored in padded tiles (pallas_kernels._common.tile_width), so every Triton kernel lowers:
+    decode (bf16 and fp8, the fused append), the paged and ragged prefill, BatchAttention, the
+    KV write and the merges. Interpret mode runs the same tiles (tests/test_head_dims.py)."""
+    from benchmarks.common import random_paged_cache
+    b, s, hq, hkv, page = 2, 40, 8, 2, 16
+    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
+                                                      jnp.bfloat16)
+    num_pages = cache.num_pages
+    q = jnp.ones((b, hq, d), jnp.bfloat16)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
+    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
+    c8 = ji.PagedKVCache(cache.k_pages.astype(jnp.float8_e4m3fn), cache.v_pages.astype(jnp.float8_e4m3fn))
+    kv_new = jnp.ones((b, hkv, d), jnp.bfloat16)
+    lowered = [lower_for_cuda(dec.run, q, cache, plan), lower_for_cuda(dec.run, q, c8, plan),
+               lower_for_cuda(lambda q, c, p, k: dec.run(q, c, p, append_kv=(k, k)), q, cache, plan, kv_new)]
+    qo_indptr = (np.arange(b + 1) * 7).astype(np.int32)
+    qp = jnp.ones((b * 7, hq, d), jnp.bfloat16)
+    for w in (ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, backend="gpu"), ji.BatchAttention(hq, hkv, d, page, backend="gpu")):
+        lowered.append(lower_for_cuda(w.run, qp, cache, w.plan(qo_indptr, indptr, indices, last, num_pages=num_pages)))
+    k = jnp.ones((b * s, hkv, d), jnp.bfloat16)
+    rag = ji.BatchPrefillWithRaggedKVCache(hq, hkv, d, backend="gpu")
+    lowered.append(lower_for_cuda(rag.run, qp, k, k, rag.plan(qo_indptr, (np.arange(b + 1) * s).astype(np.int32))))
+    from jaxinfer.page import write_slots  # append_paged_kv_cache's KV write, compiled
+    slots = jnp.arange(b, dtype=jnp.int32)
+    lowered.append(lower_for_cuda(lambda c, k: write_slots(c, slots, slots, k, k, interpret=False), cache, kv_new))
+    states = ji.AttentionState(jnp.ones((b, 3, hq, d), jnp.float32), jnp.zeros((b, 3, hq), jnp.float32))
+    lowered.append(lower_for_cuda(lambda st: ji.merge_states(st, backend="gpu"), states))
+    one = ji.AttentionState(states.o[:, 0], states.lse[:, 0])
+    lowered.append(lower_for_cuda(lambda x, y: ji.merge_state(x, y, backend="gpu"), one, one))
+    assert all(TRITON_CALL in text for text in lowered)
+
+
 @pytest.mark.slow  # the paged Mosaic kernel lowers by default with variants (the test above)
 def test_mosaic_paged_prefill_lowers_for_cuda():
     from benchmarks.common import random_paged_cache

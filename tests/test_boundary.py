@@ -700,6 +700,23 @@ def test_boundaries_at_other_head_dims_and_groups(rng, monkeypatch, head_dim, gr
     check_decode_ragged_and_cascade(cfg, rng, f" head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("head_dim, group, page, layout, causal", [
+    (96, 2, 16, "NHD", True), (80, 1, 8, "HND", False)])
+def test_boundaries_at_head_dims_triton_pads(rng, monkeypatch, head_dim, group, page, layout, causal):
+    """Head dims that are not powers of two (Phi-3's 96, 80): the Triton kernels read q, K and V
+    in tiles padded with zero columns (q and K of a multiple of 16 in column blocks) and store
+    only the real columns. The paged prefill wrappers, ragged_paged_attention, decode, ragged
+    prefill and the cascade, every length alone and mixed."""
+    monkeypatch.setitem(globals(), "GRID", dataclasses.replace(GRID, head_dim=head_dim))
+    cfg = Cfg(group, page, layout, causal)
+    for entry in PAGED_PREFILL:
+        fails, _, _ = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=False), rng, False)
+        fails.check(f"{entry} {cfg} head_dim {head_dim}")
+    fails, _, _, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
+    fails.check(f"ragged_paged_attention {cfg} head_dim {head_dim}")
+    check_decode_ragged_and_cascade(cfg, rng, f" head_dim {head_dim}")
+
+
 def check_decode_ragged_and_cascade(cfg, rng, label=""):
     """Decode, ragged prefill and the two-level cascade on cfg's row, each checked."""
     fails, _, _ = run_decode(cfg, decode_steps(cfg, slow=False), rng)

@@ -21,6 +21,12 @@ def test_every_combination_picks_a_supported_kernel(monkeypatch, family, kv_form
                                                     mask, variant):
     monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: True)  # a Hopper GPU
     problem = dispatch.Problem(family, 8, 2, head_dim, kv_format, page, layout, variant, mask, interpret=False)
+    if variant is not None and variant.has_query_transform and head_dim & (head_dim - 1):
+        # RoPE rotates whole rows; Triton pads a head_dim that is not a power of two
+        assert not dispatch.supported(problem)
+        with pytest.raises(ValueError, match="head_dim must be a power of two >= 16, got 96"):
+            dispatch.choose(problem, np.array([3, 300]), np.array([500, 700]), True)
+        return
     choice = dispatch.choose(problem, np.array([3, 300]), np.array([500, 700]), True)
     assert choice.name in dispatch.supported(problem)
     assert choice.unsupported(problem, False) is None
