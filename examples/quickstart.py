@@ -90,10 +90,9 @@ def main(argv=None):
     errors["BatchAttention"] = rel_err(attn.run(q_ragged, cache, plan), want.o)
     # ... or planned on the device with the new K/V written (RPA v3's arguments): the same three
     # requests append 5, 1 and 8 tokens, kv_lens counting them; a 4th sequence slot is padding.
-    pages_per_seq = 5
-    page_indices = np.zeros((batch + 1, pages_per_seq), np.int32)
     r_lens = (kv_lens + np.diff(qo_indptr)).astype(np.int32)  # after the append
     r_indptr, r_indices, r_last = table(r_lens, page, rng.permutation(num_pages))
+    page_indices = np.zeros((batch + 1, int(np.diff(r_indptr).max())), np.int32)  # [sequences, pages_per_seq]
     for b in range(batch):
         page_indices[b, :r_indptr[b + 1] - r_indptr[b]] = r_indices[r_indptr[b]:r_indptr[b + 1]]
     cu_q_lens = np.append(qo_indptr, qo_indptr[-1]).astype(np.int32)
@@ -125,7 +124,7 @@ def main(argv=None):
 
     # Shared prefixes: requests 0-2 begin with the same 2 pages; request 3 shares nothing.
     shared, rest = [0, 1], list(rng.permutation(np.arange(2, num_pages)))
-    lens4 = np.array([2 * page + 5, 3 * page, 2 * page + 1, page + 2])
+    lens4 = np.array([2 * page + min(5, page), 3 * page, 2 * page + 1, page + min(2, page)])
     lists = [shared + rest[0:1], shared + rest[1:2], shared + rest[2:3], rest[3:5]]
     c_indptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
     c_indices = np.concatenate(lists).astype(np.int32)
@@ -143,14 +142,15 @@ def main(argv=None):
 
     # Attention variants: static jnp functions traced into the kernel; their parameters are data.
     from jaxinfer import variants
-    var = variants.compose(variants.rope(), variants.soft_cap(), variants.sliding_window())
+    rope = [variants.rope()] if d >= 16 and d & (d - 1) == 0 else []  # RoPE rotates whole rows: a power of two
+    var = variants.compose(*rope, variants.soft_cap(), variants.sliding_window())
     pre = ji.BatchPrefillWithPagedKVCache(hq, hkv, d, page, variant=var)
     params = {"rope_theta": 5e5, "rope_scale": 1.0, "logits_soft_cap": 30.0, "window_left": page + 3}
     plan = pre.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=cache.num_pages)
     o = pre.run(q_ragged, cache, plan, variant_params=params)
     want = reference.paged_attention(q_ragged, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                      causal=True, variant=var, params=params)
-    errors["variants (rope, soft-cap, window)"] = rel_err(o, want.o)
+    errors[f"variants ({var.name})"] = rel_err(o, want.o)
 
     # fp8 KV cache with per-head [Hkv] scales.
     cache8 = ji.PagedKVCache(k_pages.astype(jnp.float8_e4m3fn), v_pages.astype(jnp.float8_e4m3fn))
@@ -170,8 +170,10 @@ def main(argv=None):
     # Append one new K/V row per request (jitted, the cache donated: written in place).
     append_indptr, nnz = np.arange(batch + 1, dtype=np.int32), batch
     seq_lens = (kv_lens + 1).astype(np.int32)  # lengths after the append
-    spare = np.setdiff1d(np.arange(num_pages), kv_indices)[0]  # request 2's full page needs a new one
-    a_indptr, a_indices, _ = table(seq_lens, page, np.concatenate([kv_indices, [spare]]))
+    spare = iter(np.setdiff1d(np.arange(num_pages), kv_indices))  # a request whose last page is full
+    pages = [list(kv_indices[kv_indptr[b]:kv_indptr[b + 1]]) + ([next(spare)] if kv_lens[b] % page == 0 else [])
+             for b in range(batch)]  # gets a new page (request 2; at page 1 every request)
+    a_indptr, a_indices, _ = table(seq_lens, page, np.concatenate(pages))
     batch_idx, pos = ji.get_batch_indices_positions(append_indptr, seq_lens, nnz)
     k_new, v_new = randn(nnz, hkv, d), randn(nnz, hkv, d)
     appended = jax.jit(ji.append_paged_kv_cache, donate_argnums=0)(
@@ -213,8 +215,7 @@ def main(argv=None):
     errors["MLA"] = rel_err(o, want.o)
     # The same step for engines, planned on the device from RPA v3's metadata: the step's latent
     # rows are written first (request r's at positions kv_lens[r] - q_len + j), then attended.
-    pages_per_seq = 3
-    page_indices = np.zeros((3, pages_per_seq), np.int32)  # [S, pages_per_seq], flattened below
+    page_indices = np.zeros((3, int(np.diff(mla_indptr).max())), np.int32)  # [S, pages_per_seq], flattened below
     for r in range(3):
         own = mla_indices[mla_indptr[r]:mla_indptr[r + 1]]
         page_indices[r, :own.shape[0]] = own
