@@ -351,7 +351,8 @@ def flatten_params(params):
     """A variant's parameter pytree -> (leaves as kernel inputs, treedef, which leaves are scalars).
     0-d leaves travel as [1] arrays and reach the kernel body as scalars; others as refs."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    leaves = [jnp.asarray(x) for x in leaves]
+    # of their own dtype: a Python number's weak type fails Triton's lowering of jnp.where (soft cap)
+    leaves = [jnp.asarray(x, jnp.asarray(x).dtype) for x in leaves]
     scalar = tuple(x.ndim == 0 for x in leaves)
     return [x.reshape(1) if s else x for x, s in zip(leaves, scalar)], treedef, scalar
 

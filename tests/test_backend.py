@@ -214,6 +214,20 @@ def test_triton_kernels_lower_for_cuda_at_head_dims_they_pad(d):
     assert all(TRITON_CALL in text for text in lowered)
 
 
+def test_variant_params_as_python_numbers_lower_for_cuda():
+    """variant_params={"logits_soft_cap": 30.0}: a Python float is weakly typed, which Triton's
+    lowering of the soft cap's jnp.where rejected (an internal AssertionError); the kernels take
+    each parameter in its own dtype."""
+    from benchmarks.common import random_paged_cache
+    b, hq, hkv, d, page = 2, 8, 2, 64, 16
+    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, 40), page, hkv, d,
+                                                      jnp.bfloat16)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu", variant=ji.variants.soft_cap())
+    plan = dec.plan(indptr, indices, last, num_pages=cache.num_pages)
+    run = lambda q, c, p: dec.run(q, c, p, variant_params={"logits_soft_cap": 30.0})  # noqa: E731
+    assert TRITON_CALL in lower_for_cuda(run, jnp.ones((b, hq, d), jnp.bfloat16), cache, plan)
+
+
 @pytest.mark.slow  # the paged Mosaic kernel lowers by default with variants (the test above)
 def test_mosaic_paged_prefill_lowers_for_cuda():
     from benchmarks.common import random_paged_cache
