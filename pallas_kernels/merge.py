@@ -44,8 +44,8 @@ def _load_heads(ref, n, j, hb, heads):
     if _common.tile_width(d) == d:
         return ref[n, heads, :]
     cols, real = _common.padded_columns(d)
-    heads = j * hb + jnp.arange(hb)
-    return plgpu.load(ref.at[n, heads[:, None], cols[None, :]],
+    rows = j * hb + jnp.arange(hb)
+    return plgpu.load(ref.at[n, rows[:, None], cols[None, :]],
                       mask=jnp.broadcast_to(real[None, :], (hb, cols.shape[0])), other=0)
 
 
@@ -57,8 +57,8 @@ def _store_heads(ref, n, j, hb, val, heads=None):
         ref[n, pl.ds(j * hb, hb) if heads is None else heads, :] = val
         return
     cols, real = _common.padded_columns(d, store=True)
-    heads = j * hb + jnp.arange(hb)
-    plgpu.store(ref.at[n, heads[:, None], cols[None, :]], val,
+    rows = j * hb + jnp.arange(hb)
+    plgpu.store(ref.at[n, rows[:, None], cols[None, :]], val,
                 mask=jnp.broadcast_to(real[None, :], (hb, cols.shape[0])))
 
 
