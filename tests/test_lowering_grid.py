@@ -92,7 +92,8 @@ def test_entry_points_lower_for_cuda(monkeypatch, config, hopper):
 @pytest.mark.slow
 @pytest.mark.parametrize("hopper", [False, True])
 def test_entry_points_lower_for_cuda_full_grid(monkeypatch, hopper):
-    """The whole product (1,620 configurations, about 6,000 lowerings a side)."""
+    """The whole product: 1,620 configurations, about 6,000 lowerings a side (both sides took
+    25 min on 2 cores)."""
     if hopper:
         monkeypatch.setattr(_backend, "mosaic_available", lambda interpret: not interpret)
     failures = []
