@@ -245,7 +245,7 @@ def main(argv=None):
     if not args.quiet:
         print(f"jaxinfer API tour on {jax.default_backend()} (Hq={hq}, Hkv={hkv}, D={d}, page={page}):")
         for name, err in errors.items():
-            print(f"  {name:36s} relative error {err:.1e}")
+            print(f"  {name:40s} relative error {err:.1e}")
     bad = {name: err for name, err in errors.items() if not err < tol}
     if bad:
         raise SystemExit(f"relative errors above {tol}: {bad}")
