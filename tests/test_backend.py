@@ -145,17 +145,23 @@ TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call of a Pallas-Triton kerne
 MOSAIC_CALL = "mosaic_gpu"  # ... and of a Mosaic GPU one
 
 
+def compiled_decode_case(d, variant=None, b=2, s=40, hq=8, hkv=2, page=16):
+    """A bf16 paged cache of b requests of s tokens, q of ones [b, hq, d], and a compiled-backend
+    decode wrapper with its plan: (cache, (indptr, indices, last), q, dec, plan)."""
+    from benchmarks.common import random_paged_cache
+    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
+                                                      jnp.bfloat16)
+    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu", variant=variant)
+    plan = dec.plan(indptr, indices, last, num_pages=cache.num_pages)
+    return cache, (indptr, indices, last), jnp.ones((b, hq, d), jnp.bfloat16), dec, plan
+
+
 def test_gpu_kernels_lower_for_cuda_on_any_host():
     """The compiled (non-interpret) decode and prefill kernels lower to Triton IR for CUDA; this
     runs the Pallas-Triton lowering rules (inline PTX, the uniform scalar rule) without a GPU."""
-    from benchmarks.common import random_paged_cache
     b, s, hq, hkv, d, page = 2, 40, 8, 2, 64, 16
-    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
-                                                      jnp.bfloat16)
+    cache, (indptr, indices, last), q, dec, plan = compiled_decode_case(d)
     num_pages = cache.num_pages
-    q = jnp.ones((b, hq, d), jnp.bfloat16)
-    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
-    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
     assert TRITON_CALL in lower_for_cuda(dec.run, q, cache, plan)
     for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # V read as byte pairs, widened by inline PTX
         c8 = ji.PagedKVCache(cache.k_pages.astype(fp8), cache.v_pages.astype(fp8))
@@ -185,14 +191,9 @@ def test_triton_kernels_lower_for_cuda_at_head_dims_they_pad(d):
     and stored in padded tiles (pallas_kernels._common.tile_width), so every Triton kernel lowers:
     decode (bf16 and fp8, the fused append), the paged and ragged prefill, BatchAttention, the
     KV write and the merges. Interpret mode runs the same tiles (tests/test_head_dims.py)."""
-    from benchmarks.common import random_paged_cache
     b, s, hq, hkv, page = 2, 40, 8, 2, 16
-    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, s), page, hkv, d,
-                                                      jnp.bfloat16)
+    cache, (indptr, indices, last), q, dec, plan = compiled_decode_case(d)
     num_pages = cache.num_pages
-    q = jnp.ones((b, hq, d), jnp.bfloat16)
-    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu")
-    plan = dec.plan(indptr, indices, last, num_pages=num_pages)
     c8 = ji.PagedKVCache(cache.k_pages.astype(jnp.float8_e4m3fn), cache.v_pages.astype(jnp.float8_e4m3fn))
     kv_new = jnp.ones((b, hkv, d), jnp.bfloat16)
     lowered = [lower_for_cuda(dec.run, q, cache, plan), lower_for_cuda(dec.run, q, c8, plan),
@@ -218,14 +219,9 @@ def test_variant_params_as_python_numbers_lower_for_cuda():
     """variant_params={"logits_soft_cap": 30.0}: a Python float is weakly typed, which Triton's
     lowering of the soft cap's jnp.where rejected (an internal AssertionError); the kernels take
     each parameter in its own dtype."""
-    from benchmarks.common import random_paged_cache
-    b, hq, hkv, d, page = 2, 8, 2, 64, 16
-    cache, indptr, indices, last = random_paged_cache(np.random.default_rng(0), np.full(b, 40), page, hkv, d,
-                                                      jnp.bfloat16)
-    dec = ji.BatchDecodeWithPagedKVCache(hq, hkv, d, page, backend="gpu", variant=ji.variants.soft_cap())
-    plan = dec.plan(indptr, indices, last, num_pages=cache.num_pages)
+    cache, _, q, dec, plan = compiled_decode_case(64, ji.variants.soft_cap())
     run = lambda q, c, p: dec.run(q, c, p, variant_params={"logits_soft_cap": 30.0})  # noqa: E731
-    assert TRITON_CALL in lower_for_cuda(run, jnp.ones((b, hq, d), jnp.bfloat16), cache, plan)
+    assert TRITON_CALL in lower_for_cuda(run, q, cache, plan)
 
 
 @pytest.mark.slow  # the paged Mosaic kernel lowers by default with variants (the test above)
