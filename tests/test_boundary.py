@@ -1137,3 +1137,23 @@ def test_gpu_decode_ragged_and_cascade_boundaries(rng, monkeypatch, cfg):
     """Decode, ragged prefill and (not yet run on a GPU) the two-level cascade."""
     _on_gpu(monkeypatch)
     check_decode_ragged_and_cascade(cfg, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, group, page, layout, causal", [
+    (96, 2, 16, "NHD", True), (80, 1, 8, "HND", False), (96, 4, 1, "HND", True), (72, 8, 16, "NHD", False),
+    (192, 1, 16, "NHD", True)])
+def test_gpu_boundaries_at_head_dims_triton_pads(rng, monkeypatch, head_dim, group, page, layout, causal):
+    """test_boundaries_at_head_dims_triton_pads compiled: 96 (Phi-3), 80 and 72 in the Triton
+    kernels' padded tiles; 192 padded to 256 in Triton's, whole in the Mosaic kernels' (which take
+    multiples of 64 only). The paged wrappers told their dtypes and not."""
+    for told in (False, True):
+        _on_gpu(monkeypatch, told)
+        monkeypatch.setitem(globals(), "GRID", dataclasses.replace(GRID, head_dim=head_dim))
+        cfg = Cfg(group, page, layout, causal)
+        for entry in PAGED_PREFILL:
+            fails, _, _ = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=False), rng, False)
+            fails.check(f"{entry} {cfg} head_dim {head_dim} told={told}")
+    fails, _, _, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
+    fails.check(f"ragged_paged_attention {cfg} head_dim {head_dim}")
+    check_decode_ragged_and_cascade(cfg, rng, f" head_dim {head_dim}")
