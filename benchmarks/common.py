@@ -74,7 +74,7 @@ def random_paged_cache(rng, kv_lens, page_size, num_kv_heads, head_dim, dtype, l
 def rpa_inputs(cache, q_lens, kv_lens, indptr, indices, page_size):
     """ragged_paged_attention's inputs for a step over a paged cache (CSR page table indptr /
     indices, decode sequences first): (keys, values [T, Hkv, D], the cache's own rows at the new
-    tokens' positions, so a call leaves the cache unchanged; meta: (kv_lens, page_indices,
+    tokens' positions, so a call leaves every key's row unchanged; meta: (kv_lens, page_indices,
     cu_q_lens, distribution) on the device)."""
     s = len(q_lens)
     npages = np.diff(indptr)
@@ -91,6 +91,16 @@ def rpa_inputs(cache, q_lens, kv_lens, indptr, indices, page_size):
     meta = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices.reshape(-1)), jnp.asarray(cu),
             jnp.asarray([n_decode, n_decode, s], jnp.int32))
     return keys, values, meta
+
+
+def rpa_written_cache(cache, q_lens, kv_lens, indptr, indices, page_size):
+    """The cache a ragged_paged_attention call on rpa_inputs' step leaves (an NHD cache): the
+    same rows, and V zeroed past kv_len in the last page of each sequence with query rows."""
+    v = cache.v_pages
+    for b, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        if q > 0 and kv % page_size:
+            v = v.at[indices[indptr[b + 1] - 1], kv % page_size:].set(0)
+    return ji.PagedKVCache(cache.k_pages, v)
 
 
 def rel_err(out, ref):

@@ -91,18 +91,24 @@ def append_paged_kv_cache(kv_cache, append_k, append_v, batch_indices, positions
     return write_slots(kv_cache, page, positions % p, append_k, append_v)
 
 
-def write_slots(kv_cache, page, slot, k_new, v_new, *, interpret=None):
+def write_slots(kv_cache, page, slot, k_new, v_new, *, interpret=None, stale_pages=None, stale_from=None):
     """The cache with rows k_new / v_new [n, Hkv, D] written at (page[i], slot[i]); rows whose page
     is out of range (e.g. num_pages, for padding) are dropped. One kernel writes K and V
-    (pallas_kernels/kv_write.py), into either layout's arrays in place (NHD_FUSED: its one array);
-    interpret: its interpreter (default: where no GPU runs it)."""
+    (pallas_kernels/kv_write.py), into either layout's arrays in place (NHD_FUSED: its one array),
+    and with stale_pages, stale_from int32[S] zeroes V in page stale_pages[i]'s slots from
+    stale_from[i] on (0: none) in the same launch; interpret: its interpreter (default: where no
+    GPU runs it)."""
     n, hkv, d = k_new.shape
     heads = jnp.arange(hkv, dtype=jnp.int32)
     dest = _common.page_row(slot[:, None], page[:, None], kv_cache.page_size, hkv, heads[None, :], kv_cache.layout)
     dest = jnp.where((page >= 0)[:, None] & (page < kv_cache.num_pages)[:, None], dest, -1)  # [n, Hkv]
     interpret = _backend.use_interpret(None) if interpret is None else interpret
     dest, k_new, v_new = dest.reshape(n * hkv), k_new.reshape(n * hkv, d), v_new.reshape(n * hkv, d)
+    tails = None if stale_pages is None else kv_write.StaleTails(
+        page=stale_pages, start=stale_from, page_size=kv_cache.page_size, num_kv_heads=hkv)
     if kv_cache.layout == FUSED:
         (kv_rows,) = kv_cache.stored_rows()
-        return kv_cache.with_rows((kv_write.write_fused_rows(kv_rows, dest, k_new, v_new, interpret=interpret),))
-    return kv_cache.with_rows(kv_write.write_rows(*kv_cache.stored_rows(), dest, k_new, v_new, interpret=interpret))
+        return kv_cache.with_rows((kv_write.write_fused_rows(kv_rows, dest, k_new, v_new, interpret=interpret,
+                                                             tails=tails),))
+    return kv_cache.with_rows(kv_write.write_rows(*kv_cache.stored_rows(), dest, k_new, v_new, interpret=interpret,
+                                                  tails=tails, layout=kv_cache.layout))

@@ -109,7 +109,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     new tokens); page_indices i32[S * pages_per_seq]; cu_q_lens i32[S + 1]; distribution i32[3] =
     (decode_end, prefill_end, mixed_end). Sequence i < distribution[2] is valid (those before
     distribution[0] have q_len 1): its new rows keys/values[cu_q_lens[i] + j] land at token
-    position kv_len - q_len + j (cast to the cache dtype, not rescaled), then its q rows attend
+    position kv_len - q_len + j (cast to the cache dtype, not rescaled), V's slots past kv_len
+    in the page of its last row are set to 0 (no key lives there yet), then its q rows attend
     over its kv_len keys, causal bottom-right if causal. Rows from cu_q_lens[distribution[2]] on
     are padding: they write nothing and give o = 0. keys = values = None: nothing is written (the
     cache holds the step's rows already: KV sharing, or context parallel, where each row is
@@ -222,15 +223,24 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     if sink is not None:  # (the kernels leave it to variants.finish below)
         params["sinks"] = sink
 
-    # The KV write: padding rows go to page num_pages, dropped.
+    # The KV write: padding rows go to page num_pages, dropped. It also zeroes V in the slots
+    # past kv_len of each last page it writes into (only the sequence's own rows live there),
+    # so the mixed launch, which loads whole key blocks, reads no stale value there (0 * NaN is
+    # NaN in P V); with nothing written, that launch reads those pages' V from a sanitized copy.
     row_seq, row_live = ragged_plan.row_seqs(cu_q_lens, distribution, t)
     page, slot, q_pos = ragged_plan.token_slots(kv_lens, cu_q_lens, page_indices, row_seq, row_live,
                                      pages_per_seq=pages_per_seq, page_size=page_size,
                                      num_pages=kv_cache.num_pages)
-    new_cache = kv_cache if keys is None else write_slots(kv_cache, page, slot, keys, values, interpret=interpret)
+    kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
+    if keys is None:
+        new_cache = kv_cache
+    else:
+        stale_pages, stale_from = ragged_plan.written_tails(kv_lens, kv_indices, cu_q_lens, distribution,
+                                                            pages_per_seq=pages_per_seq, page_size=page_size)
+        new_cache = write_slots(kv_cache, page, slot, keys, values, interpret=interpret, stale_pages=stale_pages,
+                                stale_from=stale_from)
 
     # Every class's work list first (device plans: no launch depends on another's plan) ...
-    kv_indices = jnp.clip(page_indices, 0, kv_cache.num_pages - 1)
     classes = ragged_plan.classes(t, s, num_cells, hq // hkv, mosaic_cells, mixed is not None)
     mixed_plan = mosaic_plan = taken = final_rows = None
     if mixed is not None:  # the base: the long sequences and the packed short ones in one launch
@@ -264,8 +274,8 @@ def _run(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
             block_kv=long_config.block_kv, max_concurrent_steps=long_config.max_concurrent_steps,
             pipeline=long_config.pipeline, tree_max=long_config.tree_max, compute_wgs=long_config.compute_wgs,
             interpret=interpret, packed_tokens=mixed.packed_tokens, num_lse_slots=items.shape[0], columns=MIXED,
-            last_pages=ragged_plan.last_pages(kv_lens, kv_indices, distribution, pages_per_seq=pages_per_seq,
-                                              page_size=page_size))
+            last_pages=None if keys is not None else ragged_plan.last_pages(
+                kv_lens, kv_indices, distribution, pages_per_seq=pages_per_seq, page_size=page_size))
         lse = jnp.zeros((t, hq), jnp.float32)  # (without return_lse: written by the classes below, never read)
         if return_lse:  # [T, Hq] from the slots (plan_mixed's lse_src: head 0's; rows it runs)
             heads = jnp.arange(hq, dtype=jnp.int32)

@@ -364,6 +364,15 @@ def last_pages(kv_lens, kv_indices, distribution, *, pages_per_seq, page_size):
     return LastPages(page=kv_indices[pos], length=length)
 
 
+def written_tails(kv_lens, kv_indices, cu_q_lens, distribution, *, pages_per_seq, page_size):
+    """The partly filled last page of each valid sequence the step writes rows into (its own
+    page), and its first slot past kv_len (0 where there is none): the V slots the KV write
+    zeroes (jaxinfer.page.write_slots' stale_pages, stale_from), int32[S] each."""
+    last = last_pages(kv_lens, kv_indices, distribution, pages_per_seq=pages_per_seq, page_size=page_size)
+    writes = cu_q_lens[1:] > cu_q_lens[:-1]
+    return last.page, jnp.where(writes, last.length, 0)
+
+
 def row_seqs(cu_q_lens, distribution, num_tokens):
     """Each of the num_tokens rows' sequence (clipped to a valid index) and whether it is a valid
     sequence's row (not padding). Returns (seq int32[T], live bool[T])."""

@@ -1137,8 +1137,14 @@ def context_parallel_ragged(mesh, *, cp_axis="cp", tp_axis=None, causal=True, sm
             kv_lens, cu_q_lens, page_indices, row_seq, row_live, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0],
             page_size=kv_cache.page_size, num_pages=n * pages)
         local = page - shard * pages
+        stale_pages, stale_from = ragged_plan.written_tails(
+            kv_lens, page_indices, cu_q_lens, distribution, pages_per_seq=page_indices.shape[0] // kv_lens.shape[0],
+            page_size=kv_cache.page_size)  # (as ragged_paged_attention's write: on the device holding the page)
+        stale_local = stale_pages - shard * pages
         kv_cache = write_slots(kv_cache, jnp.where((local >= 0) & (local < pages), local, pages), slot, keys, values,
-                               interpret=_backend.use_interpret(backend))
+                               interpret=_backend.use_interpret(backend),
+                               stale_pages=jnp.where((stale_local >= 0) & (stale_local < pages), stale_local, pages),
+                               stale_from=stale_from)
         # One sub-step over the device's share: its rows gathered, attended, placed back. The cache
         # returned is the call's, tied to its output: every kernel reading it runs before the next
         # step's in-place write (as in ragged_paged_attention; without the tie XLA may copy it).

@@ -72,6 +72,22 @@ def fused(cache):
     return ji.PagedKVCache.fused(jnp.stack([cache.k_pages, cache.v_pages], axis=3))
 
 
+def _tail(layout, page, start):
+    """The index of a page's slots from start on, in a [P, S, ...] (NHD) or [P, Hkv, S, D] (HND) array."""
+    return (page, slice(None), slice(start, None)) if layout == "HND" else (page, slice(start, None))
+
+
+def zero_written_tails(v, layout, qo_indptr, kv_indptr, kv_indices, kv_last_page_len):
+    """ragged_paged_attention's write past the new rows, in NumPy: V (an NHD or HND array, changed
+    in place and returned) set to 0 past kv_last_page_len in the last page of each request that
+    has query rows (a partly filled page the step writes into)."""
+    page_size = v.shape[2 if layout == "HND" else 1]
+    for b in range(len(kv_indptr) - 1):
+        if qo_indptr[b + 1] > qo_indptr[b] and kv_indptr[b + 1] > kv_indptr[b] and kv_last_page_len[b] < page_size:
+            v[_tail(layout, kv_indices[kv_indptr[b + 1] - 1], kv_last_page_len[b])] = 0
+    return v
+
+
 def poison_pages(cache, kv_indptr, kv_indices, kv_last_page_len):
     """The cache (any layout) with NaN in every page the table does not list and in every slot past
     kv_last_page_len in a request's last page (memory no kernel may read)."""
@@ -81,9 +97,7 @@ def poison_pages(cache, kv_indptr, kv_indices, kv_last_page_len):
     k[unlisted], v[unlisted] = np.nan, np.nan
     for b in range(len(kv_indptr) - 1):
         if kv_indptr[b + 1] > kv_indptr[b]:
-            last = kv_indices[kv_indptr[b + 1] - 1]
-            tail = (last, slice(None), slice(kv_last_page_len[b], None)) if cache.layout == "HND" else \
-                (last, slice(kv_last_page_len[b], None))
+            tail = _tail(cache.layout, kv_indices[kv_indptr[b + 1] - 1], kv_last_page_len[b])
             k[tail], v[tail] = np.nan, np.nan
     if cache.layout == "NHD_FUSED":
         return ji.PagedKVCache.fused(jnp.asarray(np.stack([k, v], axis=3)))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from helpers import randn, random_cache
+from helpers import fused, randn, random_cache
 
 
 def test_batch_indices_positions():
@@ -80,3 +80,36 @@ def test_append_rejects_bad_input(rng, bad, match):
     with pytest.raises(ValueError, match=match):
         ji.append_paged_kv_cache(cache, jnp.asarray(args["k"]), jnp.asarray(args["k"]), args["bi"], args["pos"],
                                  args["kv_indices"], np.array([0, 2], np.int32))
+
+
+@pytest.mark.parametrize("layout, page, hkv, d, gpu_programs", [
+    ("NHD", 16, 2, 32, True), ("HND", 8, 6, 80, False), ("NHD_FUSED", 1, 3, 96, True), ("HND", 64, 4, 16, True)])
+def test_write_zeroes_stale_v_tails(rng, layout, page, hkv, d, gpu_programs, monkeypatch):
+    """write_slots' stale_pages / stale_from (ragged_paged_attention's write): V of each listed
+    page zeroed from its slot on (0: nothing; page_size - 1: the last slot), in the same launch
+    as the new rows; K, the other slots and other pages bit for bit as before. gpu_programs: one
+    tail program per page as on the GPU (pages of 64 x 4 heads: two 128-row chunks), else the
+    interpreter's one for all."""
+    from jaxinfer.page import write_slots
+    from pallas_kernels import kv_write
+    if gpu_programs:
+        monkeypatch.setattr(kv_write, "INTERPRET_ROWS", kv_write.ROWS)
+    num_pages, n = 10, 5
+    base = random_cache(rng, num_pages, page, hkv, d, jnp.float32, "HND" if layout == "HND" else "NHD")
+    cache = fused(base) if layout == "NHD_FUSED" else base
+    page_ids = rng.permutation(num_pages)[:n].astype(np.int32)
+    slots = rng.integers(0, page, n).astype(np.int32)
+    k_new, v_new = randn(rng, (n, hkv, d), jnp.float32), randn(rng, (n, hkv, d), jnp.float32)
+    stale_pages = np.array([page_ids[0], page_ids[1], page_ids[2], 7], np.int32)
+    stale_from = np.array([page // 2, 0, page - 1, 1], np.int32) if page > 1 else np.array([0, 0, 0, 0], np.int32)
+    out = write_slots(cache, jnp.asarray(page_ids), jnp.asarray(slots), k_new, v_new,
+                      stale_pages=jnp.asarray(stale_pages), stale_from=jnp.asarray(stale_from))
+    want_k, want_v = np.array(base.k_pages), np.array(base.v_pages)
+    at = (lambda pg, sl: (pg, slice(None), sl)) if layout == "HND" else (lambda pg, sl: (pg, sl))
+    for i in range(n):
+        want_k[at(page_ids[i], slots[i])], want_v[at(page_ids[i], slots[i])] = k_new[i], v_new[i]
+    for pg, start in zip(stale_pages, stale_from):
+        if start > 0:
+            want_v[at(pg, slice(start, None))] = 0
+    np.testing.assert_array_equal(np.asarray(out.k_pages), want_k)
+    np.testing.assert_array_equal(np.asarray(out.v_pages), want_v)

@@ -52,7 +52,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from helpers import TOL, assert_lse_close, rel_err
+from helpers import TOL, assert_lse_close, rel_err, zero_written_tails
 from jaxinfer import _backend, dispatch, ragged_plan
 from jaxinfer import reference as ref
 from planner import batch as batch_planner
@@ -578,6 +578,8 @@ def run_rpa(cfg, steps, rng):
                 pg, slot = page_indices[i, pos // page], pos % page
                 idx = (pg, slice(None), slot) if cfg.layout == "HND" else (pg, slot)
                 want_k[idx], want_v[idx] = k_new[cu[i] + j], v_new[cu[i] + j]
+        last_page = [page_indices[i, npg[i] - 1] if npg[i] else 0 for i in range(n)]
+        zero_written_tails(want_v, cfg.layout, cu[: n + 1], np.arange(n + 1), last_page, kv - (npg - 1) * page)
         for c in classes:
             if np.any((q_len >= c.min_q) & (q_len <= c.max_q)):
                 taken.add((c.min_q, c.max_q, "prefill" if c.prefill else f"decode x{c.tokens_per_item}"))

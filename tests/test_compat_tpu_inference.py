@@ -708,6 +708,17 @@ def test_unpadded_cache_runs_in_place(monkeypatch, hd64):
     _, want_out, want_cache = call()
     assert caches[-1].layout == "NHD"  # the copy path
     np.testing.assert_array_equal(out, want_out)
+    # In place, V past kv_len in each written sequence's last page is 0 (the copy path leaves it)
+    kv_lens, page_indices, cu, dist = (np.asarray(a) for a in args[4:8])
+    pps, page = page_indices.shape[0] // kv_lens.shape[0], want_cache.shape[1]
+    want_cache = np.array(want_cache)
+    rows = want_cache.reshape(want_cache.shape[:2] + (-1, want_cache.shape[-1]))  # [P, S, rows, 128] (a view)
+    # V: hd64, columns 64.. of each head's row (K and V side by side); RPA v3's, rows V0, V1 of K0, V0, K1, V1
+    v_part = (slice(None), slice(64, None)) if hd64 else (slice(1, None, 2),)
+    for i in range(dist[2]):
+        if cu[i + 1] > cu[i] and kv_lens[i] % page:
+            pg = page_indices[i * pps + (kv_lens[i] - 1) // page]
+            rows[(pg, slice(kv_lens[i] % page, None)) + v_part] = 0
     np.testing.assert_array_equal(cache, want_cache)  # (NaN == NaN)
 
 

@@ -29,6 +29,7 @@ import pytest
 import jaxinfer as ji
 from jaxinfer import reference as ref
 from planner import batch as batch_planner
+from helpers import zero_written_tails
 from test_boundary import edge_classes
 
 HQ, HKV, D, P, NP = 4, 2, 16, 4, 16     # heads, head_dim, page size, cache pages
@@ -1054,6 +1055,9 @@ class Fuzzer:
                 pos = kv[i] - q_len[i] + j
                 page = page_indices[i, pos // P]
                 want_k[page, pos % P], want_v[page, pos % P] = k[cu[i] + j], v[cu[i] + j]
+        if option != "no_write":  # V past kv_len in each written sequence's last page: 0
+            last = [page_indices[i, used[i] - 1] if used[i] else 0 for i in range(n_valid)]
+            zero_written_tails(want_v, "NHD", cu[:n_valid + 1], np.arange(n_valid + 1), last, kv - (used - 1) * P)
         np.testing.assert_array_equal(np.asarray(new_cache.k_pages), want_k)  # (NaN == NaN here)
         np.testing.assert_array_equal(np.asarray(new_cache.v_pages), want_v)
         rows = int(cu[n_valid])

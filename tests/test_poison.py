@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from helpers import TOL, page_table, randn, random_cache
+from helpers import TOL, page_table, randn, random_cache, zero_written_tails
 from jaxinfer import _backend, dispatch, ragged_plan
 from pallas_kernels import prefill as prefill_kernels
 from jaxinfer import reference as ref
@@ -310,8 +310,8 @@ def test_batch_attention(rng, row, poison, monkeypatch):
 def _rpa_step(rng, q_lens, cached, dist, *, page, heads, dtype, tok_cap, values):
     """A ragged_paged_attention step over a poisoned cache. Sequence i < dist[2] has q_len
     q_lens[i] and kv_len cached[i] + q_lens[i]; one sequence slot more is padding. Returns (args,
-    the cache the step must leave: the poisoned one with the new rows, the clean cache with the new
-    rows, the CSR table of the valid sequences)."""
+    the cache the step must leave: the poisoned one with the new rows and V zeroed past each
+    written sequence's kv_len, the clean cache so, the CSR table of the valid sequences)."""
     hq, hkv, d = heads
     q_lens, kv = np.asarray(q_lens), np.asarray(cached) + np.asarray(q_lens)
     n, seqs = len(q_lens), len(q_lens) + 1
@@ -341,6 +341,7 @@ def _rpa_step(rng, q_lens, cached, dist, *, page, heads, dtype, tok_cap, values)
                 p = kv[i] - q_lens[i] + j
                 pg = page_indices[i * pages_per_seq + p // page]
                 ck[pg, p % page], cv[pg, p % page] = k[cu[i] + j], v[cu[i] + j]
+        zero_written_tails(cv, "NHD", _indptr(q_lens), first, perm, last)
         caches.append(ji.PagedKVCache(jnp.asarray(ck), jnp.asarray(cv)))
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), bad, jnp.asarray(kv_lens), jnp.asarray(page_indices),
             jnp.asarray(cu), jnp.asarray(dist, jnp.int32))

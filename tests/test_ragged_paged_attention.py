@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from helpers import TOL, fused, np64_attention, poison_pages, randn, rel_err
+from helpers import TOL, fused, np64_attention, poison_pages, randn, rel_err, zero_written_tails
 from jaxinfer import ragged, ragged_plan
 from planner import batch as batch_planner
 from planner.work_items import MIXED
@@ -56,9 +56,10 @@ def _step(rng, q_lens, cached, *, page, dist, seq_cap, tok_cap, pages_per_seq, n
             idx = (pg, slot) if nhd else (pg, slice(None), slot)
             want_k[idx], want_v[idx] = k[cu[i] + j], v[cu[i] + j]
     base_layout = "NHD" if nhd else "HND"
-    want = ji.PagedKVCache(jnp.asarray(want_k), jnp.asarray(want_v), base_layout)
     kv_indptr = first.astype(np.int32)
     table = (cu[: n + 1], kv_indptr, perm[: first[-1]], (kv - (npages - 1) * page).astype(np.int32))
+    want = ji.PagedKVCache(jnp.asarray(want_k), jnp.asarray(zero_written_tails(want_v, base_layout, *table)),
+                           base_layout)
     cache = ji.PagedKVCache(jnp.asarray(k_pages), jnp.asarray(v_pages), base_layout)
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), fused(cache) if layout == "NHD_FUSED" else cache,
             jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(dist, jnp.int32))
@@ -129,11 +130,13 @@ def test_mixed_step_matches_reference(rng, page, causal):
 
 
 def _poisoned_tails(args, want_cache, table):
-    """The step with NaN also in each sequence's last-page slots past its kv_len (in the input and
-    the expected cache)."""
+    """The step with NaN also in each sequence's last-page slots past its kv_len (in the input, and
+    in the expected cache's K and, of sequences with no query rows, V)."""
     kv_indptr, indices, last = table[1:]
-    return args[:3] + (poison_pages(args[3], kv_indptr, indices, last),) + args[4:], \
-        poison_pages(want_cache, kv_indptr, indices, last), table
+    want = poison_pages(want_cache, kv_indptr, indices, last)
+    want = ji.PagedKVCache(want.k_pages, jnp.asarray(zero_written_tails(np.array(want.v_pages), want.layout, *table)),
+                           want.layout)
+    return args[:3] + (poison_pages(args[3], kv_indptr, indices, last),) + args[4:], want, table
 
 
 @pytest.mark.slow  # the default suite runs the fused cache through the RPA v3 entry point in place (test_compat_tpu_inference)
