@@ -710,13 +710,19 @@ def test_boundaries_at_head_dims_triton_pads(rng, monkeypatch, head_dim, group, 
     only the real columns. The paged prefill wrappers, ragged_paged_attention, decode, ragged
     prefill and the cascade, every length alone and mixed."""
     monkeypatch.setitem(globals(), "GRID", dataclasses.replace(GRID, head_dim=head_dim))
-    cfg = Cfg(group, page, layout, causal)
+    check_every_entry(Cfg(group, page, layout, causal), rng, f" head_dim {head_dim}")
+
+
+def check_every_entry(cfg, rng, label, paged_only=False):
+    """The paged prefill wrappers on cfg's row (the default steps), then (unless paged_only)
+    ragged_paged_attention, decode, ragged prefill and the cascade, each checked."""
     for entry in PAGED_PREFILL:
         fails, _, _ = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=False), rng, False)
-        fails.check(f"{entry} {cfg} head_dim {head_dim}")
-    fails, _, _, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
-    fails.check(f"ragged_paged_attention {cfg} head_dim {head_dim}")
-    check_decode_ragged_and_cascade(cfg, rng, f" head_dim {head_dim}")
+        fails.check(f"{entry} {cfg}{label}")
+    if not paged_only:
+        fails, _, _, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
+        fails.check(f"ragged_paged_attention {cfg}{label}")
+        check_decode_ragged_and_cascade(cfg, rng, label)
 
 
 def check_decode_ragged_and_cascade(cfg, rng, label=""):
@@ -1152,10 +1158,5 @@ def test_gpu_boundaries_at_head_dims_triton_pads(rng, monkeypatch, head_dim, gro
     for told in (False, True):
         _on_gpu(monkeypatch, told)
         monkeypatch.setitem(globals(), "GRID", dataclasses.replace(GRID, head_dim=head_dim))
-        cfg = Cfg(group, page, layout, causal)
-        for entry in PAGED_PREFILL:
-            fails, _, _ = run_paged_prefill(entry, cfg, paged_prefill_steps(entry, cfg, slow=False), rng, False)
-            fails.check(f"{entry} {cfg} head_dim {head_dim} told={told}")
-    fails, _, _, _ = run_rpa(cfg, rpa_steps(cfg, slow=False), rng)
-    fails.check(f"ragged_paged_attention {cfg} head_dim {head_dim}")
-    check_decode_ragged_and_cascade(cfg, rng, f" head_dim {head_dim}")
+        check_every_entry(Cfg(group, page, layout, causal), rng, f" head_dim {head_dim} told={told}",
+                          paged_only=not told)
