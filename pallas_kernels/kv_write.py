@@ -43,16 +43,18 @@ class StaleTails:
     num_kv_heads: int = dataclasses.field(metadata=dict(static=True))
 
 
-def _write_kernel(dest_ref, k_new_ref, v_new_ref, tail_page_ref, tail_start_ref, *refs, block, layout,
-                  write_programs, tails_per_program, page_size, num_kv_heads):
-    # dest_ref int32[N]; k_new_ref, v_new_ref [N, D]; tail_page_ref, tail_start_ref int32[S] (S >= 1)
-    # refs: the cache's row arrays in, then the same aliased out ([R, D] each, or one [2 R, D])
+def _write_kernel(dest_ref, k_new_ref, v_new_ref, *refs, block, layout, write_programs=None, tails_per_program=1,
+                  page_size=1, num_kv_heads=1):
+    # dest_ref int32[N]; k_new_ref, v_new_ref [N, D]; with tails (write_programs given: the
+    # programs after those zero them), then tail_page_ref and tail_start_ref int32[S]; then the
+    # cache's row arrays in and the same aliased out ([R, D] each, or one [2 R, D])
+    tails = write_programs is not None
+    tail_refs, refs = (refs[:2], refs[2:]) if tails else ((), refs)
     outs = refs[len(refs) // 2:]  # (the inputs before them are aliased to them)
     k_out_ref, v_out_ref = outs * 2 if len(outs) == 1 else outs
     program = pl.program_id(0)
 
-    @pl.when(program < write_programs)
-    def _write():
+    def write():
         n = dest_ref.shape[0]
         rows = program * block + jnp.arange(block)  # [block]
         inside = rows < n
@@ -61,6 +63,12 @@ def _write_kernel(dest_ref, k_new_ref, v_new_ref, tail_page_ref, tail_start_ref,
         write = inside & (dest >= 0) & (v_dest < v_out_ref.shape[0])  # (V's row is the last of the two)
         for new_ref, out_ref, at in ((k_new_ref, k_out_ref, k_dest), (v_new_ref, v_out_ref, v_dest)):
             _common.store_rows(out_ref, at, _common.load_rows(new_ref, rows, write, fill=False), write)
+
+    if not tails:
+        write()
+        return
+    pl.when(program < write_programs)(write)
+    tail_page_ref, tail_start_ref = tail_refs
 
     @pl.when(program >= write_programs)
     def _zero_tails():
@@ -115,23 +123,22 @@ def _write(rows, dest, k_new, v_new, *, layout, interpret, num_warps, tails):
     n = k_new.shape[0]
     block = min(INTERPRET_ROWS, _common.next_pow2(n)) if interpret else ROWS
     write_programs = pl.cdiv(n, block)
-    if tails is None:
-        tail_page = tail_start = jnp.zeros((1,), jnp.int32)
-        tail_programs, tails_per_program, page_size, num_kv_heads = 0, 1, 1, 1
-    else:
-        tail_page, tail_start = tails.page, tails.start
-        page_size, num_kv_heads = tails.page_size, tails.num_kv_heads
+    kernel = functools.partial(_write_kernel, block=block, layout=layout)
+    tail_args, tail_programs = [], 0
+    if tails is not None:
+        tail_args = [tails.page, tails.start]
         # the GPU: a program per page; the interpreter (each program copies the cache): one for all
-        tails_per_program = tail_page.shape[0] if interpret else 1
-        tail_programs = pl.cdiv(tail_page.shape[0], tails_per_program)
-    kernel = functools.partial(_write_kernel, block=block, layout=layout, write_programs=write_programs,
-                               tails_per_program=tails_per_program, page_size=page_size, num_kv_heads=num_kv_heads)
+        per_program = tails.page.shape[0] if interpret else 1
+        tail_programs = pl.cdiv(tails.page.shape[0], per_program)
+        kernel = functools.partial(kernel, write_programs=write_programs, tails_per_program=per_program,
+                                   page_size=tails.page_size, num_kv_heads=tails.num_kv_heads)
+    first_row_array = 3 + len(tail_args)
     return pl.pallas_call(
         kernel,
         grid=(write_programs + tail_programs,),
         out_shape=tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows),
-        input_output_aliases={5 + i: i for i in range(len(rows))},
+        input_output_aliases={first_row_array + i: i for i in range(len(rows))},
         compiler_params=_common.compiler_params(num_warps, 1),
         interpret=interpret,
         name="jaxinfer_kv_write",
-    )(dest, k_new.astype(rows[0].dtype), v_new.astype(rows[-1].dtype), tail_page, tail_start, *rows)
+    )(dest, k_new.astype(rows[0].dtype), v_new.astype(rows[-1].dtype), *tail_args, *rows)
