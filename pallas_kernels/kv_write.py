@@ -19,7 +19,6 @@ more program per page): a kernel that loads whole key blocks by TMA (the mixed M
 then reads zeros there, never a freed page's NaN (0 * NaN is NaN in P @ V).
 """
 import dataclasses
-
 import functools
 
 import jax
@@ -54,7 +53,7 @@ def _write_kernel(dest_ref, k_new_ref, v_new_ref, *refs, block, layout, write_pr
     k_out_ref, v_out_ref = outs * 2 if len(outs) == 1 else outs
     program = pl.program_id(0)
 
-    def write():
+    def write_new_rows():
         n = dest_ref.shape[0]
         rows = program * block + jnp.arange(block)  # [block]
         inside = rows < n
@@ -65,9 +64,9 @@ def _write_kernel(dest_ref, k_new_ref, v_new_ref, *refs, block, layout, write_pr
             _common.store_rows(out_ref, at, _common.load_rows(new_ref, rows, write, fill=False), write)
 
     if not tails:
-        write()
+        write_new_rows()
         return
-    pl.when(program < write_programs)(write)
+    pl.when(program < write_programs)(write_new_rows)
     tail_page_ref, tail_start_ref = tail_refs
 
     @pl.when(program >= write_programs)
