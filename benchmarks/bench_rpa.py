@@ -1,6 +1,6 @@
 """ragged_paged_attention (device plan, fused KV write) against ji.BatchAttention (host plan) on
 the GPU, on serving rows (bf16, Hq 32 / Hkv 8, head_dim 128, page 16), speculative verify of
-8 tokens (ragged_paged_attention's class of 64-row decode tiles) and prefill only (B4 S8192).
+8 tokens (ragged_paged_attention's class of 32-row decode tiles) and prefill only (B4 S8192).
 
     PYTHONPATH=. python3 benchmarks/bench_rpa.py [--rows q4,mixed,...] [--triton] [--cp1] [--mosaic-ctas 1,2]
 
@@ -41,7 +41,7 @@ def rows(rng):
         ("q4 B64 kv4096", np.full(64, 4), np.full(64, 4096)),
         ("mixed 4x512/2048 + 60 decode", np.r_[np.ones(60, int), np.full(4, 512)], np.r_[mixed_kv, np.full(4, 2048)]),
         ("decode B64 kv4096", np.ones(64, int), np.full(64, 4096)),
-        ("q8 B64 kv4096", np.full(64, 8), np.full(64, 4096)),  # ragged's 64-row decode class
+        ("q8 B64 kv4096", np.full(64, 8), np.full(64, 4096)),  # ragged's 32-row decode class
         ("prefill B4 S8192", np.full(4, 8192), np.full(4, 8192)),
     ]
 

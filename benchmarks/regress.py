@@ -536,6 +536,10 @@ ROWS = [
         fi="attention"),
     row("q4 B64 kv4096 ragged_paged_attention", build_paged, segs=((64, 4, 4096),), wrapper="rpa",
         fi="attention"),
+    row("q8 B64 kv4096 BatchAttention", build_paged, segs=((64, 8, 4096),), wrapper="attention",
+        fi="attention"),  # speculative verify of 8 tokens
+    row("q8 B64 kv4096 ragged_paged_attention", build_paged, segs=((64, 8, 4096),), wrapper="rpa",
+        fi="attention"),
     row("decode B64 kv4096 BatchAttention", build_paged, segs=((64, 1, 4096),), wrapper="attention",
         fi="attention"),
     row("decode B64 kv4096 ragged_paged_attention", build_paged, segs=((64, 1, 4096),), wrapper="rpa",

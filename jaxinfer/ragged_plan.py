@@ -1,7 +1,7 @@
 """The device planner of ragged_paged_attention: its metadata (kv_lens, cu_q_lens, distribution,
 page_indices: device arrays) turned into fixed-capacity work lists in a small XLA prologue, with
 the host planner's schema (planner.work_items) and constants. One list per q_len class (classes:
-decode items of T_s or T_l tokens, Triton prefill tiles, or the Mosaic class's 128-token tiles),
+decode items of T_s, T_m or T_l tokens, Triton prefill tiles, or the Mosaic class's 128-token tiles),
 and the mixed launch's (plan_mixed: planner.batch.plan_mixed's list). docs/design.md tells how
 a class's keys are cut into items and why the capacities bound them.
 """
@@ -50,7 +50,8 @@ class QueryClass:
 
 def classes(num_tokens, num_seqs, num_cells, group, mosaic_cells=0, mixed=False):
     """The q_len classes, base first: q_len <= T_s on 16-row decode tiles of T_s tokens (decode,
-    speculative verify), q_len <= T_l on 64-row decode tiles of T_l tokens (when T_l > T_s), the
+    speculative verify), then up to T_m on 32-row and T_l on 64-row decode tiles
+    (dispatch.ragged_class_bounds: each where it holds more tokens than the class before), the
     rest on prefill tiles: the Triton kernel's (dispatch.ragged_prefill_rows), or with mosaic_cells > 0 the
     Mosaic kernel's of MOSAIC_TILE tokens over that many cells per query head. Classes no
     sequence of num_tokens can reach are left out. The padding class is the last one, or the

@@ -10,7 +10,7 @@ the grid follows the constants when they change:
 - "tile_rows": planner.prefill.TILE_ROWS // group (choose_tile_rows' 16/32/64/128-row tiles; past
   the largest, a second tile);
 - "ragged_class": jaxinfer.ragged_plan.classes, the q_len classes of ragged_paged_attention (T_s on
-  16-row and T_l on 64-row decode tiles, then dispatch.ragged_prefill_rows(group) // group tokens per prefill tile);
+  16-row, T_m on 32-row and T_l on 64-row decode tiles, then dispatch.ragged_prefill_rows(group) // group tokens per prefill tile);
 - "dispatch": the lengths where jaxinfer.dispatch's choice for a one-request step flips (there
   prefill_short -> prefill_triton on the cost model, before or at the cut).
 Key lengths: page edges (k * page - 1, k * page, k * page + 1) and the split-KV edges

@@ -349,7 +349,7 @@ def _rpa_step(rng, q_lens, cached, dist, *, page, heads, dtype, tok_cap, values)
 
 
 RPA = {  # impl: (q_lens, cached, distribution, tok_cap): decode rows first; 6-8 padding rows
-    # group 2: q_len <= 8 on 16-row decode tiles, 9..16 on 64-row ones, longer on prefill_triton
+    # group 2: q_len <= 8 on 16-row decode tiles, 9..16 on 32-row ones, longer on prefill_triton
     "triton": ([1, 1, 0, 4, 37, 12, 3], [700, 8, 5, 60, 20, 0, 129], (2, 2, 7), 64),
     # group 1: q_len <= 16 on the decode kernel, longer on the Mosaic kernel (the class's base)
     "mosaic": ([1, 0, 4, 20], [30, 5, 10, 5], (1, 1, 4), 32),

@@ -106,7 +106,7 @@ def _plan_stats(args, causal=True):
 
 
 # Decode rows first (q_len 1), then 0, 4, 37, 12 and others; one long decode splits its KV.
-# Group 2: q_len <= 8 on 16-row decode tiles, 9..16 on 64-row decode tiles, longer on prefill tiles.
+# Group 2: q_len <= 8 on 16-row decode tiles, 9..16 on 32-row decode tiles, longer on prefill tiles.
 QO = [1, 1, 0, 4, 37, 12, 3]
 CACHED = [700, 8, 5, 60, 20, 0, 129]
 
@@ -122,7 +122,7 @@ CACHED = [700, 8, 5, 60, 20, 0, 129]
 def test_mixed_step_matches_reference(rng, page, causal):
     args, want_cache, table = _step(rng, QO, CACHED, page=page, dist=(2, 2, 7), seq_cap=9, tok_cap=64,
                                     pages_per_seq=-(-760 // page))
-    # 16-row tiles: 1, 1, 4, 3 (the 700-key decode splits); 64-row tiles: 12; prefill: 37 in one 64-token tile
+    # 16-row tiles: 1, 1, 4, 3 (the 700-key decode splits); 32-row tiles: 12; prefill: 37 in one 64-token tile
     assert _plan_stats(args, causal) == [((1, 8), "decode", 4, True), ((9, 16), "decode", 1, False),
                                          ((17, 64), "prefill", 1, False)]
     out, new_cache = ji.ragged_paged_attention(*args, causal=causal, num_ctas=NUM_CTAS)
@@ -207,7 +207,7 @@ def test_float64_numpy(rng):
 
 def test_decode_only_and_prefill_only(rng):
     """Steps with empty classes, through one program: decode only (the base prefill class and the
-    64-row class empty), then chunks and prompts only (the 16-row class empty)."""
+    32-row class empty), then chunks and prompts only (the 16-row class empty)."""
     for q_lens, cached, dist, blocks in (([1] * 6, [33, 1, 0, 17, 90, 8], (6, 6, 6), [6, 0, 0]),
                                          ([20, 12, 30], [0, 15, 40], (0, 3, 3), [0, 1, 2])):
         args, want_cache, table = _step(rng, q_lens, cached, dist=dist, **SMALL)
@@ -274,7 +274,7 @@ def test_classes_cover_every_q_len(group):
 
 def test_jit_donated_one_compilation(rng):
     """Two compositions of the same shapes: one trace, the cache updated in place. 16 tokens: no
-    prefill class, so the 64-row decode class is the base (writes its rows, zeroes the padding).
+    prefill class, so the 32-row decode class is the base (writes its rows, zeroes the padding).
     Then a third step through the same program: under jit the metadata are not checked, and a
     kv_len past its sequence's pages is clipped to them, so the step reads and writes only that
     sequence's row of page_indices (and the cache): every other sequence's output and pages are as
@@ -346,7 +346,7 @@ def test_bad_inputs_raise(rng):
 
 # The Mosaic class (long sequences on the Mosaic GPU kernel, forced with impl="mosaic": its
 # interpreter here, slow, so the shapes are tiny). Group 2: q_len <= 8 on 16-row decode tiles,
-# 9..16 on 64-row decode tiles, longer on 128-token Mosaic tiles. The 70- and 140-token
+# 9..16 on 32-row decode tiles, longer on 128-token Mosaic tiles. The 70- and 140-token
 # sequences start at unaligned rows; 140 crosses a tile boundary, its second tile holds 12 rows.
 MOSAIC_QO = [1, 1, 0, 4, 12, 70, 140]
 MOSAIC_CACHED = [300, 8, 5, 60, 20, 100, 10]
@@ -434,7 +434,7 @@ def _mixed_launch_steps(rng, steps):
 @pytest.mark.slow
 def test_mixed_launch_matches_reference(rng):
     """The 70- and 140-token sequences are query tiles (140 crosses a tile), q_len 1, 1 and 4
-    packed tiles, 12 on the 64-row decode class after the launch, the padding rows tiles of no
+    packed tiles, 12 on the 32-row decode class after the launch, the padding rows tiles of no
     key; unlisted pages NaN, the written cache exact, padding rows zero."""
     _mixed_launch_steps(rng, [MIXED_STEP])
 
@@ -535,7 +535,7 @@ def test_return_lse_read_kv_lens_and_no_write(rng, impl, causals):
         args, want_cache, table = _mosaic_step(rng, [1, 1, 0, 4, 12, 20, 140], [300, 8, 5, 60, 20, 30, 10],
                                                (2, 2, 7), heads=(1, 1, 64), tok_cap=216, seq_cap=8, num_pages=None)
         kw, tol = dict(num_ctas=1, impl="mosaic"), 2e-2
-    elif impl == "mixed":  # query tiles (70, 140: two tiles), packed tiles (1, 1, 4), the 64-row class (12)
+    elif impl == "mixed":  # query tiles (70, 140: two tiles), packed tiles (1, 1, 4), the 32-row class (12)
         args, want_cache, table = _mosaic_step(rng, [1, 1, 0, 4, 12, 70, 140], [300, 8, 5, 60, 20, 100, 10],
                                                (2, 2, 7))
         kw, tol = dict(num_ctas=4, impl="mixed"), 2e-2

@@ -763,7 +763,7 @@ def _check_ragged_tp(rng, tp, hq=8, hkv=2, sinks=False):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     d, page, pages_per_seq = 32, 4, 4
-    q_lens = np.array([1, 1, 4, 8], np.int32)  # 16 tokens: the two decode classes (16- and 64-row tiles)
+    q_lens = np.array([1, 1, 4, 8], np.int32)  # 16 tokens: the decode classes (16- and 32-row tiles; 64-row empty)
     kv_lens = np.array([3, 16, 5, 14], np.int32)
     s = q_lens.shape[0]
     num_pages = s * pages_per_seq + 2
