@@ -542,6 +542,10 @@ ROWS = [
         fi="attention"),
     row("decode B64 kv4096 BatchAttention", build_paged, segs=((64, 1, 4096),), wrapper="attention",
         fi="attention"),
+    row("decode B64 kv U[512,8192] BatchAttention", build_paged, segs=((64, 1, (512, 8192)),),
+        wrapper="attention", fi="attention"),  # skewed lengths: the split-KV balance
+    row("decode B64 kv U[512,8192] ragged_paged_attention", build_paged, segs=((64, 1, (512, 8192)),),
+        wrapper="rpa", fi="attention"),
     row("decode B64 kv4096 ragged_paged_attention", build_paged, segs=((64, 1, 4096),), wrapper="rpa",
         fi="attention"),
     *[row(f"{name} BatchAttention capacities", build_paged, segs=segs, wrapper="attention", fi="attention",
