@@ -256,7 +256,7 @@ def test_device_plan_prefix_sums(rng, n):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16, 64])
 def test_classes_cover_every_q_len(group):
-    """The static classes partition q_len 1..T: decode tiles of 16 rows, then up to 64, then the
+    """The static classes partition q_len 1..T: decode tiles of 16 rows, then 32 and 64, then the
     prefill kernel's (tiles of 128 rows or one token's group: the base), the last zeroes padding."""
     t = 300
     classes = ragged_plan.classes(t, 40, 4, group)
@@ -267,6 +267,8 @@ def test_classes_cover_every_q_len(group):
     rows = [max(16, c.tokens_per_item * group) for c in decode]  # q_len <= 16 // group on 16-row tiles
     assert rows[0] == max(16, group) and max(rows) <= max(64, group) and rows == sorted(set(rows))
     assert decode[0].tokens_per_item == max(1, 16 // group)
+    # one class per tile height that holds more tokens than the one before (a tile's dots cost its rows)
+    assert rows == {1: [16], 2: [16, 32], 4: [16, 32, 64], 8: [16, 32, 64], 16: [16, 32, 64], 64: [64]}[group]
     prefill = classes[0]
     assert prefill.prefill and prefill.rows == max(128, group) and prefill.tokens_per_item == prefill.rows // group
     assert [c.min_q for c in ragged_plan.classes(8, 40, 4, group)] == [c.min_q for c in classes if c.min_q <= 8]
